@@ -30,8 +30,9 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TOKENS_EXT = "tokens.npy"
 DOC_OFFSETS_EXT = "doc_offsets.npy"
-# Fixed tar member mtime so that the same input gives byte-identical shards.
-TAR_MTIME = 0.0
+# Fixed tar member mtime so that the same input gives byte-identical shards (an int: a float mtime makes the
+# tar writer add a pax header to every member).
+TAR_MTIME = 0
 
 
 class ManifestError(ValueError):
