@@ -1,0 +1,5 @@
+"""The Transformer-XL language model (Dai et al., 2019). Pure torch: nothing distributed is imported here."""
+
+from txl_dist.model.config import PRESETS, ModelConfig, preset
+
+__all__ = ["PRESETS", "ModelConfig", "preset"]

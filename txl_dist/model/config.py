@@ -1,0 +1,189 @@
+"""The architecture of a Transformer-XL language model, and named presets.
+
+Field names follow the authors' code (``n_token``, ``d_model``, ``div_val``, ...) so that their configurations,
+ours and HuggingFace's translate by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTN_IMPLS = ("auto", "fused", "reference")
+MEM_DTYPES = ("compute", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture and segment settings of `TransformerXLLM`. Every field is checked by `validate()`."""
+
+    n_token: int = 10000
+    """Vocabulary size. Training runs take it from the shards' manifest."""
+    n_layer: int = 16
+    """Number of decoder layers."""
+    n_head: int = 10
+    """Attention heads per layer."""
+    d_head: int = 41
+    """Dimension of each head; n_head * d_head need not equal d_model."""
+    d_model: int = 410
+    """Width of the residual stream (and of the memory)."""
+    d_inner: int = 2100
+    """Hidden width of the position-wise feed-forward network."""
+    d_embed: int | None = None
+    """Width of the first embedding cluster before its projection to d_model; None means d_model."""
+    div_val: int = 1
+    """Adaptive embedding/softmax: cluster i has width d_embed // div_val**i. 1 keeps one width for all clusters."""
+    cutoffs: list[int] = field(default_factory=list)
+    """Ascending vocabulary cut points of the adaptive softmax clusters; empty means a full softmax."""
+    tie_weight: bool = True
+    """Share each output cluster's weight matrix with the matching input embedding cluster."""
+    tie_projs: list[bool] | None = None
+    """Per cluster (head first): share the output projection with the input projection. None means the authors'
+    choice: the head untied, every tail cluster tied."""
+    untie_r: bool = False
+    """Separate position biases u (r_w_bias) and v (r_r_bias) per layer (the authors' TF code, HuggingFace)
+    instead of one pair shared by all layers (the authors' PyTorch code)."""
+    pre_lnorm: bool = False
+    """Layer norm before each sub-layer (pre-LN) instead of after the residual sum (the paper's post-LN)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, position encodings, sub-layer outputs and the final hidden states."""
+    dropatt: float = 0.0
+    """Dropout on attention probabilities."""
+    tgt_len: int = 150
+    """Tokens per segment (the length of each training window)."""
+    mem_len: int = 150
+    """Cached hidden states per layer carried to the next segment; 0 gives a vanilla Transformer."""
+    clamp_len: int = -1
+    """Relative distances beyond this use the encoding of clamp_len; <= 0 disables clamping."""
+    same_length: bool = False
+    """Every query attends to the same number of keys (mem_len, itself included), as in the paper's evaluation."""
+    attn_impl: str = "auto"
+    """"reference" (explicit matmuls and softmax), "fused" (scaled_dot_product_attention with the position term
+    as an additive bias) or "auto" (fused on CUDA, reference elsewhere; see benchmarks/model_step.py)."""
+    mem_dtype: str = "compute"
+    """Storage dtype of the memory: "compute" keeps the dtype of the hidden states."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights, embeddings and position biases."""
+    proj_init_std: float = 0.01
+    """Standard deviation of the normal initialisation of the adaptive embedding/softmax projections."""
+    layer_norm_eps: float = 1e-5
+    """Epsilon of every layer norm."""
+
+    def __post_init__(self) -> None:
+        self.cutoffs = list(self.cutoffs)
+        if self.tie_projs is not None:
+            self.tie_projs = list(self.tie_projs)
+
+    @property
+    def d_embed_resolved(self) -> int:
+        return self.d_model if self.d_embed is None else self.d_embed
+
+    @property
+    def n_clusters(self) -> int:
+        """Tail clusters of the adaptive softmax (0 for a full softmax)."""
+        return len(self.cutoffs)
+
+    @property
+    def tie_projs_resolved(self) -> list[bool]:
+        if self.tie_projs is None:
+            return [False] + [True] * len(self.cutoffs)
+        return list(self.tie_projs)
+
+    def cluster_bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of every cluster, the head (shortlist) first."""
+        ends = [0] + self.cutoffs + [self.n_token]
+        return list(zip(ends[:-1], ends[1:]))
+
+    def cluster_dims(self) -> list[int]:
+        d_embed = self.d_embed_resolved
+        return [d_embed // (self.div_val ** i) for i in range(len(self.cutoffs) + 1)]
+
+    def validate(self) -> "ModelConfig":
+        """Raise ValueError naming the field, the value given and what is allowed."""
+
+        def fail(name: str, allowed: str) -> None:
+            raise ValueError(f"model.{name}={getattr(self, name)!r} is not allowed: {allowed}")
+
+        for name in ("n_token", "n_layer", "n_head", "d_head", "d_model", "d_inner", "div_val", "tgt_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(name, "a positive integer")
+        if self.d_embed is not None and (not isinstance(self.d_embed, int) or self.d_embed < 1):
+            fail("d_embed", "a positive integer or null (= d_model)")
+        if not isinstance(self.mem_len, int) or self.mem_len < 0:
+            fail("mem_len", "an integer >= 0")
+        if not isinstance(self.clamp_len, int):
+            fail("clamp_len", "an integer (<= 0 disables clamping)")
+        if self.same_length and self.mem_len == 0:
+            fail("same_length", "false when mem_len is 0 (every query would see no key)")
+        if any(not isinstance(c, int) or isinstance(c, bool) for c in self.cutoffs):
+            fail("cutoffs", "a list of integers")
+        if any(b <= a for a, b in zip(self.cutoffs, self.cutoffs[1:])):
+            fail("cutoffs", "strictly increasing")
+        if self.cutoffs and (self.cutoffs[0] < 1 or self.cutoffs[-1] >= self.n_token):
+            fail("cutoffs", f"between 1 and n_token - 1 = {self.n_token - 1}")
+        dims = self.cluster_dims()
+        if self.div_val > 1 and min(dims) < 1:
+            fail("div_val", f"small enough that d_embed // div_val**{len(dims) - 1} >= 1 (cluster widths {dims})")
+        if self.tie_projs is not None and len(self.tie_projs) != len(self.cutoffs) + 1:
+            fail("tie_projs", f"one boolean per cluster: {len(self.cutoffs) + 1} (head + {len(self.cutoffs)} tails)")
+        for name in ("dropout", "dropatt"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                fail(name, "a probability in [0, 1)")
+        if self.attn_impl not in ATTN_IMPLS:
+            fail("attn_impl", f"one of {list(ATTN_IMPLS)}")
+        if self.mem_dtype not in MEM_DTYPES:
+            fail("mem_dtype", f"one of {list(MEM_DTYPES)}")
+        for name in ("init_std", "proj_init_std", "layer_norm_eps"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+                fail(name, "a positive number")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "model") -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**data).validate()
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that fix the shapes and meaning of the weights (checked when weights are loaded)."""
+        keys = ("n_token", "n_layer", "n_head", "d_head", "d_model", "d_inner", "d_embed", "div_val", "cutoffs",
+                "tie_weight", "untie_r", "pre_lnorm")
+        arch = {k: getattr(self, k) for k in keys}
+        arch["d_embed"] = self.d_embed_resolved
+        arch["tie_projs"] = self.tie_projs_resolved
+        return arch
+
+
+# lm1b settings follow the authors' One Billion Word scripts (base: 18 layers; large: 24 layers).
+_LM1B_COMMON = dict(
+    n_token=793471, div_val=4, cutoffs=[60000, 100000, 640000], tie_weight=True,
+    tgt_len=32, mem_len=32, clamp_len=-1, same_length=False, pre_lnorm=False,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough for unit tests and the 2-rank CPU launcher tests.
+    "tiny": dict(n_token=1000, n_layer=2, n_head=2, d_head=8, d_model=16, d_inner=32, d_embed=16, div_val=2,
+                 cutoffs=[200, 600], dropout=0.0, dropatt=0.0, tgt_len=8, mem_len=8),
+    # A small Transformer-XL for the Penn Treebank (10k words) that trains in minutes on CPUs.
+    "ptb_small": dict(n_token=10000, n_layer=4, n_head=4, d_head=32, d_model=128, d_inner=512, div_val=1,
+                      cutoffs=[2000, 4000], dropout=0.3, dropatt=0.1, tgt_len=32, mem_len=32),
+    "lm1b_base": dict(_LM1B_COMMON, n_layer=18, d_model=1024, n_head=8, d_head=128, d_inner=4096,
+                      dropout=0.0, dropatt=0.0),
+    "lm1b_large": dict(_LM1B_COMMON, n_layer=24, d_model=1280, n_head=16, d_head=80, d_inner=8192,
+                       dropout=0.05, dropatt=0.05),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named configuration, optionally with some fields changed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides}, where=f"preset {name}")
