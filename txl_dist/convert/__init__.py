@@ -1,0 +1,1 @@
+"""Checkpoint and weight conversions: HuggingFace TransfoXL, the authors' PyTorch layout, exports."""

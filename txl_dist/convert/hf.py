@@ -1,0 +1,122 @@
+"""Our model <-> HuggingFace transformers' TransfoXL (4.37.2, the last release whose Transformer-XL runs).
+
+The weight map is explicit (`KEY_MAP`): every key of either side is produced by one rule, and a key no rule
+covers is an error. The two layouts share the authors' module names; HuggingFace nests the body under ``transformer.``.
+Differences that are not names:
+
+- HuggingFace ties projections only as ``[False, True, True, ...]`` (``proj_share_all_but_first``) or not at
+  all, so other ``tie_projs`` settings cannot be exported when projections exist.
+- HuggingFace keeps n_layer memory tensors (the input of each layer); ours keeps n_layer + 1 (the paper's,
+  including the last layer's output). ``mems[:n_layer]`` of ours is HuggingFace's.
+- HuggingFace starts from ``mem_len`` zero vectors when given no memory; ours from an empty memory. Pass
+  ``[torch.empty(0, B, d_model)] * n_layer`` to HuggingFace for the same first segment.
+
+Nothing here imports transformers at module level: the config is exchanged as a plain dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from txl_dist.convert.keymap import KeyMap
+from txl_dist.model.config import ModelConfig
+
+# Our keys and HuggingFace's TransfoXLLMHeadModel keys.
+KEY_MAP = KeyMap(
+    [
+        ("word_emb.{rest}", "transformer.word_emb.{rest}"),
+        ("r_{which}_bias", "transformer.r_{which}_bias"),
+        ("layers.{layer}.{rest}", "transformer.layers.{layer}.{rest}"),
+        ("crit.{rest}", "crit.{rest}"),
+    ],
+    source_name="txl_dist",
+    target_name="HuggingFace",
+)
+
+
+def _hf_tie_projs_flag(config: ModelConfig) -> bool:
+    """HuggingFace's ``proj_share_all_but_first`` for our tie_projs; raise if it cannot express them."""
+    has_projections = config.div_val > 1 or config.d_model != config.d_embed_resolved
+    tie = config.tie_projs_resolved
+    if not has_projections:
+        return True
+    if tie == [False] + [True] * config.n_clusters:
+        return True
+    if not any(tie):
+        return False
+    raise ValueError(
+        f"model.tie_projs={tie} cannot be expressed in HuggingFace's TransfoXL, which ties either every tail "
+        f"projection but not the head's, or none"
+    )
+
+
+def to_hf_config(config: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.TransfoXLConfig``."""
+    return dict(
+        vocab_size=config.n_token, cutoffs=list(config.cutoffs), d_model=config.d_model,
+        d_embed=config.d_embed_resolved, n_head=config.n_head, d_head=config.d_head, d_inner=config.d_inner,
+        div_val=config.div_val, pre_lnorm=config.pre_lnorm, n_layer=config.n_layer, mem_len=config.mem_len,
+        clamp_len=config.clamp_len, same_length=config.same_length,
+        proj_share_all_but_first=_hf_tie_projs_flag(config), attn_type=0, sample_softmax=-1, adaptive=True,
+        dropout=config.dropout, dropatt=config.dropatt, untie_r=config.untie_r, init="normal",
+        init_std=config.init_std, proj_init_std=config.proj_init_std, layer_norm_epsilon=config.layer_norm_eps,
+        tie_word_embeddings=config.tie_weight,
+    )
+
+
+def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """A ModelConfig from a TransfoXLConfig's ``to_dict()`` (or its config.json)."""
+    if hf.get("attn_type", 0) != 0:
+        raise ValueError(f"attn_type={hf['attn_type']} is not Transformer-XL's relative attention (attn_type=0)")
+    if hf.get("sample_softmax", -1) > 0:
+        raise ValueError("sample_softmax models are not supported")
+    cutoffs = list(hf["cutoffs"]) if hf.get("adaptive", True) else []
+    tie_projs = [False] + [bool(hf.get("proj_share_all_but_first", False))] * len(cutoffs)
+    fields = dict(
+        n_token=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"], d_head=hf["d_head"],
+        d_model=hf["d_model"], d_inner=hf["d_inner"], d_embed=hf["d_embed"], div_val=hf["div_val"],
+        cutoffs=cutoffs, tie_weight=bool(hf.get("tie_word_embeddings", True)), tie_projs=tie_projs,
+        untie_r=bool(hf.get("untie_r", True)), pre_lnorm=bool(hf.get("pre_lnorm", False)),
+        dropout=hf.get("dropout", 0.1), dropatt=hf.get("dropatt", 0.0), mem_len=hf.get("mem_len", 0),
+        clamp_len=hf.get("clamp_len", -1), same_length=bool(hf.get("same_length", False)),
+        init_std=hf.get("init_std", 0.02), proj_init_std=hf.get("proj_init_std", 0.01),
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+    )
+    fields.update(overrides)
+    return ModelConfig.from_dict(fields, where="HuggingFace config")
+
+
+def _inv_freq(d_model: int) -> torch.Tensor:
+    return 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict -> the keys of TransfoXLLMHeadModel (strict load)."""
+    hf = KEY_MAP.forward(state)
+    if not config.untie_r:
+        # HuggingFace registers the shared biases again under every layer.
+        for i in range(config.n_layer):
+            for which in ("w", "r"):
+                hf[f"transformer.layers.{i}.dec_attn.r_{which}_bias"] = state[f"r_{which}_bias"]
+    hf["transformer.pos_emb.inv_freq"] = _inv_freq(config.d_model)
+    return hf
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """TransfoXLLMHeadModel's state dict -> ours (the per-layer copies of shared biases and the sinusoid
+    frequencies are derived, not weights)."""
+    state = dict(state)
+    state.pop("transformer.pos_emb.inv_freq", None)
+    if not config.untie_r:
+        for i in range(config.n_layer):
+            for which in ("w", "r"):
+                copy = state.pop(f"transformer.layers.{i}.dec_attn.r_{which}_bias", None)
+                shared = state.get(f"transformer.r_{which}_bias")
+                if copy is not None and (shared is None or not torch.equal(copy, shared)):
+                    raise ValueError(
+                        f"layer {i} has its own r_{which}_bias but the config says untie_r=false; "
+                        f"convert with untie_r=true"
+                    )
+    return KEY_MAP.backward(state)

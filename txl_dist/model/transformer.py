@@ -1,0 +1,195 @@
+"""Transformer-XL language model: segment recurrence over relative-attention decoder layers.
+
+Shapes: the public `forward` takes tokens batch-first, [B, L]; inside, hidden states are time-major,
+[L, B, d_model], as in the authors' code, and so is the memory: a list of n_layer + 1 tensors
+[mem_len, B, d_model] (the embedding output, then every layer's output), detached, the oldest positions dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from txl_dist.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+from txl_dist.model.attention import (
+    RelPartialLearnableMultiHeadAttn,
+    attention_mask,
+    relative_positions,
+    sinusoid_encoding,
+)
+from txl_dist.model.config import ModelConfig
+
+_MEM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PositionwiseFF(nn.Module):
+    def __init__(self, d_model: int, d_inner: int, dropout: float, pre_lnorm: bool, layer_norm_eps: float):
+        super().__init__()
+        self.pre_lnorm = pre_lnorm
+        # Index 0 and 3 are the two linear maps; the name and layout follow the authors' code.
+        self.CoreNet = nn.Sequential(
+            nn.Linear(d_model, d_inner), nn.ReLU(inplace=True), nn.Dropout(dropout),
+            nn.Linear(d_inner, d_model), nn.Dropout(dropout),
+        )
+        self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_lnorm:
+            return x + self.CoreNet(self.layer_norm(x))
+        return self.layer_norm(x + self.CoreNet(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dec_attn = RelPartialLearnableMultiHeadAttn(
+            config.n_head, config.d_model, config.d_head, config.dropout, config.dropatt, config.pre_lnorm,
+            config.layer_norm_eps, config.attn_impl, own_position_biases=config.untie_r,
+        )
+        self.pos_ff = PositionwiseFF(config.d_model, config.d_inner, config.dropout, config.pre_lnorm,
+                                     config.layer_norm_eps)
+
+    def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias):
+        return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias))
+
+
+class TransformerXLLM(nn.Module):
+    """`forward(tokens, targets=None, mems=None) -> (loss [B, L] or log_probs [B, L, n_token], new_mems)`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = dataclasses.replace(config).validate()
+        c = self.config
+        d_embed = c.d_embed_resolved
+        self.word_emb = AdaptiveEmbedding(c.n_token, d_embed, c.d_model, c.cutoffs, c.div_val)
+        self.drop = nn.Dropout(c.dropout)
+        if not c.untie_r:  # u and v shared by all layers, as in the authors' PyTorch code
+            self.r_w_bias = nn.Parameter(torch.empty(c.n_head, c.d_head))
+            self.r_r_bias = nn.Parameter(torch.empty(c.n_head, c.d_head))
+        else:
+            self.r_w_bias = self.r_r_bias = None
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
+        self.crit = ProjectedAdaptiveLogSoftmax(c.n_token, d_embed, c.d_model, c.cutoffs, c.div_val)
+        self._tie_weights()
+        self.reset_parameters()
+
+    def _tie_weights(self) -> None:
+        c = self.config
+        if c.tie_weight:
+            for i, out_layer in enumerate(self.crit.out_layers):
+                out_layer.weight = self.word_emb.emb_layers[i].weight
+        for i, tie in enumerate(c.tie_projs_resolved):
+            if not tie:
+                continue
+            if c.div_val == 1 and c.d_model != c.d_embed_resolved:
+                self.crit.out_projs[i] = self.word_emb.emb_projs[0]
+            elif c.div_val != 1:
+                self.crit.out_projs[i] = self.word_emb.emb_projs[i]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The authors' initialisation: N(0, init_std) weights and embeddings, N(0, proj_init_std) projections,
+        N(1, init_std) layer-norm gains, zero biases."""
+        std, proj_std = self.config.init_std, self.config.proj_init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, 1.0, std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, RelPartialLearnableMultiHeadAttn) and module.r_w_bias is not None:
+                nn.init.normal_(module.r_w_bias, 0.0, std)
+                nn.init.normal_(module.r_r_bias, 0.0, std)
+        for proj in list(self.word_emb.emb_projs) + list(self.crit.out_projs):
+            if proj is not None:
+                nn.init.normal_(proj, 0.0, proj_std)
+        if self.crit.n_clusters > 0:
+            nn.init.normal_(self.crit.cluster_weight, 0.0, std)
+            nn.init.zeros_(self.crit.cluster_bias)
+        if self.r_w_bias is not None:
+            nn.init.normal_(self.r_w_bias, 0.0, std)
+            nn.init.normal_(self.r_r_bias, 0.0, std)
+
+    def num_parameters(self) -> int:
+        """Parameters counted once each (tied weights and projections are shared)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def reset_length(self, *, mem_len: int | None = None, clamp_len: int | None = None,
+                     same_length: bool | None = None) -> None:
+        """Change the segment settings (e.g. for evaluation); the weights do not depend on them."""
+        changes = {k: v for k, v in (("mem_len", mem_len), ("clamp_len", clamp_len), ("same_length", same_length))
+                   if v is not None}
+        self.config = dataclasses.replace(self.config, **changes).validate()
+
+    def init_mems(self, batch_size: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Empty memory (no cached positions) for a batch."""
+        param = next(self.parameters())
+        return [torch.empty(0, batch_size, self.config.d_model, device=device or param.device, dtype=dtype or param.dtype)
+                for _ in range(self.config.n_layer + 1)]
+
+    def _check_mems(self, mems: list[torch.Tensor], batch_size: int) -> int:
+        if len(mems) != self.config.n_layer + 1:
+            raise ValueError(f"mems: expected n_layer + 1 = {self.config.n_layer + 1} tensors, got {len(mems)}")
+        mlen = mems[0].shape[0]
+        for i, mem in enumerate(mems):
+            if mem.dim() != 3 or mem.shape != (mlen, batch_size, self.config.d_model):
+                raise ValueError(f"mems[{i}]: expected shape [{mlen}, {batch_size}, {self.config.d_model}], "
+                                 f"got {list(mem.shape)}")
+        return mlen
+
+    def hidden_states(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens [B, L] -> (final hidden states [L, B, d_model], new mems)."""
+        c = self.config
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected [batch, length], got shape {list(tokens.shape)}")
+        inp = tokens.t()  # [L, B]
+        qlen, bsz = inp.shape
+        mlen = 0 if mems is None else self._check_mems(mems, bsz)
+        word_emb = self.word_emb(inp)
+        mask = attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        core_out = self.drop(word_emb)
+        pos_emb = sinusoid_encoding(relative_positions(mlen + qlen, c.clamp_len, inp.device), c.d_model,
+                                    dtype=torch.promote_types(core_out.dtype, torch.float32))
+        pos_emb = self.drop(pos_emb.to(core_out.dtype))
+        hids = [core_out]
+        for i, layer in enumerate(self.layers):
+            core_out = layer(core_out, pos_emb, mask, None if mems is None else mems[i], self.r_w_bias, self.r_r_bias)
+            hids.append(core_out)
+        new_mems = self._update_mems(hids, mems, qlen)
+        return self.drop(core_out), new_mems
+
+    @torch.no_grad()
+    def _update_mems(self, hids: list[torch.Tensor], mems: list[torch.Tensor] | None, qlen: int) -> list[torch.Tensor]:
+        """Keep the newest mem_len positions of [old mems ; this segment], per layer."""
+        mem_len = self.config.mem_len
+        dtype = _MEM_DTYPES.get(self.config.mem_dtype)
+        new_mems = []
+        for i, hid in enumerate(hids):
+            if mems is None or mems[i].shape[0] == 0 or qlen >= mem_len:
+                new = hid[max(0, qlen - mem_len):]
+            else:
+                new = torch.cat([mems[i].to(hid.dtype), hid], dim=0)[-mem_len:]
+            new_mems.append(new.detach().to(dtype or hid.dtype))
+        return new_mems
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                mems: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens [B, L] (and targets [B, L]) -> (per-token loss [B, L], new mems), or without targets
+        (log-probabilities [B, L, n_token], new mems). Losses and log-probabilities are float32."""
+        hidden, new_mems = self.hidden_states(tokens, mems)
+        qlen, bsz, d_model = hidden.shape
+        flat = hidden.reshape(qlen * bsz, d_model)
+        if targets is None:
+            return self.crit.log_prob(flat).view(qlen, bsz, -1).transpose(0, 1), new_mems
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets: expected shape {list(tokens.shape)}, got {list(targets.shape)}")
+        loss = self.crit(flat, targets.t().reshape(-1)).view(qlen, bsz).t()
+        return loss, new_mems
