@@ -1,0 +1,65 @@
+"""Train a Transformer-XL language model with DeepSpeed ZeRO.
+
+    # one node, 8 GPUs
+    deepspeed --num_gpus 8 launchers/train.py --config configs/lm1b_base.yaml \\
+        data.shards=/data/lm1b/shards train.output_dir=runs/lm1b_base
+    # several nodes: the launcher's flags come before the script
+    deepspeed --hostfile launchers/hostfile.example launchers/train.py --config configs/lm1b_large.yaml \\
+        data.shards=/shared/lm1b/shards train.output_dir=/shared/runs/lm1b_large
+    # two CPU ranks (the demo)
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launchers/train.py \\
+        --config configs/ptb_small.yaml data.shards=demo/shards train.output_dir=demo/run
+    # torchrun, or one plain process
+    torchrun --nproc_per_node 2 launchers/train.py --config configs/tiny_cpu.yaml data.shards=... train.output_dir=...
+    python launchers/train.py --config configs/tiny_cpu.yaml data.shards=... train.output_dir=...
+
+Rerunning the same command resumes from the newest complete checkpoint in train.output_dir. `--print-config`
+prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
+``tensorboard --logdir {output_dir}/tensorboard``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+
+def _single_process_environment() -> None:
+    """A plain ``python launchers/train.py`` run is a world of one: give torch.distributed what a launcher would."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _configure_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from txl_dist.training.cli import parse_run_args
+
+    cfg, args = parse_run_args(argv)  # exits 2 with the offending key before any process group exists
+    _single_process_environment()
+    _configure_logging()
+    from txl_dist.training.trainer import Trainer
+
+    summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config).run()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"output: {summary['output_dir']}  (tensorboard --logdir {summary['output_dir']}/tensorboard)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Perplexity over evaluation streams, on one process or across ranks (every target scored exactly once)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from txl_dist.model import TransformerXLLM
+
+
+@dataclass
+class EvalResult:
+    targets: int
+    """Tokens scored (over all ranks)."""
+    nll_sum: float
+    """Summed negative log-likelihood in nats."""
+
+    @property
+    def loss(self) -> float:
+        return self.nll_sum / self.targets
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.loss)
+
+
+@contextlib.contextmanager
+def segment_settings(model: TransformerXLLM, *, mem_len: int | None = None, clamp_len: int | None = None,
+                     same_length: bool | None = None) -> Iterator[None]:
+    """Evaluate with other memory settings, then put the training ones back."""
+    saved = (model.config.mem_len, model.config.clamp_len, model.config.same_length)
+    model.reset_length(mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    try:
+        yield
+    finally:
+        model.reset_length(mem_len=saved[0], clamp_len=saved[1], same_length=saved[2])
+
+
+@torch.no_grad()
+def evaluate(model: TransformerXLLM, streams, device: torch.device, *, max_batches: int = 0,
+             progress: bool = False) -> EvalResult:
+    """Score `EvalStreams` with ``model`` in eval mode (the module itself; under DeepSpeed, ``engine.module``).
+
+    Every rank must call this with its own streams: all ranks run the same number of forwards (ZeRO-3 gathers
+    parameters collectively), and the sums are all-reduced when a process group exists.
+    """
+    was_training = model.training
+    model.eval()
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    mems = None
+    total = streams.num_steps if not max_batches else min(max_batches, streams.num_steps)
+    try:
+        for index, batch in enumerate(tqdm(streams, total=total, disable=not progress, desc="eval", unit="batch")):
+            if max_batches and index >= max_batches:
+                break
+            if batch.reset_mems:
+                mems = None
+            loss, mems = model(batch.inputs.to(device), batch.targets.to(device), mems)
+            mask = batch.mask.to(device)
+            nll_sum += torch.where(mask, loss.double(), 0.0).sum()
+            count += mask.sum()
+    finally:
+        model.train(was_training)
+    if dist.is_available() and dist.is_initialized():
+        totals = torch.stack([nll_sum, count])
+        dist.all_reduce(totals)
+        nll_sum, count = totals[0], totals[1]
+    return EvalResult(targets=int(count.item()), nll_sum=float(nll_sum.item()))

@@ -1,0 +1,368 @@
+"""The training loop: DeepSpeed ZeRO data parallelism with per-rank contiguous streams and coherent mems.
+
+Every optimizer step runs grad_accum micro-batches per rank. Micro-batch slot k of a rank always holds the same
+global streams (consecutive ids), and its rows continue exactly where the previous step's rows ended, so the
+memory of slot k (n_layer + 1 tensors [mem_len, micro_batch, d_model]) always belongs to the text that follows
+-- the authors' ``batch_chunk``, made distributed. The memory is detached after every forward.
+
+A checkpoint holds DeepSpeed's engine state, the client state (step, tokens seen, data position, resolved config,
+best validation result) and, per rank, the memory of each stream by stream id plus the RNG states (see
+`txl_dist.training.checkpoint`). Rerunning the same command resumes from the newest complete checkpoint. With the
+same number of streams (whatever the world size) streams and memory continue exactly; with another number the
+data is re-partitioned and the memory starts empty (the log says so).
+
+SIGTERM or SIGINT (what Slurm sends before preemption) finishes the current step, writes a checkpoint and exits
+with status 0; the ranks agree on the step through an all-reduce of the stop flag after every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from txl_dist.config import RunConfig, with_manifest_vocab
+from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
+from txl_dist.data.format import read_manifest
+from txl_dist.evaluation import EvalResult, evaluate, segment_settings
+from txl_dist.model import TransformerXLLM
+from txl_dist.training.checkpoint import (
+    CheckpointManager,
+    RankState,
+    rng_state,
+    set_rng_state,
+    tag_for_step,
+)
+from txl_dist.training.deepspeed_config import build_deepspeed_config
+from txl_dist.training.run_logger import RunLogger
+from txl_dist.training.schedule import build_lr_scheduler
+
+log = logging.getLogger("txl_dist.training")
+
+CLIENT_KEY = "txl_dist"
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT only set a flag; the loop stops at a step boundary with a checkpoint."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _resident_memory_mb() -> float:
+    """Current resident set size of this process (Linux), in MiB."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            pages = int(handle.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    if torch.is_tensor(value):
+        value = value.item()
+    return float(value)
+
+
+def _architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return [f"{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}"
+            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+
+
+def _tokenizer_fingerprint(directory: str | None) -> str | None:
+    if directory is None:
+        return None
+    from txl_dist.tokenizer import load_tokenizer
+
+    return load_tokenizer(directory).fingerprint
+
+
+class Trainer:
+    """Builds everything from a validated `RunConfig`; `run()` trains and returns a summary."""
+
+    def __init__(self, cfg: RunConfig, deepspeed_overlay: str | None = None):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        self.accelerator = get_accelerator()
+        self.device_type = self.accelerator.device_name()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.device_type != "cpu":
+            self.accelerator.set_device(local_rank)
+            self.device = torch.device(self.device_type, local_rank)
+        else:
+            self.device = torch.device("cpu")
+        deepspeed.init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+        manifest = read_manifest(cfg.data.shards)
+        cfg = with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/manifest.json")
+        self.cfg = cfg
+        self.manifest = manifest
+        self.layout = cfg.train.batch_layout(self.world_size)
+        self.output_dir = Path(cfg.train.output_dir)
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", self.rank, self.world_size,
+                                             cfg.checkpoint.keep_last)
+        self.checkpoints.remove_incomplete()
+        dist.barrier()
+
+        # Identical initial weights on every rank, then a different dropout stream per rank.
+        torch.manual_seed(cfg.train.seed)
+        model = TransformerXLLM(cfg.model)
+        self.num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
+        torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
+
+        ds_config = build_deepspeed_config(
+            train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
+            world_size=self.world_size, device=self.device_type, overlay_path=deepspeed_overlay,
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config,
+            lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
+        )
+        self.fingerprint = _tokenizer_fingerprint(cfg.data.tokenizer) or manifest.tokenizer.fingerprint
+        self.streams = TrainStreams(
+            cfg.data.shards, cfg.data.train_split, tgt_len=cfg.model.tgt_len,
+            micro_batch=self.layout.micro_batch, grad_accum=self.layout.grad_accum,
+            world_size=self.world_size, rank=self.rank, seed=cfg.train.seed,
+            shuffle_blocks=cfg.data.shuffle_blocks, expected_fingerprint=self.fingerprint,
+            verify_sha256=cfg.data.verify_sha256,
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self.best: dict[str, Any] | None = None
+        self.mems: list[list[torch.Tensor] | None] = [None] * self.layout.grad_accum
+        self.resumed_from = self._resume()
+        self.logger = RunLogger(self.output_dir, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
+                                resume_step=self.step)
+
+    # ---- resume ------------------------------------------------------------------------------------------------
+
+    def _resume(self) -> str | None:
+        tag = self.checkpoints.latest_tag() if self.cfg.checkpoint.resume else None
+        if tag is None:
+            return None
+        _, client_state = self.engine.load_checkpoint(str(self.checkpoints.directory), tag=tag)
+        if client_state is None or CLIENT_KEY not in client_state:
+            raise RuntimeError(f"{self.checkpoints.directory / tag}: not a txl_dist checkpoint (no client state)")
+        saved = client_state[CLIENT_KEY]
+        differences = _architecture_differences(saved["architecture"], self.cfg.model.architecture())
+        if differences:
+            raise ValueError(f"{self.checkpoints.directory / tag} was trained with another architecture: "
+                             + "; ".join(differences))
+        self.step, self.tokens_seen, self.best = saved["step"], saved["tokens_seen"], saved.get("best")
+        kind = self.streams.load_state_dict(saved["data"])
+        rng = None
+        if kind == ResumeKind.EXACT:
+            my_streams = [s for slot in range(self.layout.grad_accum) for s in self.streams.stream_ids(slot)]
+            mems_by_stream, rng = self.checkpoints.load_rank_states(tag, my_streams)
+            for slot in range(self.layout.grad_accum):
+                ids = self.streams.stream_ids(slot)
+                if all(i in mems_by_stream for i in ids):
+                    layers = zip(*(mems_by_stream[i] for i in ids))
+                    self.mems[slot] = [torch.stack(columns, dim=1).to(self.device) for columns in layers]
+        else:
+            log.warning("rank %d: the number of streams changed; memory starts empty", self.rank)
+        if rng is not None:
+            set_rng_state(rng)
+        else:
+            torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.rank + 7919 * self.step)
+            if self.rank == 0:
+                log.info("world size changed (%d -> %d): dropout RNG reseeded from (seed, step, rank)",
+                         saved.get("world_size", -1), self.world_size)
+        if self.rank == 0:
+            log.info("resumed from %s at step %d (%s, %d tokens seen)", self.checkpoints.directory / tag,
+                     self.step, kind.value, self.tokens_seen)
+        return tag
+
+    # ---- checkpoint --------------------------------------------------------------------------------------------
+
+    def _client_state(self) -> dict[str, Any]:
+        return {CLIENT_KEY: {
+            "step": self.step, "tokens_seen": self.tokens_seen, "data": self.streams.state_dict(),
+            "config": self.cfg.to_dict(), "architecture": self.cfg.model.architecture(),
+            "tokenizer": dataclasses.asdict(self.manifest.tokenizer), "best": self.best,
+            "world_size": self.world_size, "layout": self.layout._asdict(),
+            "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
+        }}
+
+    def save(self) -> str:
+        stream_ids, columns = [], []
+        for slot in range(self.layout.grad_accum):
+            stream_ids += self.streams.stream_ids(slot)
+            columns.append(self.mems[slot])
+        if any(m is None for m in columns):
+            mems = None
+        else:
+            mems = [torch.cat([slot_mems[layer] for slot_mems in columns], dim=1).cpu()
+                    for layer in range(len(columns[0]))]
+        state = RankState(stream_ids=stream_ids, mems=mems, rng=rng_state(), world_size=self.world_size, rank=self.rank)
+        best_tag = tag_for_step(self.best["step"]) if self.best else None
+        tag = self.checkpoints.save(self.engine, self.step, self._client_state(), state, best_tag=best_tag)
+        self.logger.info("checkpoint %s written", self.checkpoints.directory / tag)
+        return tag
+
+    # ---- evaluation --------------------------------------------------------------------------------------------
+
+    def validate(self, max_batches: int) -> EvalResult:
+        e, model_cfg = self.cfg.eval, self.cfg.model
+        module: TransformerXLLM = self.engine.module
+        with EvalStreams(self.cfg.data.shards, e.split, tgt_len=e.tgt_len or model_cfg.tgt_len,
+                         batch_size=e.batch_size, world_size=self.world_size, rank=self.rank,
+                         expected_fingerprint=self.fingerprint) as streams, \
+                segment_settings(module, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length):
+            return evaluate(module, streams, self.device, max_batches=max_batches)
+
+    def _validate_and_track(self, max_batches: int) -> EvalResult:
+        result = self.validate(max_batches)
+        self.logger.record(self.step, "eval", {"loss": result.loss, "ppl": result.ppl, "targets": result.targets})
+        self.logger.info("step %d | eval loss %.4f | eval ppl %.2f | %d targets", self.step, result.loss,
+                         result.ppl, result.targets)
+        if self.best is None or result.loss < self.best["loss"]:
+            self.best = {"step": self.step, "loss": result.loss, "ppl": result.ppl}
+        return result
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+
+    def _stop_agreed(self, stop: GracefulStop, epoch_done: bool) -> bool:
+        flag = torch.tensor([1.0 if (stop.requested or epoch_done) else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        tokens_per_step = cfg.train.global_batch * cfg.model.tgt_len
+        self.logger.info(
+            "training %s (%d parameters) on %d rank(s): global batch %d = %d ranks x micro-batch %d x %d "
+            "accumulation, %d tokens/step, from step %d to %d",
+            cfg.model_preset or "model", self.num_parameters, self.world_size,
+            cfg.train.global_batch, self.world_size, self.layout.micro_batch, self.layout.grad_accum,
+            tokens_per_step, self.step, cfg.train.max_steps,
+        )
+        stop = GracefulStop()
+        self.engine.train()
+        batches = iter(self.streams)
+        window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        window_checksum = torch.zeros((), dtype=torch.int64)
+        window_steps, window_start, run_start = 0, time.perf_counter(), time.perf_counter()
+        start_step, last_eval, stopped_by = self.step, None, None
+        last_saved = self.step if self.resumed_from else None
+        try:
+            while self.step < cfg.train.max_steps:
+                epoch_done = False
+                for slot in range(self.layout.grad_accum):
+                    batch = next(batches)
+                    if cfg.train.max_epochs is not None and batch.epoch >= cfg.train.max_epochs:
+                        epoch_done = True
+                        break
+                    if batch.reset_mems:
+                        self.mems[slot] = None
+                    loss, self.mems[slot] = self.engine(batch.inputs.to(self.device), batch.targets.to(self.device),
+                                                        self.mems[slot])
+                    loss = loss.mean()
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    window_loss += loss.detach().double() / self.layout.grad_accum
+                    window_checksum += (batch.inputs.sum(dim=1) * (batch.stream_ids + 1)).sum()
+                if epoch_done:
+                    stopped_by = f"max_epochs={cfg.train.max_epochs}"
+                    break
+                self.step += 1
+                self.tokens_seen += tokens_per_step
+                window_steps += 1
+                finished = self.step >= cfg.train.max_steps
+                if self.step % cfg.log.every == 0 or finished:
+                    self._log_train(window_loss, window_checksum, window_steps, window_start, tokens_per_step)
+                    window_loss.zero_()
+                    window_checksum.zero_()
+                    window_steps, window_start = 0, time.perf_counter()
+                evaluated = False
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and not finished:
+                    last_eval = self._validate_and_track(cfg.eval.max_batches)
+                    evaluated = True
+                stop_now = self._stop_agreed(stop, False)
+                improved = evaluated and self.best is not None and self.best["step"] == self.step
+                if stop_now or improved or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    self.save()
+                    last_saved = self.step
+                if evaluated or stop_now:
+                    window_start = time.perf_counter()
+                if stop_now:
+                    stopped_by = stop.signal_name or "a signal on another rank"
+                    break
+            if stopped_by is None or stopped_by.startswith("max_epochs"):
+                if cfg.eval.every or cfg.eval.at_end:
+                    last_eval = self._validate_and_track(0)
+                if last_saved != self.step:
+                    self.save()
+        finally:
+            stop.restore()
+            self.streams.close()
+        elapsed = time.perf_counter() - run_start
+        summary = {
+            "steps": self.step, "steps_this_run": self.step - start_step, "tokens_seen": self.tokens_seen,
+            "seconds": elapsed, "tokens_per_s": (self.step - start_step) * tokens_per_step / max(elapsed, 1e-9),
+            "stopped_by": stopped_by or f"max_steps={cfg.train.max_steps}",
+            "eval_loss": last_eval.loss if last_eval else None, "eval_ppl": last_eval.ppl if last_eval else None,
+            "best": self.best, "output_dir": str(self.output_dir),
+        }
+        self.logger.info(
+            "done: %d steps (%d this run) in %.1f s, %.0f tokens/s, stopped by %s%s",
+            summary["steps"], summary["steps_this_run"], elapsed, summary["tokens_per_s"], summary["stopped_by"],
+            f", valid ppl {last_eval.ppl:.2f}" if last_eval else "",
+        )
+        self.logger.close()
+        return summary
+
+    def _log_train(self, window_loss: torch.Tensor, window_checksum: torch.Tensor, window_steps: int,
+                   window_start: float, tokens_per_step: int) -> None:
+        totals = torch.stack([window_loss, window_checksum.to(window_loss.device, torch.float64)])
+        dist.all_reduce(totals)
+        loss = totals[0].item() / (window_steps * self.world_size)
+        seconds = time.perf_counter() - window_start
+        if self.device_type == "cpu":
+            memory = {"rss_mb": _resident_memory_mb()}
+        else:
+            memory = {"max_allocated_mb": self.accelerator.max_memory_allocated() / 2**20}
+            self.accelerator.reset_peak_memory_stats()
+        fp16 = self.cfg.precision.dtype == "fp16"
+        values = {
+            "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": self.engine.get_lr()[0],
+            "grad_norm": _as_float(self.engine.get_global_grad_norm()),
+            "loss_scale": _as_float(getattr(self.engine.optimizer, "cur_scale", None)) if fp16 else None,
+            "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
+            "tokens": self.tokens_seen, "tokens_per_s": window_steps * tokens_per_step / max(seconds, 1e-9),
+            "step_time_s": seconds / window_steps, "data_checksum": int(totals[1].item()), **memory,
+        }
+        self.logger.record(self.step, "train", values)
+        self.logger.info(
+            "step %d | loss %.4f | ppl %.2f | lr %.3g | grad norm %s | %.0f tokens/s | %s",
+            self.step, loss, values["ppl"], values["lr"],
+            "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}", values["tokens_per_s"],
+            " | ".join(f"{k} {v:.0f}" for k, v in memory.items()),
+        )
