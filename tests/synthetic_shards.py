@@ -25,15 +25,19 @@ def write_position_shards(
     block_range: tuple[int, int] = (37, 400),
     tokens_per_shard: int = 3000,
     fingerprint: str = FINGERPRINT,
+    vocab_size: int = VOCAB_SIZE,
 ) -> Manifest:
-    """Write one split per entry of ``split_tokens`` (name -> token count) and the manifest; return it."""
+    """Write one split per entry of ``split_tokens`` (name -> token count) and the manifest; return it.
+
+    ``vocab_size`` must exceed the largest split's token count; up to 65,536 the tokens are stored as uint16.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    dtype = token_dtype(VOCAB_SIZE)
+    dtype = token_dtype(vocab_size)
     splits = {}
     for split, num_tokens in split_tokens.items():
-        writer = ShardWriter(directory, split, VOCAB_SIZE, dtype, tokens_per_shard)
+        writer = ShardWriter(directory, split, vocab_size, dtype, tokens_per_shard)
         position = 0
         while position < num_tokens:
             length = min(int(rng.integers(*block_range)), num_tokens - position)
@@ -44,7 +48,7 @@ def write_position_shards(
             documents=sum(s.documents for s in shards), tokens=num_tokens,
             blocks=sum(s.blocks for s in shards), shards=shards,
         )
-    tokenizer = TokenizerIdentity(kind="synthetic", vocab_size=VOCAB_SIZE, fingerprint=fingerprint, eos_id=0, eod_id=0)
+    tokenizer = TokenizerIdentity(kind="synthetic", vocab_size=vocab_size, fingerprint=fingerprint, eos_id=0, eod_id=0)
     manifest = Manifest(tokenizer=tokenizer, dtype=dtype.name, block_tokens=block_range[1], splits=splits)
     write_manifest(directory, manifest)
     return manifest

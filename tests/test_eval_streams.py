@@ -17,7 +17,8 @@ SPLIT_TOKENS = {"valid": 5003, "tiny": 6}
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("eval_shards")
-    write_position_shards(directory, SPLIT_TOKENS, seed=2)
+    # A 16-bit vocabulary: these shards store uint16 tokens (the training tests use uint32).
+    assert write_position_shards(directory, SPLIT_TOKENS, seed=2, vocab_size=2**16).dtype == "uint16"
     return directory
 
 

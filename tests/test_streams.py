@@ -148,6 +148,11 @@ def test_state_dict_in_the_middle_of_an_optimizer_step_is_refused(shards):
         streams.state_dict()
     next(iterator)
     assert streams.state_dict()["step"] == 1
+    # One iterator at a time: a newer one ends the older, whose buffers no longer match the position.
+    newer = iter(streams)
+    assert next(newer).step == 1
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(iterator)
 
 
 def test_world_2_to_1_with_the_same_streams_continues_every_stream_exactly(shards):

@@ -8,9 +8,12 @@ Two ways to reach a block, chosen per shard from its manifest path:
   lies;
 - any other URL (``pipe:aws s3 cp ... -``, ``http://...``) is read sequentially through webdataset
   (``gopen`` and its tar iterator). A `BlockCursor` keeps its shard open and moves forward through it, so a
-  stream that reads its blocks in order reads each byte once. A block behind the cursor, or in another shard,
-  reopens that shard and scans from its start: correct but slow, which is what the per-epoch block shuffle does
-  to remote shards. Copy shards to a local or shared file system for shuffled training.
+  stream that reads its blocks in order reads each byte once, after a first scan from the start of the shard to
+  where the stream begins (at most one shard per stream per epoch, and per resume). Every stream has its own
+  cursor, so a rank holds micro_batch x grad_accum open streams (subprocesses, for ``pipe:``). A block behind the
+  cursor, or in another shard, reopens that shard and scans from its start: correct but slow, which is what the
+  per-epoch block shuffle does to remote shards. Copy shards to a local or shared file system for shuffled
+  training.
 """
 
 from __future__ import annotations

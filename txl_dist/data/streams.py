@@ -12,6 +12,8 @@ Rank r owns stream ids [r*mb*ga, (r+1)*mb*ga) (mb = micro_batch, ga = grad_accum
 holds the consecutive ids r*mb*ga + k*mb ... + mb-1, and each slot keeps its own mems. A rank therefore reads one
 contiguous range of the token stream; each of its streams holds one decoded block and a buffer of about 16k tokens,
 so memory per rank is bounded by micro_batch x grad_accum x (block size + 16k) tokens, whatever the corpus size.
+Local shards are read in place at their blocks' byte offsets; URL shards (``pipe:``, ``http:``) through
+webdataset, sequentially (see `txl_dist.data.reader` for what that costs, with ``shuffle_blocks`` above all).
 
 Resume. The state is (epoch, position within the streams, S) plus the identity of what was read. With the same S
 (whatever the world size, micro_batch or tgt_len) the streams continue exactly: stream s is stream s, and the mems
@@ -168,7 +170,7 @@ def _open_split(shards: str | os.PathLike, split: str, expected_fingerprint: str
     return manifest
 
 
-def manifest_identity(manifest: Manifest, split: str) -> str:
+def _manifest_identity(manifest: Manifest, split: str) -> str:
     """sha256 of what a stream position refers to: the tokenizer and the split's shard contents, not their paths
     (shards moved to object storage keep their identity)."""
     shards = [[shard.sha256, shard.tokens, shard.blocks] for shard in manifest.splits[split].shards]
@@ -256,7 +258,7 @@ class TrainStreams:
         self.rank = rank
         self.seed = seed
         self.shuffle_blocks = shuffle_blocks
-        self.manifest_id = manifest_identity(self.manifest, split)
+        self.manifest_id = _manifest_identity(self.manifest, split)
         self._store = ShardStore(shards, self.manifest, split, verify_sha256=verify_sha256)
         self.num_streams = world_size * micro_batch * grad_accum
         self.num_tokens = self.manifest.splits[split].tokens
@@ -295,6 +297,7 @@ class TrainStreams:
 
     @property
     def epoch(self) -> int:
+        """The epoch of the next step (it moves on as the last micro-batch of an epoch is handed out)."""
         return self._epoch
 
     def _start_epoch(self, epoch: int) -> None:
@@ -316,7 +319,11 @@ class TrainStreams:
             self._start_epoch(self._epoch + 1)
 
     def __iter__(self) -> Iterator[MicroBatch]:
+        """Batches from the current position. A new iterator (or `load_state_dict`) ends the previous one; a step
+        left half-taken is taken again from its first slot."""
+        self._generation += 1
         generation = self._generation
+        self._mid_step = False
         window_steps = (self._slots[0].buffer.shape[1] - 1) // self.tgt_len
         while True:
             self._settle()
@@ -340,7 +347,7 @@ class TrainStreams:
                         self._settle()
                     yield batch
                     if self._generation != generation:
-                        raise RuntimeError("load_state_dict() was called during iteration; iterate anew")
+                        raise RuntimeError("this iterator was superseded by a newer one or by load_state_dict()")
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last complete optimizer step, as a plain JSON-able dict."""
