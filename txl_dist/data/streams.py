@@ -404,7 +404,7 @@ class TrainStreams:
         logger.warning(
             "resume with %d streams instead of %d: epoch %d re-partitioned; %d tokens consumed, the %d left are cut "
             "into %d streams of %d tokens (%d steps of %d); mems reset",
-            self.num_streams, old.num_streams, self._epoch, state["tokens_consumed"], self._layout.total,
+            self.num_streams, old.num_streams, self._epoch, self.num_tokens - self._layout.total, self._layout.total,
             self.num_streams, self._layout.tokens_per_stream,
             self._layout.windows_left(0, self.tgt_len), self.tgt_len,
         )
