@@ -287,7 +287,6 @@ class TrainStreams:
                   buffer_tokens, self.manifest.tokenizer.eod_id)
             for k in range(grad_accum)
         ]
-        self._mid_step = False
         self._generation = 0
         self._start_epoch(0)
 
@@ -323,7 +322,6 @@ class TrainStreams:
         left half-taken is taken again from its first slot."""
         self._generation += 1
         generation = self._generation
-        self._mid_step = False
         window_steps = (self._slots[0].buffer.shape[1] - 1) // self.tgt_len
         while True:
             self._settle()
@@ -338,8 +336,7 @@ class TrainStreams:
                 for slot, rows in enumerate(self._slots):
                     inputs, targets = rows.window(window * self.tgt_len, self.tgt_len)
                     batch = MicroBatch(inputs, targets, slot, rows.stream_ids_tensor.clone(), reset_mems, epoch, step)
-                    self._mid_step = slot + 1 < self.grad_accum
-                    if not self._mid_step:
+                    if slot + 1 == self.grad_accum:
                         # Advance before handing out the last micro-batch, so that state_dict() taken after the
                         # optimizer step points at the next step.
                         self._position += self.tgt_len
@@ -350,12 +347,10 @@ class TrainStreams:
                         raise RuntimeError("this iterator was superseded by a newer one or by load_state_dict()")
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last complete optimizer step, as a plain JSON-able dict."""
-        if self._mid_step:
-            raise RuntimeError(
-                "state_dict() called in the middle of an optimizer step (not every micro-batch slot of the step "
-                "has been taken); save between optimizer steps"
-            )
+        """The position after the last optimizer step whose micro-batches were all handed out, as a plain JSON-able
+        dict. A step handed out in part (no optimizer update can have used it) is handed out again, whole, after a
+        resume. A batch the trainer took but did not train on counts as consumed: to stop at an epoch's end, check
+        `epoch` before taking the next step's first micro-batch."""
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
@@ -387,7 +382,6 @@ class TrainStreams:
                 f"stream state: position {position} lies beyond the streams' {old.tokens_per_stream} tokens"
             )
         self._generation += 1
-        self._mid_step = False
         self._epoch, self._step = state["epoch"], state["step"]
         self._order = BlockOrder.for_epoch(
             self._store.block_tokens, shuffle=self.shuffle_blocks, seed=self.seed, epoch=self._epoch
