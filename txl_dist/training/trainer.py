@@ -249,8 +249,8 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
-    def _stop_agreed(self, stop: GracefulStop, epoch_done: bool) -> bool:
-        flag = torch.tensor([1.0 if (stop.requested or epoch_done) else 0.0], device=self.device)
+    def _stop_agreed(self, stop: GracefulStop) -> bool:
+        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -274,12 +274,12 @@ class Trainer:
         last_saved = self.step if self.resumed_from else None
         try:
             while self.step < cfg.train.max_steps:
-                epoch_done = False
+                # Checked before taking the step's first micro-batch, so the saved data position is exact.
+                if cfg.train.max_epochs is not None and self.streams.epoch >= cfg.train.max_epochs:
+                    stopped_by = f"max_epochs={cfg.train.max_epochs}"
+                    break
                 for slot in range(self.layout.grad_accum):
                     batch = next(batches)
-                    if cfg.train.max_epochs is not None and batch.epoch >= cfg.train.max_epochs:
-                        epoch_done = True
-                        break
                     if batch.reset_mems:
                         self.mems[slot] = None
                     loss, self.mems[slot] = self.engine(batch.inputs.to(self.device), batch.targets.to(self.device),
@@ -289,9 +289,6 @@ class Trainer:
                     self.engine.step()
                     window_loss += loss.detach().double() / self.layout.grad_accum
                     window_checksum += (batch.inputs.sum(dim=1) * (batch.stream_ids + 1)).sum()
-                if epoch_done:
-                    stopped_by = f"max_epochs={cfg.train.max_epochs}"
-                    break
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 window_steps += 1
@@ -305,7 +302,7 @@ class Trainer:
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and not finished:
                     last_eval = self._validate_and_track(cfg.eval.max_batches)
                     evaluated = True
-                stop_now = self._stop_agreed(stop, False)
+                stop_now = self._stop_agreed(stop)
                 improved = evaluated and self.best is not None and self.best["step"] == self.step
                 if stop_now or improved or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
