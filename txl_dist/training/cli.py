@@ -1,0 +1,105 @@
+"""The training launcher's command line: config files, ``key.path=value`` overrides, DeepSpeed's flags.
+
+Everything is checked here, before any process group exists, so that a bad value fails on every rank at once
+with one line naming the key, not after minutes of start-up::
+
+    deepspeed --num_gpus 8 launchers/train.py --config configs/lm1b_base.yaml \\
+        data.shards=/data/lm1b/shards train.output_dir=runs/lm1b_base
+    python launchers/train.py --config configs/tiny_cpu.yaml --config configs/variants/zero3.yaml --print-config
+
+``--config`` may be repeated: files are layered left to right, then the overrides are applied (see
+`txl_dist.config`). The world size is read from WORLD_SIZE (set by the deepspeed launcher and torchrun; 1 for a
+plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import deepspeed
+
+from txl_dist.config import RunConfig, load_config, with_manifest_vocab
+from txl_dist.data.format import MANIFEST_NAME, read_manifest
+from txl_dist.training.deepspeed_config import build_deepspeed_config
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The launcher's parser: --config (repeatable), key.path=value overrides, --print-config, --local_rank and
+    DeepSpeed's --deepspeed / --deepspeed_config."""
+    parser = argparse.ArgumentParser(
+        prog="launchers/train.py",
+        description="Train a Transformer-XL language model with DeepSpeed.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", action="append", default=[], metavar="PATH",
+                        help="YAML run config; repeat to layer files left to right (e.g. a configs/variants/ file)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override one config value, read as YAML (train.max_steps=100, model.d_embed=null)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="passed by DeepSpeed's launcher; ignored (the LOCAL_RANK environment variable is used)")
+    # --deepspeed is accepted for DeepSpeedExamples-style command lines (training always uses DeepSpeed);
+    # --deepspeed_config names a JSON overlay for build_deepspeed_config.
+    deepspeed.add_config_arguments(parser)
+    return parser
+
+
+def detect_device() -> str:
+    """DeepSpeed's accelerator: "cuda", "cpu", ..."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None = None,
+                   device: str | None = None) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse the command line into a validated RunConfig (and the parsed flags).
+
+    Checks the whole tree, the batch layout for ``world_size`` ranks (default: WORLD_SIZE, else 1) on
+    ``device`` (default: `detect_device`), the ``--deepspeed_config`` overlay, and, when data.shards is a local
+    directory, takes model.n_token from its manifest. With --print-config it prints the resolved config and
+    exits 0. Any error exits 2 with one line on stderr naming the key, its value and what is allowed.
+
+    Hand DeepSpeed the dict, not ``args``: ``deepspeed.initialize(config=build_deepspeed_config(...,
+    overlay_path=args.deepspeed_config), ...)``; DeepSpeed refuses a config given both ways."""
+    parser = build_arg_parser()
+    args = parser.parse_intermixed_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if args.deepscale_config is not None:
+            raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
+        cfg = load_config(args.config, args.overrides)
+        if cfg.data.shards is not None and Path(cfg.data.shards, MANIFEST_NAME).is_file():
+            cfg = with_manifest_vocab(cfg, read_manifest(cfg.data.shards).tokenizer.vocab_size,
+                                      f"the manifest of data.shards={cfg.data.shards}")
+        build_deepspeed_config(train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
+                               world_size=world_size, device=device or detect_device(),
+                               overlay_path=args.deepspeed_config)
+        if args.print_config:
+            sys.stdout.write(cfg.dump_yaml())
+            sys.stdout.flush()
+            raise SystemExit(0)
+        _require_run_paths(cfg)
+    except ValueError as error:
+        parser.error(str(error))
+    return cfg, args
+
+
+def _require_run_paths(cfg: RunConfig) -> None:
+    """The keys a config file may leave to the command line but a run cannot do without."""
+    if cfg.data.shards is None:
+        raise ValueError("data.shards is not set: give the shard directory (or URL prefix) written by "
+                         "data_tools.build_shards, e.g. data.shards=DIR")
+    if cfg.train.output_dir is None:
+        raise ValueError("train.output_dir is not set: give the run's directory, e.g. train.output_dir=runs/NAME")
+    shards = cfg.data.shards
+    if "://" not in shards and not shards.startswith("pipe:") and not Path(shards, MANIFEST_NAME).is_file():
+        raise ValueError(f"data.shards={shards!r} is not allowed: a directory holding {MANIFEST_NAME} (a finished "
+                         f"data_tools.build_shards output) or a URL prefix")
