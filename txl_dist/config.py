@@ -409,7 +409,12 @@ class RunConfig:
         """Check every section and the rules that join sections; ConfigError names the key and where it was set."""
         try:
             _check_types(self.model, "model")
-            self.model.validate()
+            model = self.model
+            if "model.n_token" not in self.key_sources and model.cutoffs and model.cutoffs[-1] >= model.n_token:
+                # The vocabulary size comes from the shards' manifest at run time (with_manifest_vocab checks
+                # the cutoffs against it then); a preset's placeholder n_token must not reject them now.
+                model = dataclasses.replace(model, n_token=model.cutoffs[-1] + 1)
+            model.validate()
         except ConfigError as error:
             raise error.with_source(self.key_sources.get(error.key)) from None
         except ValueError as error:

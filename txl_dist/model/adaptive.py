@@ -115,9 +115,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         nll = -head_logprob.gather(1, head_target.unsqueeze(1)).squeeze(1)
         for i in range(1, self.n_clusters + 1):
             start, end = self.bounds[i]
+            # A cluster with no target in this batch still runs (on zero rows): every parameter then gets a
+            # gradient, zeros included, on every rank, which data-parallel gradient reduction relies on.
             rows = ((target >= start) & (target < end)).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
             tail_logprob = F.log_softmax(self._cluster_logits(hidden.index_select(0, rows), i).float(), dim=-1)
             local = (target.index_select(0, rows) - start).unsqueeze(1)
             logprob = head_logprob[rows, self.shortlist_size + i - 1] + tail_logprob.gather(1, local).squeeze(1)

@@ -11,7 +11,8 @@ A checkpoint is the folder ``{directory}/{tag}`` (tag ``step00001234``) holding
 ``{directory}/latest`` names the newest complete checkpoint and is replaced atomically after ``COMPLETE.json``.
 (DeepSpeed's own ``latest`` is written by rank 0 without waiting for the other ranks' optimizer files, so it is
 turned off.) A folder without ``COMPLETE.json`` is a save that was interrupted: it is never resumed from, and the
-next run removes it. The last ``keep_last`` complete checkpoints are kept, and the best one by validation loss.
+next run removes it. The last ``keep_last`` complete checkpoints are kept (all with 0), and the best one by
+validation loss.
 """
 
 from __future__ import annotations
@@ -107,8 +108,6 @@ class RankState:
 
 class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, keep_last: int):
-        if keep_last < 1:
-            raise ValueError(f"checkpoint.keep_last={keep_last} is not allowed: at least 1")
         self.directory = Path(directory)
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
 
@@ -169,6 +168,8 @@ class CheckpointManager:
         return tag
 
     def _prune(self, keep: set[str]) -> None:
+        if self.keep_last == 0:  # keep every checkpoint
+            return
         tags = self.complete_tags()
         for tag in tags[: max(0, len(tags) - self.keep_last)]:
             if tag not in keep:

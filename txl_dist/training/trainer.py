@@ -230,10 +230,12 @@ class Trainer:
     # ---- evaluation --------------------------------------------------------------------------------------------
 
     def validate(self, max_batches: int) -> EvalResult:
-        e, model_cfg = self.cfg.eval, self.cfg.model
+        e = self.cfg.eval.resolve(self.cfg.model)
         module: TransformerXLLM = self.engine.module
-        with EvalStreams(self.cfg.data.shards, e.split, tgt_len=e.tgt_len or model_cfg.tgt_len,
-                         batch_size=e.batch_size, world_size=self.world_size, rank=self.rank,
+        # eval.batch_size counts streams over all ranks.
+        per_rank = max(1, math.ceil(e.batch_size / self.world_size))
+        with EvalStreams(self.cfg.data.shards, e.split, tgt_len=e.tgt_len,
+                         batch_size=per_rank, world_size=self.world_size, rank=self.rank,
                          expected_fingerprint=self.fingerprint) as streams, \
                 segment_settings(module, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length):
             return evaluate(module, streams, self.device, max_batches=max_batches)
@@ -313,8 +315,7 @@ class Trainer:
                     stopped_by = stop.signal_name or "a signal on another rank"
                     break
             if stopped_by is None or stopped_by.startswith("max_epochs"):
-                if cfg.eval.every or cfg.eval.at_end:
-                    last_eval = self._validate_and_track(0)
+                last_eval = self._validate_and_track(0)  # a full pass over the split when training ends
                 if last_saved != self.step:
                     self.save()
         finally:
