@@ -177,6 +177,42 @@ class CheckpointManager:
 
     # ---- loading -----------------------------------------------------------------------------------------------
 
+    def saved_world_size(self, tag: str) -> int:
+        return json.loads((self.directory / tag / COMPLETE).read_text(encoding="utf-8"))["world_size"]
+
+    def needs_universal(self, tag: str) -> bool:
+        """True when ``tag`` holds optimizer partitions for another number of ranks than this run has.
+
+        DeepSpeed cannot re-partition ZeRO optimizer states for a new data-parallel size; its universal checkpoint
+        format can, so such a checkpoint is converted (`prepare_universal`) and loaded with ``load_universal``."""
+        partitioned = any((self.directory / tag).glob("*optim_states.pt"))
+        return partitioned and self.saved_world_size(tag) != self.world_size
+
+    def prepare_universal(self, tag: str) -> str:
+        """Collective: rank 0 converts ``tag`` to DeepSpeed's universal format; returns the converted tag."""
+        universal = f"{tag}_universal"
+        if self.rank == 0:
+            import argparse
+
+            from deepspeed.checkpoint import ds_to_universal
+
+            target = self.directory / universal
+            shutil.rmtree(target, ignore_errors=True)
+            log.info("converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
+                     self.directory / tag, self.saved_world_size(tag), self.world_size)
+            ds_to_universal.main(argparse.Namespace(
+                input_folder=str(self.directory / tag), output_folder=str(target), num_extract_workers=1,
+                num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+            ))
+        dist.barrier()
+        return universal
+
+    def remove_universal(self, universal: str) -> None:
+        """Collective: after every rank has loaded it, the converted copy goes."""
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(self.directory / universal, ignore_errors=True)
+
     def load_rank_states(self, tag: str, stream_ids: list[int]) -> tuple[dict[int, list[torch.Tensor]], dict | None]:
         """Mems of the given streams (by stream id, each a list of n_layer + 1 tensors [mem_len, d_model]) and,
         when the checkpoint was written by the same number of ranks, this rank's RNG state."""

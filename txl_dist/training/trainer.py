@@ -141,6 +141,11 @@ class Trainer:
             train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
             world_size=self.world_size, device=self.device_type, overlay_path=deepspeed_overlay,
         )
+        self.resume_tag = self.checkpoints.latest_tag() if cfg.checkpoint.resume else None
+        self.load_tag = self.resume_tag
+        if self.resume_tag and self.checkpoints.needs_universal(self.resume_tag):
+            self.load_tag = self.checkpoints.prepare_universal(self.resume_tag)
+            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config,
             lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
@@ -164,10 +169,12 @@ class Trainer:
     # ---- resume ------------------------------------------------------------------------------------------------
 
     def _resume(self) -> str | None:
-        tag = self.checkpoints.latest_tag() if self.cfg.checkpoint.resume else None
+        tag = self.resume_tag
         if tag is None:
             return None
-        _, client_state = self.engine.load_checkpoint(str(self.checkpoints.directory), tag=tag)
+        _, client_state = self.engine.load_checkpoint(str(self.checkpoints.directory), tag=self.load_tag)
+        if self.load_tag != tag:
+            self.checkpoints.remove_universal(self.load_tag)
         if client_state is None or CLIENT_KEY not in client_state:
             raise RuntimeError(f"{self.checkpoints.directory / tag}: not a txl_dist checkpoint (no client state)")
         saved = client_state[CLIENT_KEY]
