@@ -163,6 +163,8 @@ class CheckpointManager:
                       "rank_states": sorted(p.name for p in states_dir.glob("rank*.pt"))}
             _atomic_write_text(self.directory / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
             _atomic_write_text(self.directory / LATEST, tag + "\n")
+            # DeepSpeed writes this pointer when the run resumed through a universal checkpoint; ours is `latest`.
+            (self.directory / "latest_universal").unlink(missing_ok=True)
             self._prune(keep={tag, best_tag} - {None})
         dist.barrier()
         return tag

@@ -1,0 +1,208 @@
+"""launchers/train.py through the real `deepspeed` launcher on 2 CPU ranks (gloo), on Penn Treebank shards.
+
+The reference run trains the tiny model for 40 steps with dropout (so resuming must restore the RNG too); the
+other runs stop, get killed, resume, change the number of ranks, and are compared with it step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launcher import REPO, free_port, launcher_command, records, run, start, tail, wait_for_step, rank_processes
+
+pytestmark = pytest.mark.launcher
+
+TRAIN = "launchers/train.py"
+STEPS = 40
+
+
+def args(shards: Path, output_dir: Path, *extra: str) -> list[str]:
+    """The tiny model, ZeRO 2 fp32, dropout on, a schedule fixed at 40 steps whatever train.max_steps says (a high
+    learning rate so that the loss visibly falls within them)."""
+    return ["--config", "configs/tiny_cpu.yaml", f"data.shards={shards}", f"train.output_dir={output_dir}",
+            "model.dropout=0.1", "optim.lr=5e-3", "schedule.warmup_steps=2", f"schedule.total_steps={STEPS}",
+            "log.every=1", "eval.every=0",
+            "checkpoint.every=10", "checkpoint.keep_last=0", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(ptb_word_shards, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("reference")
+    run(launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={STEPS}")))
+    return output
+
+
+@pytest.fixture(scope="module")
+def first_half(ptb_word_shards, tmp_path_factory) -> Path:
+    """The same run stopped at step 20 (by max_steps)."""
+    output = tmp_path_factory.mktemp("first_half")
+    run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=20")))
+    return output
+
+
+def latest(output_dir: Path) -> str:
+    return (output_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def test_reference_run_trains_and_reports(reference):
+    logged = records(reference)
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    for record in logged.values():
+        for key in ("loss", "ppl", "lr", "tokens", "grad_norm", "tokens_per_s", "step_time_s", "rss_mb", "data_checksum"):
+            assert key in record, key
+    assert logged[STEPS]["tokens"] == STEPS * 8 * 8  # global batch 8 x tgt_len 8
+    first = sum(logged[s]["loss"] for s in range(1, 6)) / 5
+    last = sum(logged[s]["loss"] for s in range(STEPS - 4, STEPS + 1)) / 5
+    assert last < first - 0.3, (first, last)
+    evals = records(reference, "eval")
+    assert list(evals) == [STEPS] and evals[STEPS]["targets"] == 73760 - 1  # PTB valid, every target once
+    assert latest(reference) == "step00000040"
+
+
+def test_exact_resume_gives_identical_losses(reference, first_half, ptb_word_shards, tmp_path):
+    output = tmp_path / "resumed"
+    shutil.copytree(first_half, output)
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={STEPS}")))
+    assert "resumed from" in result.stderr and "at step 20 (exact" in result.stderr
+    straight, resumed = records(reference), records(output)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert resumed[step]["data_checksum"] == straight[step]["data_checksum"], step
+        assert resumed[step]["loss"] == straight[step]["loss"], step
+
+
+def test_resume_on_one_rank_continues_the_same_streams(reference, first_half, ptb_word_shards, tmp_path):
+    output = tmp_path / "one_rank"
+    shutil.copytree(first_half, output)
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=30"), nprocs=1))
+    assert "universal format for 1 ranks" in result.stderr
+    assert "at step 20 (exact" in result.stderr
+    straight, resumed = records(reference), records(output)
+    for step in range(21, 31):
+        # Same streams, same tokens: the data checksum is exact. The loss differs by the reduction order and by
+        # dropout (the RNG is reseeded per rank when the number of ranks changes).
+        assert resumed[step]["data_checksum"] == straight[step]["data_checksum"], step
+        assert resumed[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-2), step
+    assert not any(p.name.endswith("_universal") for p in (output / "checkpoints").iterdir())
+
+
+def test_sigterm_checkpoints_at_the_current_step_and_resumes(reference, ptb_word_shards, tmp_path):
+    output = tmp_path / "preempted"
+    process = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400")))
+    wait_for_step(output, 6, process)
+    for rank in rank_processes(process):
+        rank.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM" in out
+    stopped_at = max(records(output))
+    assert 6 <= stopped_at < STEPS - 6
+    assert latest(output) == f"step{stopped_at:08d}"
+    assert (output / "checkpoints" / latest(output) / "COMPLETE.json").is_file()
+
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={stopped_at + 6}")))
+    assert f"at step {stopped_at} (exact" in result.stderr
+    straight, resumed = records(reference), records(output)
+    for step in range(1, stopped_at + 7):
+        assert resumed[step]["loss"] == straight[step]["loss"], step
+
+
+def test_kill9_fails_the_launcher_and_resume_uses_the_last_complete_checkpoint(reference, ptb_word_shards, tmp_path):
+    output = tmp_path / "killed"
+    process = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400", "checkpoint.every=5")))
+    wait_for_step(output, 12, process)
+    rank_processes(process)[1].kill()
+    process.communicate(timeout=120)
+    assert process.returncode != 0
+    complete = latest(output)
+    assert (output / "checkpoints" / complete / "COMPLETE.json").is_file()
+    step = int(complete.removeprefix("step"))
+    assert step >= 10
+
+    # A save cut short by the kill leaves a folder without COMPLETE.json; even a `latest` naming such a folder
+    # (which the trainer itself never writes) must not be resumed from.
+    half_written = output / "checkpoints" / "step00000099"
+    shutil.copytree(output / "checkpoints" / complete, half_written)
+    (half_written / "COMPLETE.json").unlink()
+    (half_written / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    (output / "checkpoints" / "latest").write_text("step00000099\n")
+
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={step + 3}")))
+    assert f"at step {step} (exact" in result.stderr
+    assert not half_written.exists()
+    straight, resumed = records(reference), records(output)
+    for s in range(step + 1, step + 4):
+        assert resumed[s]["loss"] == straight[s]["loss"], s
+
+
+def test_tensorboard_has_the_scalars(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(reference / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {f"train/{name}" for name in ("loss", "ppl", "lr", "grad_norm", "tokens", "tokens_per_s",
+                                             "step_time_s", "rss_mb", "skipped_steps")}
+    expected |= {"eval/loss", "eval/ppl"}
+    assert expected <= tags, expected - tags
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == list(range(1, STEPS + 1))
+    logged = records(reference)
+    assert all(abs(e.value - logged[e.step]["loss"]) < 1e-5 for e in losses)
+
+
+def _consolidated(output: Path) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(output / "checkpoints"), tag=latest(output))
+
+
+def test_zero_stages_train_and_agree(ptb_word_shards, tmp_path):
+    """ZeRO 1 and 3 in fp32 give the same weights after the same steps from the same seed; ZeRO 2 bf16 trains."""
+    outputs = {}
+    for name, variant in (("zero1", "zero1"), ("zero3", "zero3"), ("zero2_bf16", "zero2")):
+        outputs[name] = tmp_path / name
+        extra = ["--config", f"configs/variants/{variant}.yaml", "train.max_steps=20", "model.dropout=0.0"]
+        if name.endswith("bf16"):
+            extra += ["--config", "configs/variants/bf16.yaml"]
+        run(launcher_command(TRAIN, args(ptb_word_shards, outputs[name], *extra)))
+    for name, output in outputs.items():
+        logged = records(output)
+        first = sum(logged[s]["loss"] for s in range(1, 4)) / 3
+        last = sum(logged[s]["loss"] for s in range(18, 21)) / 3
+        assert last < first - 0.5, (name, first, last)
+    zero1, zero3 = _consolidated(outputs["zero1"]), _consolidated(outputs["zero3"])
+    assert sorted(zero1) == sorted(zero3)
+    max_difference = max((zero1[k] - zero3[k]).abs().max().item() for k in zero1)
+    print(f"max |ZeRO-1 - ZeRO-3| over all weights after 20 steps: {max_difference:.3e}")
+    assert max_difference < 1e-4
+    assert json.loads((outputs["zero2_bf16"] / "checkpoints" / latest(outputs["zero2_bf16"]) / "COMPLETE.json").read_text())
+
+
+def test_two_nodes_of_one_process_on_localhost(ptb_word_shards, tmp_path):
+    """Multi-node start as on a cluster without ssh: one `deepspeed --no_ssh --node_rank N` per node."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    output = tmp_path / "two_nodes"
+    port = str(free_port())
+    node_args = args(ptb_word_shards, output, "train.max_steps=6")
+    nodes = [start(launcher_command(TRAIN, node_args, launcher_flags=[
+        "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
+        "--master_port", port])) for rank in (0, 1)]
+    outs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "on 2 rank(s)" in outs[0]
+    assert sorted(records(output)) == list(range(1, 7))
+
+
+def test_bad_config_fails_before_any_process_group(ptb_word_shards, tmp_path):
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, tmp_path / "bad", "train.micro_batch=3")), check=False)
+    assert result.returncode != 0
+    assert "train.micro_batch" in tail(result) and "global_batch" in tail(result)
+    assert not (tmp_path / "bad").exists()
