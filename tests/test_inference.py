@@ -129,6 +129,9 @@ def test_bad_ids_are_named():
         generate_ids(model, [1, 1000], 3)
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         generate_ids(model, [], 3)
+    with pytest.raises(ValueError, match="max_new_tokens=-1"):
+        generate_ids(model, [1], -1)
+    assert generate_ids(model, [1], 0) == []
     with pytest.raises(ValueError, match=r"ids_list\[1\]: token id\(s\) \[-1\]"):
         score_ids(model, [[1], [-1]], context_id=1)
 

@@ -11,7 +11,7 @@ Sampling uses its own ``torch.Generator`` (seeded by ``seed``), never the global
 from __future__ import annotations
 
 import contextlib
-from typing import Collection, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 
@@ -83,6 +83,16 @@ class TokenSampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
+def _prepare(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, **sampling: Any) -> TokenSampler:
+    """Check the prompt and the length; the sampler for these settings."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: give at least one token (e.g. the end-of-sentence id)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    _check_ids(model, prompt_ids, "prompt_ids")
+    return TokenSampler(_device(model), **sampling)
+
+
 class IncrementalDecoder:
     """Feeds tokens to a model one call at a time, keeping the memory between calls.
 
@@ -116,16 +126,15 @@ def generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_toke
     The model sees at most ``mem_len`` earlier positions (plus the current one) at every layer. Generation stops
     after ``max_new_tokens`` tokens or after emitting one of ``stop_ids`` (which is included).
     """
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty: give at least one token (e.g. the end-of-sentence id)")
-    _check_ids(model, prompt_ids, "prompt_ids")
-    choose = TokenSampler(_device(model), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          greedy=greedy)
+    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, greedy=greedy)
     new_ids: list[int] = []
+    if max_new_tokens == 0:
+        return new_ids
     with _inference(model):
         decoder = IncrementalDecoder(model)
         log_probs = decoder.feed(prompt_ids)
-        while len(new_ids) < max_new_tokens:
+        while True:
             token = choose(log_probs)
             new_ids.append(token)
             if token in stop_ids or len(new_ids) == max_new_tokens:
@@ -141,11 +150,9 @@ def generate_ids_recompute(model: TransformerXLLM, prompt_ids: Sequence[int], ma
     """Like `generate_ids`, but every new token recomputes the whole prefix (its last ``max_context`` tokens when
     given) in one segment without memory: the vanilla Transformer's decoding, the reference for tests and
     benchmarks."""
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty: give at least one token (e.g. the end-of-sentence id)")
-    _check_ids(model, prompt_ids, "prompt_ids")
+    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, greedy=greedy)
     device = _device(model)
-    choose = TokenSampler(device, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy)
     ids = list(prompt_ids)
     new_ids: list[int] = []
     with _inference(model):
@@ -170,6 +177,8 @@ def score_ids(model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context
     model), in segments of ``tgt_len`` with the memory, so a sequence longer than ``mem_len + tgt_len`` sees a
     bounded context, as in evaluation. Perplexity is ``exp(-logprob / n_tokens)``.
     """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     _check_ids(model, [context_id], "context_id")
     for index, ids in enumerate(ids_list):
         _check_ids(model, ids, f"ids_list[{index}]")
