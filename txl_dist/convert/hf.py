@@ -88,7 +88,8 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict(fields, where="HuggingFace config")
 
 
-def _inv_freq(d_model: int) -> torch.Tensor:
+def sinusoid_inv_freq(d_model: int) -> torch.Tensor:
+    """The ``pos_emb.inv_freq`` buffer that the authors' code (and HuggingFace's) registers: derived, not learned."""
     return 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
 
 
@@ -100,7 +101,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dic
         for i in range(config.n_layer):
             for which in ("w", "r"):
                 hf[f"transformer.layers.{i}.dec_attn.r_{which}_bias"] = state[f"r_{which}_bias"]
-    hf["transformer.pos_emb.inv_freq"] = _inv_freq(config.d_model)
+    hf["transformer.pos_emb.inv_freq"] = sinusoid_inv_freq(config.d_model)
     return hf
 
 

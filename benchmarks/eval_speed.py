@@ -1,0 +1,157 @@
+"""Evaluation speed with the memory vs a vanilla Transformer's sliding window (the paper's section 4.4 comparison),
+and generation speed with the memory vs full recomputation, side by side.
+
+    python benchmarks/eval_speed.py                                  # ptb_small-shaped layers on this CPU
+    python benchmarks/eval_speed.py --lengths 128,256,640 --batch 4 --repeats 3
+    python benchmarks/eval_speed.py --device cuda --preset lm1b_base --batch 16 --lengths 128,256,640,3800
+
+For an attention length L, Transformer-XL evaluates segments of L/4 tokens with a memory of 3L/4 (every
+prediction sees up to L positions), while the vanilla model recomputes a window of the last L tokens for each
+predicted token and scores only its last position. Both are timed after warm-up; the variants alternate within
+each repeat so machine noise hits them alike; the summary quotes medians and the median of per-repeat ratios.
+The paper reports up to 1,874x at L = 3,800 on GPUs; small models at short L on a CPU give less.
+
+Generation: greedy decoding of --new-tokens after a --prompt-tokens prompt, one forward of one token per new
+token with the memory (mem_len covering the whole context) vs recomputing the whole prefix per token. The gain
+is bounded: the memory holds hidden states, so every step still projects keys and values (and the position
+term) over the whole memory; only the feed-forward and output work shrinks to one position.
+The last line of output is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+
+from txl_dist.inference import generate_ids, generate_ids_recompute
+from txl_dist.model import TransformerXLLM, preset
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def eval_with_memory(model: TransformerXLLM, data: torch.Tensor, segment: int, warmup: int) -> float:
+    """Tokens scored per second: segments of ``segment`` tokens, each with the memory of the previous ones.
+    ``data`` [B, n] holds warmup + timed segments (+1 for the last target)."""
+    n_segments = (data.shape[1] - 1) // segment
+    mems = None
+    for index in range(n_segments):
+        if index == warmup:
+            _sync(data.device)
+            start = time.perf_counter()
+        window = slice(index * segment, (index + 1) * segment)
+        loss, mems = model(data[:, window], data[:, window.start + 1:window.stop + 1], mems)
+    _sync(data.device)
+    return data.shape[0] * segment * (n_segments - warmup) / (time.perf_counter() - start)
+
+
+@torch.no_grad()
+def eval_sliding_window(model: TransformerXLLM, data: torch.Tensor, length: int, predictions: int, warmup: int) -> float:
+    """Tokens scored per second by a vanilla Transformer: for each predicted token, one forward over the window
+    of the ``length`` tokens before it, scoring only the window's last position."""
+    for index in range(warmup + predictions):
+        if index == warmup:
+            _sync(data.device)
+            start = time.perf_counter()
+        window = data[:, index:index + length]
+        hidden, _ = model.hidden_states(window)  # [length, B, d_model], no memory
+        model.crit(hidden[-1], data[:, index + length])
+    _sync(data.device)
+    return data.shape[0] * predictions / (time.perf_counter() - start)
+
+
+def generation_speed(model: TransformerXLLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
+    """New tokens per second, greedy, with the memory and with full recomputation of the prefix."""
+    figures = {}
+    for name, decode in (("with_memory", generate_ids), ("recompute", generate_ids_recompute)):
+        decode(model, prompt, 2, greedy=True)  # warm-up
+        _sync(next(model.parameters()).device)
+        start = time.perf_counter()
+        decode(model, prompt, new_tokens, greedy=True)
+        _sync(next(model.parameters()).device)
+        figures[name] = new_tokens / (time.perf_counter() - start)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="ptb_small", help="model preset (its layers and vocabulary)")
+    parser.add_argument("--lengths", default="128,256,640", help="attention lengths L, each a multiple of 4")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--segments", type=int, default=16, help="timed segments of L/4 tokens (memory)")
+    parser.add_argument("--predictions", type=int, default=16, help="timed predicted tokens (sliding window)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed segments / windows first")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (1: steadier figures on a shared machine; GPUs ignore it)")
+    parser.add_argument("--attn-impl", default="auto", choices=["auto", "fused", "reference"])
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    lengths = [int(length) for length in args.lengths.split(",")]
+    if any(length % 4 for length in lengths):
+        parser.error(f"--lengths: every L must be a multiple of 4, got {lengths}")
+    torch.manual_seed(0)
+    base = preset(args.preset, dropout=0.0, dropatt=0.0, attn_impl=args.attn_impl)
+    model = TransformerXLLM(base).to(device).eval()
+    generator = torch.Generator().manual_seed(0)
+
+    runs: dict[int, dict[str, list[float]]] = {length: {"memory": [], "sliding": []} for length in lengths}
+    generation: dict[str, list[float]] = {"with_memory": [], "recompute": []}
+    for repeat in range(args.repeats):
+        for length in lengths:
+            segment = length // 4
+            model.reset_length(mem_len=3 * length // 4)
+            n_tokens = max((args.warmup + args.segments) * segment, length + args.warmup + args.predictions) + 1
+            data = torch.randint(0, base.n_token, (args.batch, n_tokens), generator=generator).to(device)
+            runs[length]["memory"].append(eval_with_memory(model, data, segment, args.warmup))
+            runs[length]["sliding"].append(eval_sliding_window(model, data, length, args.predictions, args.warmup))
+            print(f"repeat {repeat + 1}/{args.repeats} L={length:5d}  memory {runs[length]['memory'][-1]:10.1f} "
+                  f"tokens/s   sliding window {runs[length]['sliding'][-1]:8.1f} tokens/s", flush=True)
+        model.reset_length(mem_len=args.prompt_tokens + args.new_tokens)
+        prompt = torch.randint(0, base.n_token, (args.prompt_tokens,), generator=generator).tolist()
+        for name, value in generation_speed(model, prompt, args.new_tokens).items():
+            generation[name].append(value)
+        print(f"repeat {repeat + 1}/{args.repeats} generation  memory {generation['with_memory'][-1]:8.1f} "
+              f"tokens/s   recompute {generation['recompute'][-1]:8.1f} tokens/s", flush=True)
+
+    figures: dict = {"preset": args.preset, "device": str(device), "batch": args.batch, "repeats": args.repeats,
+                     "threads": torch.get_num_threads(), "parameters": model.num_parameters(), "evaluation": {},
+                     "generation": {}}
+    print(f"\n{'L':>5s} {'tgt_len':>7s} {'mem_len':>7s} {'memory tok/s':>13s} {'sliding tok/s':>14s} {'speed-up':>9s}")
+    for length in lengths:
+        memory, sliding = runs[length]["memory"], runs[length]["sliding"]
+        row = {"tgt_len": length // 4, "mem_len": 3 * length // 4,
+               "memory_tokens_per_s": statistics.median(memory), "sliding_tokens_per_s": statistics.median(sliding),
+               "speedup": statistics.median(m / s for m, s in zip(memory, sliding))}
+        figures["evaluation"][str(length)] = row
+        print(f"{length:5d} {row['tgt_len']:7d} {row['mem_len']:7d} {row['memory_tokens_per_s']:13.1f} "
+              f"{row['sliding_tokens_per_s']:14.1f} {row['speedup']:8.1f}x")
+    figures["generation"] = {
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "memory_tokens_per_s": statistics.median(generation["with_memory"]),
+        "recompute_tokens_per_s": statistics.median(generation["recompute"]),
+        "speedup": statistics.median(m / r for m, r in zip(generation["with_memory"], generation["recompute"])),
+    }
+    g = figures["generation"]
+    print(f"generation ({args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy): memory "
+          f"{g['memory_tokens_per_s']:.1f} tokens/s, full recomputation {g['recompute_tokens_per_s']:.1f} tokens/s, "
+          f"speed-up {g['speedup']:.1f}x")
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

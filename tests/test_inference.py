@@ -1,0 +1,156 @@
+"""Incremental generation with the memory, sampling, and scoring on token ids."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from txl_dist.inference import IncrementalDecoder, TokenSampler, generate_ids, generate_ids_recompute, nucleus_mask, score_ids
+from txl_dist.model import TransformerXLLM, preset
+
+PROMPT = [5, 17, 230, 999, 42, 640, 3, 3, 77, 501, 12, 800, 9]  # 13 tokens: two segments of tgt_len 8
+
+
+def _model(**overrides) -> TransformerXLLM:
+    """A tiny random model with spread-out logits (so that greedy choices are not decided by rounding)."""
+    torch.manual_seed(0)
+    model = TransformerXLLM(preset("tiny", tgt_len=8, **overrides)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def test_greedy_with_memory_equals_full_recomputation_when_the_memory_covers_the_context():
+    model = _model(mem_len=40)  # prompt 13 + 20 new tokens fit
+    incremental = generate_ids(model, PROMPT, 20, greedy=True)
+    recomputed = generate_ids_recompute(model, PROMPT, 20, greedy=True)
+    assert len(incremental) == 20 and len(set(incremental)) > 5  # not a degenerate repetition
+    assert incremental == recomputed
+
+
+def test_incremental_log_probs_equal_one_segment_over_the_whole_prefix():
+    """Stronger than greedy agreement (a random model's argmax barely depends on distant context): every
+    next-token distribution of the incremental decoder equals the one computed from the whole prefix."""
+    model = _model(mem_len=40)
+    continuation = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    decoder = IncrementalDecoder(model)
+    incremental = [decoder.feed(PROMPT)] + [decoder.feed([token]) for token in continuation]
+    with torch.no_grad():
+        whole, _ = model(torch.tensor([PROMPT + continuation]))
+    for step, log_probs in enumerate(incremental):
+        assert (log_probs - whole[0, len(PROMPT) - 1 + step]).abs().max().item() <= 1e-5
+
+
+def test_a_short_memory_forgets_so_the_comparison_can_fail():
+    model = _model(mem_len=4)
+    assert generate_ids(model, PROMPT, 20, greedy=True) != generate_ids_recompute(model, PROMPT, 20, greedy=True)
+
+
+@pytest.mark.parametrize("mem_len", [3, 6])
+def test_same_length_attention_spans_agree_for_any_memory(mem_len):
+    """With same_length every query sees exactly mem_len positions in both paths, so they agree."""
+    model = _model(mem_len=mem_len, same_length=True)
+    assert generate_ids(model, PROMPT, 15, greedy=True) == generate_ids_recompute(model, PROMPT, 15, greedy=True)
+
+
+def test_one_forward_of_one_token_per_new_token():
+    model = _model(mem_len=40)
+    embedded_lengths = []
+    hook = model.word_emb.register_forward_hook(lambda module, args, out: embedded_lengths.append(args[0].numel()))
+    try:
+        new = generate_ids(model, PROMPT, 10, greedy=True)
+    finally:
+        hook.remove()
+    # The prompt in segments of tgt_len = 8, then each new token but the last is fed once, alone.
+    assert len(new) == 10
+    assert embedded_lengths == [8, 5] + [1] * 9
+
+
+def test_sampling_is_seeded_and_leaves_the_global_generator_alone():
+    model = _model(mem_len=40)
+    global_state = torch.get_rng_state()
+    first = generate_ids(model, PROMPT, 15, temperature=1.5, seed=123)
+    second = generate_ids(model, PROMPT, 15, temperature=1.5, seed=123)
+    other = generate_ids(model, PROMPT, 15, temperature=1.5, seed=7)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert first == second and first != other
+    # Both decoders draw from the same distributions with the same generator: the same sample.
+    assert generate_ids_recompute(model, PROMPT, 15, temperature=1.5, seed=123) == first
+
+
+def test_top_k_one_is_greedy():
+    model = _model(mem_len=40)
+    assert generate_ids(model, PROMPT, 12, top_k=1, temperature=2.0, seed=5) == generate_ids(model, PROMPT, 12, greedy=True)
+
+
+def test_stop_ids_end_generation():
+    model = _model(mem_len=40)
+    free = generate_ids(model, PROMPT, 12, greedy=True)
+    stop = free[4]
+    stopped = generate_ids(model, PROMPT, 12, greedy=True, stop_ids={stop})
+    assert stopped == free[:free.index(stop) + 1]
+
+
+def test_nucleus_keeps_the_smallest_set_with_enough_mass():
+    probs = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])  # sorted: 0.4 (1), 0.3 (3), 0.15 (4), 0.1 (0), 0.05 (2)
+    kept = lambda p: set(nucleus_mask(probs, p).nonzero().flatten().tolist())  # noqa: E731
+    assert kept(0.3) == {1}
+    assert kept(0.4) == {1}
+    assert kept(0.6) == {1, 3}
+    assert kept(0.8) == {1, 3, 4}
+    assert kept(0.9) == {0, 1, 3, 4}
+    assert kept(0.99) == {0, 1, 2, 3, 4}
+
+
+def test_sampler_filters():
+    log_probs = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15]).log()
+
+    def draws(**kwargs) -> set[int]:
+        sampler = TokenSampler(torch.device("cpu"), seed=0, **kwargs)
+        return {sampler(log_probs) for _ in range(300)}
+
+    assert draws() == {0, 1, 2, 3, 4}
+    assert draws(top_k=2) == {1, 3}
+    assert draws(top_p=0.8) == {1, 3, 4}
+    assert draws(top_k=2, top_p=0.3) == {1}
+    assert draws(greedy=True) == {1}
+    with pytest.raises(ValueError, match="temperature=0"):
+        TokenSampler(torch.device("cpu"), temperature=0)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        TokenSampler(torch.device("cpu"), top_p=1.5)
+
+
+def test_bad_ids_are_named():
+    model = _model()
+    with pytest.raises(ValueError, match=r"prompt_ids: token id\(s\) \[1000\]"):
+        generate_ids(model, [1, 1000], 3)
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        generate_ids(model, [], 3)
+    with pytest.raises(ValueError, match="max_new_tokens=-1"):
+        generate_ids(model, [1], -1)
+    assert generate_ids(model, [1], 0) == []
+    with pytest.raises(ValueError, match=r"ids_list\[1\]: token id\(s\) \[-1\]"):
+        score_ids(model, [[1], [-1]], context_id=1)
+
+
+def _reference_score(model: TransformerXLLM, ids: list[int], context_id: int) -> float:
+    """Sum of log p(target) over one segment of [context] + ids (every position sees all earlier ones)."""
+    data = torch.tensor([[context_id] + ids + [context_id]])
+    with torch.no_grad():
+        log_probs, _ = model(data[:, :-1])
+    return log_probs[0].gather(1, data[0, 1:, None]).sum().item()
+
+
+def test_score_ids_equals_one_segment_scoring():
+    model = _model(mem_len=64)
+    texts = [[4, 8, 15, 16, 23, 42] * 3, [], [999], list(range(100, 131)), [7, 7, 7]]
+    scores = score_ids(model, texts, context_id=1, batch_size=2)
+    for (logprob, n_tokens), ids in zip(scores, texts):
+        assert n_tokens == len(ids) + 1
+        assert abs(logprob - _reference_score(model, ids, 1)) <= 1e-4 * max(1.0, abs(logprob))
+    # Batching (with padding) does not change a text's score.
+    one_by_one = [score_ids(model, [ids], context_id=1)[0] for ids in texts]
+    assert all(math.isclose(a[0], b[0], rel_tol=1e-5) and a[1] == b[1] for a, b in zip(scores, one_by_one))

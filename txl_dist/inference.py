@@ -1,0 +1,207 @@
+"""Generation and scoring on token ids, reusing Transformer-XL's memory.
+
+Generation feeds the prompt in segments of ``tgt_len`` tokens and then one forward of one token per new token:
+the memory (at most ``mem_len`` positions per layer) carries the context, nothing is recomputed. That is the
+paper's fast evaluation applied to decoding. `generate_ids_recompute` is the slow reference that runs the whole
+prefix again for every new token; with a memory that covers the whole context both give the same tokens.
+
+Sampling uses its own ``torch.Generator`` (seeded by ``seed``), never the global random state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Collection, Iterator, Sequence
+
+import torch
+
+from txl_dist.model import TransformerXLLM
+
+
+@contextlib.contextmanager
+def _inference(model: TransformerXLLM) -> Iterator[None]:
+    """Eval mode and no autograd, then the model's previous mode back."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _device(model: TransformerXLLM) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _check_ids(model: TransformerXLLM, ids: Sequence[int], what: str) -> None:
+    n_token = model.config.n_token
+    bad = [token for token in ids if not 0 <= token < n_token]
+    if bad:
+        raise ValueError(f"{what}: token id(s) {bad[:5]} outside the vocabulary [0, {n_token})")
+
+
+def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [V] -> bool [V]: the smallest set of most probable tokens whose probabilities sum to >= top_p."""
+    sorted_probs, order = probs.sort(descending=True)
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order] = mass_before < top_p
+    return keep
+
+
+class TokenSampler:
+    """Chooses the next token from log-probabilities: greedy, or sampled with temperature, top-k and nucleus
+    (top-p) filtering, from a private generator."""
+
+    def __init__(self, device: torch.device, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, greedy: bool = False):
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature} must be > 0 (use greedy=True for the most probable token)")
+        if not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p} must be in (0, 1] (1 keeps every token)")
+        self.temperature, self.top_k, self.top_p, self.greedy = temperature, top_k, top_p, greedy
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, log_probs: torch.Tensor) -> int:
+        """log_probs [V] -> a token id."""
+        if self.greedy:
+            return int(log_probs.argmax())
+        logits = log_probs.float() / self.temperature
+        if self.top_k > 0 and self.top_k < logits.numel():
+            kth_largest = logits.topk(self.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p < 1:
+            probs = probs * nucleus_mask(probs, self.top_p)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _prepare(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, **sampling: Any) -> TokenSampler:
+    """Check the prompt and the length; the sampler for these settings."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: give at least one token (e.g. the end-of-sentence id)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    _check_ids(model, prompt_ids, "prompt_ids")
+    return TokenSampler(_device(model), **sampling)
+
+
+class IncrementalDecoder:
+    """Feeds tokens to a model one call at a time, keeping the memory between calls.
+
+    ``feed(ids)`` runs ids through the model (in segments of ``tgt_len``) after everything fed before and returns
+    the log-probabilities of the token that follows [V]. Put the model in eval mode first.
+    """
+
+    def __init__(self, model: TransformerXLLM):
+        self.model = model
+        self.device = _device(model)
+        self.mems: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def feed(self, ids: Sequence[int]) -> torch.Tensor:
+        if not ids:
+            raise ValueError("feed: no token ids given")
+        _check_ids(self.model, ids, "ids")
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        segment = self.model.config.tgt_len
+        for start in range(0, tokens.shape[1], segment):
+            hidden, self.mems = self.model.hidden_states(tokens[:, start:start + segment], self.mems)
+        return self.model.crit.log_prob(hidden[-1])[0]  # hidden [L, 1, d_model]: the newest position
+
+
+def generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 greedy: bool = False, stop_ids: Collection[int] = ()) -> list[int]:
+    """The new tokens (not the prompt) after ``prompt_ids``, decoded incrementally with the memory.
+
+    The prompt goes in segments of ``model.config.tgt_len``; each new token then costs one forward of one token.
+    The model sees at most ``mem_len`` earlier positions (plus the current one) at every layer. Generation stops
+    after ``max_new_tokens`` tokens or after emitting one of ``stop_ids`` (which is included).
+    """
+    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, greedy=greedy)
+    new_ids: list[int] = []
+    if max_new_tokens == 0:
+        return new_ids
+    with _inference(model):
+        decoder = IncrementalDecoder(model)
+        log_probs = decoder.feed(prompt_ids)
+        while True:
+            token = choose(log_probs)
+            new_ids.append(token)
+            if token in stop_ids or len(new_ids) == max_new_tokens:
+                break
+            log_probs = decoder.feed([token])
+    return new_ids
+
+
+def generate_ids_recompute(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                           max_context: int | None = None, temperature: float = 1.0, top_k: int = 0,
+                           top_p: float = 1.0, seed: int | None = None, greedy: bool = False,
+                           stop_ids: Collection[int] = ()) -> list[int]:
+    """Like `generate_ids`, but every new token recomputes the whole prefix (its last ``max_context`` tokens when
+    given) in one segment without memory: the vanilla Transformer's decoding, the reference for tests and
+    benchmarks."""
+    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, greedy=greedy)
+    device = _device(model)
+    ids = list(prompt_ids)
+    new_ids: list[int] = []
+    with _inference(model):
+        while len(new_ids) < max_new_tokens:
+            context = ids if max_context is None else ids[-max_context:]
+            hidden, _ = model.hidden_states(torch.tensor([context], dtype=torch.long, device=device))
+            token = choose(model.crit.log_prob(hidden[-1])[0])
+            new_ids.append(token)
+            ids.append(token)
+            if token in stop_ids:
+                break
+    return new_ids
+
+
+def score_ids(model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context_id: int, *,
+              batch_size: int = 16) -> list[tuple[float, int]]:
+    """(log-probability in nats, number of scored tokens) of each token sequence, scored as a document.
+
+    A sequence ``ids`` is read as ``[context_id] + ids`` and predicts ``ids + [context_id]``: it is conditioned
+    on the separator that precedes every document in the training stream and must end the way documents end, so
+    ``n_tokens = len(ids) + 1``. Sequences are scored in batches (right-padded, which cannot affect a causal
+    model), in segments of ``tgt_len`` with the memory, so a sequence longer than ``mem_len + tgt_len`` sees a
+    bounded context, as in evaluation. Perplexity is ``exp(-logprob / n_tokens)``.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+    _check_ids(model, [context_id], "context_id")
+    for index, ids in enumerate(ids_list):
+        _check_ids(model, ids, f"ids_list[{index}]")
+    device = _device(model)
+    segment = model.config.tgt_len
+    results: list[tuple[float, int]] = [(0.0, 0)] * len(ids_list)
+    by_length = sorted(range(len(ids_list)), key=lambda index: len(ids_list[index]))
+    with _inference(model):
+        for first in range(0, len(by_length), batch_size):
+            batch = by_length[first:first + batch_size]
+            n_targets = torch.tensor([len(ids_list[index]) + 1 for index in batch], device=device)
+            width = int(n_targets.max())
+            data = torch.full((len(batch), width + 1), context_id, dtype=torch.long, device=device)
+            for row, index in enumerate(batch):
+                if ids_list[index]:
+                    data[row, 1:len(ids_list[index]) + 1] = torch.tensor(list(ids_list[index]), device=device)
+            scored = torch.arange(width, device=device)[None, :] < n_targets[:, None]  # [B, width]
+            nll = torch.zeros(len(batch), dtype=torch.float64, device=device)
+            mems = None
+            for start in range(0, width, segment):
+                window = slice(start, min(start + segment, width))
+                loss, mems = model(data[:, window], data[:, window.start + 1:window.stop + 1], mems)
+                nll += torch.where(scored[:, window], loss.double(), 0.0).sum(dim=1)
+            for row, index in enumerate(batch):
+                results[index] = (-float(nll[row]), int(n_targets[row]))
+    return results
