@@ -162,9 +162,10 @@ class ModelConfig:
         return arch
 
 
-# lm1b settings follow the authors' One Billion Word scripts (base: 18 layers; large: 24 layers).
+# lm1b settings follow the authors' One Billion Word scripts (base: 18 layers; large: 24 layers). Their train.py
+# ties no projection for lm1b (tie_projs = [False] * 4), unlike WikiText-103's [False, True, True, True].
 _LM1B_COMMON = dict(
-    n_token=793471, div_val=4, cutoffs=[60000, 100000, 640000], tie_weight=True,
+    n_token=793471, div_val=4, cutoffs=[60000, 100000, 640000], tie_weight=True, tie_projs=[False] * 4,
     tgt_len=32, mem_len=32, clamp_len=-1, same_length=False, pre_lnorm=False,
 )
 
