@@ -15,3 +15,17 @@ def load_pretrained(export_dir: Any, **overrides: Any) -> tuple[Any, Any]:
     from txl_dist.export import load_pretrained as _load_pretrained
 
     return _load_pretrained(export_dir, **overrides)
+
+
+def generate(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 50, **sampling: Any) -> str:
+    """Continue ``prompt``: see `txl_dist.inference.generate`."""
+    from txl_dist.inference import generate as _generate
+
+    return _generate(model, tokenizer, prompt, max_new_tokens, **sampling)
+
+
+def score(model: Any, tokenizer: Any, texts: Any, **options: Any) -> list[dict[str, Any]]:
+    """Log-probability and perplexity of each text: see `txl_dist.inference.score`."""
+    from txl_dist.inference import score as _score
+
+    return _score(model, tokenizer, texts, **options)

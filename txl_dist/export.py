@@ -346,9 +346,18 @@ def load_model(export_dir: str | os.PathLike, *, device: str | torch.device = "c
         raise ValueError(f"{weights_path}: stored with the ties {recorded_aliases}, but {export_dir / CONFIG_FILE} "
                          f"(tie_weight, tie_projs) gives {aliases}")
     _check_keys_and_shapes(tensors, {k: s for k, s in shapes.items() if k not in aliases}, str(weights_path))
+    return model_from_state_dict(tensors, config, device=device, where=str(weights_path))
+
+
+def model_from_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, *,
+                          device: str | torch.device = "cpu", where: str = "state dict") -> TransformerXLLM:
+    """A model in eval mode holding ``state`` (with or without the keys of tied tensors, e.g. DeepSpeed's
+    consolidated weights); a missing, extra or misshapen weight is an error naming it."""
+    weights = unique_weights(state, config, where)
+    _, aliases = _layout(config)
     with torch.device(device):
         model = TransformerXLLM(config)
-    model.load_state_dict({**tensors, **{alias: tensors[stored] for alias, stored in aliases.items()}}, strict=True)
+    model.load_state_dict({**weights, **{alias: weights[stored] for alias, stored in aliases.items()}}, strict=True)
     return model.eval()
 
 

@@ -205,3 +205,31 @@ def score_ids(model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context
             for row, index in enumerate(batch):
                 results[index] = (-float(nll[row]), int(n_targets[row]))
     return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text in, text out (the tokenizer of an export: ``model, tokenizer = txl_dist.load_pretrained(EXPORT)``).
+
+
+def generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens: int = 50, *,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             greedy: bool = False) -> str:
+    """The text that follows ``prompt``, decoded incrementally (one forward of one token per new token).
+
+    The prompt is read as the start of a document: it follows the document separator, as every document of the
+    training stream does. Separators in the output come back as line breaks (`decode_document`).
+    """
+    prompt_ids = [tokenizer.eod_id] + tokenizer.encode(prompt)
+    new_ids = generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed, greedy=greedy)
+    return tokenizer.decode_document(new_ids)
+
+
+def score(model: TransformerXLLM, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16
+          ) -> list[dict[str, float | int]]:
+    """Per text: ``logprob`` (nats, of its tokens and the closing separator, given the opening one), ``tokens``
+    (how many were scored) and ``ppl`` = exp(-logprob / tokens). See `score_ids`."""
+    import math
+
+    scored = score_ids(model, [tokenizer.encode(text) for text in texts], tokenizer.eod_id, batch_size=batch_size)
+    return [{"logprob": logprob, "tokens": n, "ppl": math.exp(-logprob / n)} for logprob, n in scored]

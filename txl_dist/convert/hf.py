@@ -16,9 +16,15 @@ Nothing here imports transformers at module level: the config is exchanged as a 
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from txl_dist.convert.keymap import KeyMap
 from txl_dist.model.config import ModelConfig
@@ -72,8 +78,12 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         raise ValueError(f"attn_type={hf['attn_type']} is not Transformer-XL's relative attention (attn_type=0)")
     if hf.get("sample_softmax", -1) > 0:
         raise ValueError("sample_softmax models are not supported")
-    cutoffs = list(hf["cutoffs"]) if hf.get("adaptive", True) else []
-    tie_projs = [False] + [bool(hf.get("proj_share_all_but_first", False))] * len(cutoffs)
+    # HuggingFace builds its adaptive embedding and softmax from `cutoffs` whatever `adaptive` says.
+    cutoffs = list(hf["cutoffs"])
+    if "tie_projs" in hf:  # what TransfoXLConfig saves
+        tie_projs = [bool(t) for t in hf["tie_projs"]]
+    else:  # what its constructor takes
+        tie_projs = [False] + [bool(hf.get("proj_share_all_but_first", False))] * len(cutoffs)
     fields = dict(
         n_token=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"], d_head=hf["d_head"],
         d_model=hf["d_model"], d_inner=hf["d_inner"], d_embed=hf["d_embed"], div_val=hf["div_val"],
@@ -121,3 +131,68 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> d
                         f"convert with untie_r=true"
                     )
     return KEY_MAP.backward(state)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HuggingFace folders (what ``TransfoXLLMHeadModel.from_pretrained`` reads), written and read without importing
+# transformers.
+
+HF_WEIGHTS = "model.safetensors"
+HF_LEGACY_WEIGHTS = "pytorch_model.bin"
+HF_TOKENIZER_KEY = "txl_dist_tokenizer"
+"""config.json key recording our tokenizer's identity; the tokenizer's files travel in ``tokenizer/``."""
+HF_SETTINGS_KEY = "txl_dist_settings"
+"""config.json key for our settings TransfoXLConfig has no field for, so that a round trip is exact."""
+_SETTINGS_HF_LACKS = ("tgt_len", "attn_impl", "mem_dtype")
+
+
+def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """An export folder -> a folder transformers 4.37.2 loads with ``TransfoXLLMHeadModel.from_pretrained``."""
+    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, unique_weights
+
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir}: already exists (pass --overwrite to replace it)")
+    config, identity = read_config_file(export_dir / CONFIG_FILE)
+    state = to_hf_state_dict(unique_weights(load_model(export_dir).state_dict(), config), config)
+    # Shared tensors (the per-layer copies of the position biases) are written as copies: safetensors
+    # refuses aliases; HuggingFace re-ties the crit weights it lists in _tied_weights_keys itself.
+    weights = {key: tensor.detach().contiguous().clone() for key, tensor in state.items()}
+    hf_config = {**to_hf_config(config), "model_type": "transfo-xl", "architectures": ["TransfoXLLMHeadModel"],
+                 HF_TOKENIZER_KEY: identity,
+                 HF_SETTINGS_KEY: {name: getattr(config, name) for name in _SETTINGS_HF_LACKS}}
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        save_file(weights, str(staging / HF_WEIGHTS), metadata={"format": "pt"})
+        if (export_dir / TOKENIZER_DIR).is_dir():
+            shutil.copytree(export_dir / TOKENIZER_DIR, staging / TOKENIZER_DIR)
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n", encoding="utf-8")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_hf_folder(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict | None, Path | None]:
+    """(config, our state dict, tokenizer identity or None, tokenizer directory or None) of a HuggingFace
+    TransfoXL folder (``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``)."""
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: missing (not a HuggingFace model folder)")
+    hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    if hf_config.get("model_type") not in (None, "transfo-xl"):
+        raise ValueError(f"{config_path}: model_type is {hf_config.get('model_type')!r}, expected 'transfo-xl'")
+    config = from_hf_config(hf_config, **hf_config.get(HF_SETTINGS_KEY, {}))
+    if (hf_dir / HF_WEIGHTS).is_file():
+        state = load_file(str(hf_dir / HF_WEIGHTS))
+    elif (hf_dir / HF_LEGACY_WEIGHTS).is_file():
+        state = torch.load(hf_dir / HF_LEGACY_WEIGHTS, map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_LEGACY_WEIGHTS}")
+    tokenizer_dir = hf_dir / "tokenizer"
+    return (config, from_hf_state_dict(state, config), hf_config.get(HF_TOKENIZER_KEY),
+            tokenizer_dir if tokenizer_dir.is_dir() else None)

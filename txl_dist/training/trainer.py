@@ -129,6 +129,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", self.rank, self.world_size,
                                              cfg.checkpoint.keep_last)
         self.checkpoints.remove_incomplete()
+        if self.rank == 0:
+            self._keep_tokenizer()
         dist.barrier()
 
         # Identical initial weights on every rank, then a different dropout stream per rank.
@@ -165,6 +167,31 @@ class Trainer:
         self.resumed_from = self._resume()
         self.logger = RunLogger(self.output_dir, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
                                 resume_step=self.step)
+
+    def _keep_tokenizer(self) -> None:
+        """Rank 0: a copy of the tokenizer in ``{output_dir}/tokenizer``, so that checkpoints convert and
+        evaluate on any machine without the shards' build folders."""
+        import shutil
+        import tempfile
+
+        from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
+
+        target = self.output_dir / "tokenizer"
+        candidates = [target, self.cfg.data.tokenizer, self.manifest.build.get("tokenizer_directory")]
+        try:
+            source = find_tokenizer_dir(self.manifest.tokenizer.fingerprint, candidates)
+        except TokenizerError as error:
+            log.warning("no copy of the tokenizer kept with the run (exports will need --tokenizer): %s", error)
+            return
+        if source == target:
+            return
+        tokenizer = load_tokenizer(source)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=self.output_dir))
+        for name in [*tokenizer.files, "tokenizer.json"]:
+            shutil.copyfile(source / name, staging / name)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
 
     # ---- resume ------------------------------------------------------------------------------------------------
 

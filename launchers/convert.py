@@ -1,0 +1,132 @@
+"""Convert between training checkpoints, export folders, HuggingFace TransfoXL and the authors' PyTorch layout.
+
+    # a DeepSpeed checkpoint (any ZeRO stage, any number of ranks; the run folder means its latest checkpoint)
+    python launchers/convert.py zero-to-export runs/lm1b_base exports/lm1b_base
+    python launchers/convert.py zero-to-export runs/lm1b_base/checkpoints/step00200000 exports/lm1b_base_200k
+
+    # HuggingFace transformers 4.37.2: TransfoXLLMHeadModel.from_pretrained("hf/lm1b_base"), and back
+    python launchers/convert.py export-to-hf exports/lm1b_base hf/lm1b_base
+    python launchers/convert.py hf-to-export hf/lm1b_base exports/lm1b_base_from_hf
+
+    # the authors' state dict (their eval.py after model.load_state_dict), and back with a config.json
+    python launchers/convert.py export-to-original exports/lm1b_base lm1b_base.pt
+    python launchers/convert.py original-to-export model_state.pt exports/lm1b_base/config.json exports/from_original
+
+An export folder holds config.json (the authors' argument names), model.safetensors, tokenizer/ and training.json;
+`txl_dist.load_pretrained(EXPORT)`, launchers/evaluate.py and launchers/generate.py read it. Outputs are written
+under a temporary name and renamed when complete; an existing output is refused without --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def zero_to_export(args: argparse.Namespace) -> str:
+    from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
+    from txl_dist.export import write_export
+
+    checkpoint = read_training_checkpoint(args.checkpoint)
+    tokenizer_dir = find_tokenizer(checkpoint, args.tokenizer)
+    weights = consolidate_weights(checkpoint)
+    client = checkpoint.client
+    training_info = {
+        "source": str(checkpoint.tag_dir.resolve()), "step": client["step"], "tokens_seen": client["tokens_seen"],
+        "best_eval": client.get("best"), "world_size": client.get("world_size"),
+        "data": {"shards": checkpoint.run_config.data.shards, "train_split": checkpoint.run_config.data.train_split},
+        "run_config": client["config"],
+    }
+    out = write_export(weights, checkpoint.run_config.model, args.output, tokenizer_dir=tokenizer_dir,
+                       tokenizer_identity=client["tokenizer"], training_info=training_info, overwrite=args.overwrite)
+    return f"{checkpoint.tag_dir} (step {client['step']}) -> {out}"
+
+
+def export_to_hf(args: argparse.Namespace) -> str:
+    from txl_dist.convert.hf import write_hf_folder
+
+    out = write_hf_folder(args.export, args.output, overwrite=args.overwrite)
+    return f"{args.export} -> {out} (transformers 4.37.2: TransfoXLLMHeadModel.from_pretrained({str(out)!r}))"
+
+
+def hf_to_export(args: argparse.Namespace) -> str:
+    from txl_dist.convert.hf import read_hf_folder
+    from txl_dist.export import write_export
+
+    config, state, identity, tokenizer_dir = read_hf_folder(args.hf)
+    out = write_export(state, config, args.output, tokenizer_dir=tokenizer_dir, tokenizer_identity=identity,
+                       training_info={"source": str(Path(args.hf).resolve()), "converted_from": "huggingface"},
+                       overwrite=args.overwrite)
+    return f"{args.hf} -> {out}"
+
+
+def export_to_original(args: argparse.Namespace) -> str:
+    from txl_dist.convert.original import save_original, to_original_state_dict
+    from txl_dist.export import load_model
+
+    model = load_model(args.export)
+    out = Path(args.output)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
+    save_original(to_original_state_dict(model.state_dict(), model.config), out)
+    return f"{args.export} -> {out} (a state dict; the matching arguments are in {Path(args.export) / 'config.json'})"
+
+
+def original_to_export(args: argparse.Namespace) -> str:
+    from txl_dist.convert.original import from_original_state_dict, load_original
+    from txl_dist.export import read_config_file, write_export
+
+    config, identity = read_config_file(args.config)
+    state = from_original_state_dict(load_original(args.original), config)
+    out = write_export(state, config, args.output, tokenizer_dir=args.tokenizer, tokenizer_identity=identity,
+                       training_info={"source": str(Path(args.original).resolve()), "converted_from": "original"},
+                       overwrite=args.overwrite)
+    return f"{args.original} -> {out}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="launchers/convert.py", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, function, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(function=function)
+        sub.add_argument("--overwrite", action="store_true", help="replace an existing output")
+        return sub
+
+    sub = command("zero-to-export", zero_to_export, "a DeepSpeed training checkpoint -> an export folder")
+    sub.add_argument("checkpoint", help="run folder, its checkpoints/ folder, or one checkpoint folder")
+    sub.add_argument("output", help="the export folder to write")
+    sub.add_argument("--tokenizer", help="tokenizer folder (default: the one the run recorded, found by fingerprint)")
+    sub = command("export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder")
+    sub.add_argument("export")
+    sub.add_argument("output")
+    sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder")
+    sub.add_argument("hf")
+    sub.add_argument("output")
+    sub = command("export-to-original", export_to_original, "an export folder -> the authors' state dict (.pt)")
+    sub.add_argument("export")
+    sub.add_argument("output", help="the .pt file to write")
+    sub = command("original-to-export", original_to_export,
+                  "the authors' state dict + a config.json of their argument names -> an export folder")
+    sub.add_argument("original", help="a state dict saved from the authors' MemTransformerLM (.pt)")
+    sub.add_argument("config", help="config.json with the authors' argument names (n_token, n_layer, ...)")
+    sub.add_argument("output")
+    sub.add_argument("--tokenizer", help="tokenizer folder to include (its vocabulary must match n_token)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        print(args.function(args))
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as error:
+        print(f"convert.py {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

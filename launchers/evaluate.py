@@ -1,0 +1,154 @@
+"""Perplexity of a trained model on one split of its shards; every target token is scored exactly once.
+
+    python launchers/evaluate.py exports/ptb_small --split test
+    python launchers/evaluate.py runs/ptb_small --split test                 # the run's latest checkpoint
+    python launchers/evaluate.py runs/lm1b_base/checkpoints/step00500000 --split test \\
+        --tgt-len 32 --mem-len 128 --same-length --batch-size 64
+    # across ranks (any launcher; each rank scores its own streams)
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launchers/evaluate.py exports/ptb_small --split test
+    torchrun --nproc_per_node 8 launchers/evaluate.py exports/lm1b_base --split test --shards /data/lm1b/shards
+
+The model comes from an export folder or a DeepSpeed checkpoint (any ZeRO stage and number of ranks, gathered
+on the CPU). The shards default to the ones the model was trained on. Prints a summary and writes JSON
+(--output; by default ``eval_{split}.json`` in an export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss, per-token and per-word
+perplexity (words: the whitespace-separated units of the text, with each document separator counted as one),
+and bits per character when the tokens are characters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="launchers/evaluate.py", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="an export folder, a training run folder or one checkpoint folder")
+    parser.add_argument("--split", default="test", help="the split of the shards to score (default: test)")
+    parser.add_argument("--shards", help="shard folder (default: the one the model was trained on)")
+    parser.add_argument("--tgt-len", type=int, help="tokens per segment (default: the model's)")
+    parser.add_argument("--mem-len", type=int, help="memory length (default: the model's)")
+    parser.add_argument("--clamp-len", type=int, help="clamp relative distances (default: the model's)")
+    parser.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
+                        help="every query sees mem_len keys (default: the model's)")
+    parser.add_argument("--batch-size", type=int, default=16, help="streams over all ranks (default: 16)")
+    parser.add_argument("--tokenizer", help="tokenizer folder, for a checkpoint whose own cannot be found")
+    parser.add_argument("--output", help="where to write the JSON result")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _distributed() -> tuple[int, int, Any]:
+    """(rank, world size, device); a process group when a launcher started several processes."""
+    import torch
+    import torch.distributed as dist
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        return dist.get_rank(), world_size, device
+    return 0, 1, device
+
+
+def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str | None, device
+          ) -> tuple[Any, Any, str | None, Path]:
+    """(model, tokenizer or None, recorded shards or None, default output file)."""
+    from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_model, load_export_tokenizer
+
+    if (path / CONFIG_FILE).is_file():
+        model = load_model(path, device=device, **overrides)
+        tokenizer = load_export_tokenizer(path)
+        training = path / TRAINING_FILE
+        shards = json.loads(training.read_text())["data"]["shards"] if training.is_file() else None
+        return model, tokenizer, shards, path / f"eval_{split}.json"
+    from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
+    from txl_dist.export import apply_eval_overrides, model_from_state_dict
+    from txl_dist.tokenizer import load_tokenizer
+
+    checkpoint = read_training_checkpoint(path)
+    config = apply_eval_overrides(checkpoint.run_config.model, overrides)
+    model = model_from_state_dict(consolidate_weights(checkpoint), config, device=device, where=str(checkpoint.tag_dir))
+    tokenizer = load_tokenizer(find_tokenizer(checkpoint, tokenizer_dir))
+    # Next to the checkpoints, not inside one: a checkpoint folder stays as the trainer wrote it.
+    return model, tokenizer, checkpoint.run_config.data.shards, checkpoint.run_dir / f"eval_{split}_{checkpoint.tag}.json"
+
+
+def tokens_are_characters(tokenizer) -> bool:
+    """Every piece that is not a special symbol is a single character (enwik8/text8-style data)."""
+    specials = {tokenizer.eos_id, tokenizer.eod_id, tokenizer.unk_id}
+    pieces = (tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size) if i not in specials)
+    return all(len(piece.lstrip("\u2581")) <= 1 for piece in pieces)
+
+
+def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
+    from txl_dist.data import EvalStreams, read_manifest
+    from txl_dist.evaluation import evaluate
+
+    rank, world_size, device = _distributed()
+    overrides = {name: value for name, value in (("tgt_len", args.tgt_len), ("mem_len", args.mem_len),
+                                                  ("clamp_len", args.clamp_len), ("same_length", args.same_length))
+                 if value is not None}
+    model, tokenizer, recorded_shards, default_output = _load(Path(args.model), args.split, overrides, args.tokenizer,
+                                                               device)
+    shards = args.shards or recorded_shards
+    if shards is None:
+        raise ValueError(f"{args.model} does not record its shards: pass --shards DIR")
+    manifest = read_manifest(shards)
+    if args.split not in manifest.splits:
+        raise ValueError(f"--split {args.split!r}: {shards} has the splits {sorted(manifest.splits)}")
+    fingerprint = tokenizer.fingerprint if tokenizer is not None else None
+    per_rank = max(1, math.ceil(args.batch_size / world_size))
+    with EvalStreams(shards, args.split, tgt_len=model.config.tgt_len, batch_size=per_rank, world_size=world_size,
+                     rank=rank, expected_fingerprint=fingerprint) as streams:
+        result = evaluate(model, streams, device, progress=rank == 0 and not args.no_progress)
+    split = manifest.splits[args.split]
+    c = model.config
+    summary: dict[str, Any] = {
+        "model": str(args.model), "shards": str(shards), "split": args.split, "ranks": world_size,
+        "settings": {"tgt_len": c.tgt_len, "mem_len": c.mem_len, "clamp_len": c.clamp_len,
+                     "same_length": c.same_length, "batch_size": per_rank * world_size},
+        "tokens": result.targets, "loss": result.loss, "ppl": result.ppl, "bits_per_token": result.loss / math.log(2),
+    }
+    if split.words > 1:
+        # The first word of the split has no context, like the first token.
+        summary["words"] = split.words
+        summary["word_ppl"] = math.exp(result.nll_sum / (split.words - 1))
+    if tokenizer is not None and tokens_are_characters(tokenizer):
+        summary["bits_per_character"] = result.loss / math.log(2)
+    summary["output"] = args.output or str(default_output)
+    return summary if rank == 0 else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = evaluate_split(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"evaluate.py: error: {error}", file=sys.stderr)
+        return 2
+    if summary:
+        Path(summary["output"]).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}, ppl {summary['ppl']:.2f}"
+        if "word_ppl" in summary:
+            line += f", word ppl {summary['word_ppl']:.2f}"
+        if "bits_per_character" in summary:
+            line += f", {summary['bits_per_character']:.4f} bits/char"
+        print(f"{line}  ({summary['output']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Continue a prompt with a trained model, or score texts, from an export folder.
+
+    python launchers/generate.py exports/ptb_small --prompt "the company said" --max-new-tokens 40 --seed 1
+    python launchers/generate.py exports/ptb_small --prompt "the company said" --greedy
+    python launchers/generate.py exports/lm1b_base --prompt "The" --top-p 0.9 --temperature 0.8 --mem-len 256
+    python launchers/generate.py exports/ptb_small --score "the market fell" "fell the market"
+
+Decoding is incremental: after the prompt, one forward of one token per new token, the memory carrying the
+context (at most --mem-len positions, the model's by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="launchers/generate.py", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("export", help="an export folder (launchers/convert.py zero-to-export)")
+    task = parser.add_mutually_exclusive_group(required=True)
+    task.add_argument("--prompt", help="text to continue")
+    task.add_argument("--score", nargs="+", metavar="TEXT", help="texts to score (log-probability, perplexity)")
+    parser.add_argument("--max-new-tokens", type=int, default=50)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    parser.add_argument("--greedy", action="store_true", help="always the most probable token")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--mem-len", type=int, help="memory length (default: the model's)")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+
+    from txl_dist.export import load_pretrained
+    from txl_dist.inference import generate, score
+
+    overrides = {"mem_len": args.mem_len} if args.mem_len is not None else {}
+    try:
+        model, tokenizer = load_pretrained(args.export, device=args.device, **overrides)
+        if tokenizer is None:
+            raise ValueError(f"{args.export} has no tokenizer: text cannot be encoded (see convert.py --tokenizer)")
+        if args.score:
+            for text, result in zip(args.score, score(model, tokenizer, args.score)):
+                print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} tokens  ppl {result['ppl']:9.2f}  {text}")
+            return 0
+        for sample in range(args.num_samples):
+            seed = None if args.seed is None else args.seed + sample
+            text = generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=seed, greedy=args.greedy)
+            print(f"{args.prompt}{text if text.startswith((' ', chr(10))) else ' ' + text}")
+    except (ValueError, FileNotFoundError) as error:
+        print(f"generate.py: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Evaluation, conversion and generation from a real 2-rank ZeRO-3 training run on the Penn Treebank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launcher import launcher_command, run
+
+pytestmark = pytest.mark.launcher
+
+
+def python(script: str, *args: str, check: bool = True):
+    import sys
+
+    return run([sys.executable, script, *args], check=check)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(ptb_word_shards, ptb_word_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
+    """(run folder, live parameters gathered at the end of training) of 12 steps of ZeRO-3 on 2 ranks."""
+    root = tmp_path_factory.mktemp("zero3")
+    live = root / "live.pt"
+    run(launcher_command("tests/scripts/train_and_gather.py", [
+        str(live), "--config", "configs/tiny_cpu.yaml", "--config", "configs/variants/zero3.yaml",
+        f"data.shards={ptb_word_shards}", f"data.tokenizer={ptb_word_tokenizer}", f"train.output_dir={root / 'run'}",
+        "train.max_steps=12", "eval.every=0", "checkpoint.every=6", "optim.lr=5e-3", "model.mem_len=16",
+    ]))
+    return root / "run", live
+
+
+@pytest.fixture(scope="module")
+def export(zero3_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("exports") / "tiny"
+    python("launchers/convert.py", "zero-to-export", str(zero3_run[0]), str(out))
+    return out
+
+
+def test_zero3_checkpoint_to_export_equals_the_live_parameters(zero3_run, export):
+    from txl_dist.export import load_model
+
+    live = torch.load(zero3_run[1], weights_only=True)
+    state = load_model(export).state_dict()
+    assert sorted(live) == sorted(name for name, _ in load_model(export).named_parameters())
+    for name, tensor in live.items():
+        assert torch.equal(state[name], tensor), name
+    training = json.loads((export / "training.json").read_text())
+    assert training["step"] == 12 and training["tokens_seen"] == 12 * 8 * 8
+    assert (export / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_export_to_huggingface_gives_the_same_losses(export, tmp_path):
+    from transformers.models.deprecated.transfo_xl import TransfoXLLMHeadModel
+
+    from txl_dist.export import load_model
+
+    hf_dir = tmp_path / "hf"
+    python("launchers/convert.py", "export-to-hf", str(export), str(hf_dir))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = TransfoXLLMHeadModel.from_pretrained(str(hf_dir)).eval()
+    hf.crit.keep_order = True  # otherwise HuggingFace returns the losses grouped by cluster
+    ours = load_model(export)
+    config = ours.config
+    torch.manual_seed(0)
+    data = torch.randint(0, config.n_token, (3, 3 * config.tgt_len + 1))
+    mems, hf_mems = None, [torch.empty(0, 3, config.d_model)] * config.n_layer
+    for segment in range(3):
+        window = slice(segment * config.tgt_len, (segment + 1) * config.tgt_len)
+        inputs, targets = data[:, window], data[:, window.start + 1:window.stop + 1]
+        with torch.no_grad():
+            loss, mems = ours(inputs, targets, mems)
+            labels = torch.cat([targets[:, :1], targets], 1)[:, :-1]  # HuggingFace shifts labels by one
+            out = hf(input_ids=inputs, labels=labels, mems=hf_mems)
+        hf_mems = out.mems
+        assert (loss[:, :-1] - out.losses).abs().max().item() <= 1e-5
+
+
+def test_round_trips_through_huggingface_and_the_original_layout_are_exact(export, tmp_path):
+    python("launchers/convert.py", "export-to-hf", str(export), str(tmp_path / "hf"))
+    python("launchers/convert.py", "hf-to-export", str(tmp_path / "hf"), str(tmp_path / "from_hf"))
+    python("launchers/convert.py", "export-to-original", str(export), str(tmp_path / "original.pt"))
+    python("launchers/convert.py", "original-to-export", str(tmp_path / "original.pt"), str(export / "config.json"),
+           str(tmp_path / "from_original"), "--tokenizer", str(export / "tokenizer"))
+    reference = load_file(str(export / "model.safetensors"))
+    reference_config = json.loads((export / "config.json").read_text())
+    for folder in ("from_hf", "from_original"):
+        weights = load_file(str(tmp_path / folder / "model.safetensors"))
+        assert sorted(weights) == sorted(reference), folder
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), folder
+        assert json.loads((tmp_path / folder / "config.json").read_text()) == reference_config, folder
+
+
+def test_evaluate_export_equals_checkpoint_and_two_ranks_equal_one(zero3_run, export, tmp_path):
+    settings = ["--split", "valid", "--mem-len", "24", "--batch-size", "4", "--no-progress"]
+    python("launchers/evaluate.py", str(export), *settings, "--output", str(tmp_path / "export.json"))
+    python("launchers/evaluate.py", str(zero3_run[0]), *settings, "--output", str(tmp_path / "checkpoint.json"))
+    run(launcher_command("launchers/evaluate.py", [str(export), *settings, "--output", str(tmp_path / "two.json")]))
+    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("export", "checkpoint", "two")}
+    assert results["two"]["ranks"] == 2
+    for name in ("checkpoint", "two"):
+        assert results[name]["tokens"] == results["export"]["tokens"] == 73760 - 1
+        assert results[name]["loss"] == pytest.approx(results["export"]["loss"], abs=1e-6)
+    # A word-level vocabulary: every token is a word (the separator counts as one), so both perplexities agree.
+    assert results["export"]["word_ppl"] == pytest.approx(results["export"]["ppl"], rel=1e-9)
+    assert results["export"]["settings"]["mem_len"] == 24
+
+
+def test_generate_and_score_from_the_command_line(export):
+    result = python("launchers/generate.py", str(export), "--prompt", "the company said", "--max-new-tokens", "12",
+                    "--seed", "3")
+    assert result.stdout.startswith("the company said") and len(result.stdout.split()) >= 3 + 5
+    again = python("launchers/generate.py", str(export), "--prompt", "the company said", "--max-new-tokens", "12",
+                   "--seed", "3")
+    assert again.stdout == result.stdout
+    scored = python("launchers/generate.py", str(export), "--score", "the company said", "said company the")
+    assert len(scored.stdout.strip().splitlines()) == 2
+
+
+def test_bad_inputs_are_clear_errors(export, zero3_run, ptb_sentencepiece_tokenizer, tmp_path):
+    # A checkpoint folder whose save did not finish.
+    tag = next(p for p in (zero3_run[0] / "checkpoints").iterdir() if p.name.startswith("step"))
+    broken = tmp_path / "broken"
+    shutil.copytree(tag, broken)
+    (broken / "COMPLETE.json").unlink()
+    result = python("launchers/convert.py", "zero-to-export", str(broken), str(tmp_path / "x"), check=False)
+    assert result.returncode == 2 and "COMPLETE.json" in result.stderr
+    # Weights that do not match the architecture.
+    wrong = tmp_path / "wrong"
+    shutil.copytree(export, wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    config["d_inner"] += 1
+    (wrong / "config.json").write_text(json.dumps(config))
+    result = python("launchers/evaluate.py", str(wrong), "--split", "valid", check=False)
+    assert result.returncode == 2 and "pos_ff.CoreNet.0.weight" in result.stderr
+    # A missing weights file.
+    (wrong / "model.safetensors").unlink()
+    result = python("launchers/generate.py", str(wrong), "--prompt", "a", check=False)
+    assert result.returncode == 2 and "model.safetensors" in result.stderr
+    # An unknown split.
+    result = python("launchers/evaluate.py", str(export), "--split", "dev", check=False)
+    assert result.returncode == 2 and "'dev'" in result.stderr and "valid" in result.stderr
+    # A tokenizer that is not the model's.
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(export, other)
+    shutil.rmtree(other / "tokenizer")
+    shutil.copytree(ptb_sentencepiece_tokenizer, other / "tokenizer")
+    result = python("launchers/generate.py", str(other), "--prompt", "a", check=False)
+    assert result.returncode == 2 and "fingerprint" in result.stderr
+    # The authors' whole pickled module instead of a state dict.
+    pickled = tmp_path / "module.pt"
+    torch.save(torch.nn.Linear(2, 2), pickled)
+    result = python("launchers/convert.py", "original-to-export", str(pickled), str(export / "config.json"),
+                    str(tmp_path / "y"), check=False)
+    assert result.returncode == 2 and "state_dict" in result.stderr

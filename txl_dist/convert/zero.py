@@ -1,0 +1,132 @@
+"""A training checkpoint (DeepSpeed, any ZeRO stage, any number of ranks) -> fp32 weights and its run config.
+
+Works offline, on one CPU process, on any machine that can read the folder: no process group, no GPU.
+
+Trust: DeepSpeed's model-state files (which hold our client state) are read with ``weights_only=True``. Its
+optimizer-state files hold DeepSpeed objects (``LossScaler``, ``ZeroStageEnum``) that a weights-only load
+refuses, and DeepSpeed's own consolidation (`get_fp32_state_dict_from_zero_checkpoint`) reads them with a full
+unpickler. That is done only for a folder this system wrote: `read_training_checkpoint` first requires our
+``COMPLETE.json`` marker, our per-rank state files and our client state in the weights-only model-state file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from txl_dist.config import RunConfig
+from txl_dist.training.checkpoint import COMPLETE, LATEST, RANK_STATES
+
+CLIENT_KEY = "txl_dist"
+
+
+class CheckpointError(ValueError):
+    """A path that is not a complete txl_dist training checkpoint; the message names the path and what is wrong."""
+
+
+@dataclass
+class TrainingCheckpoint:
+    tag_dir: Path
+    """The checkpoint folder (``.../checkpoints/step00001234``)."""
+    client: dict[str, Any]
+    """Our client state: step, tokens_seen, data, config, architecture, tokenizer, best, ..."""
+    run_config: RunConfig
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.tag_dir.parent
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's output directory (the parent of ``checkpoints/``)."""
+        return self.checkpoints_dir.parent
+
+    @property
+    def tag(self) -> str:
+        return self.tag_dir.name
+
+
+def locate_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder for a run directory, a ``checkpoints/`` directory or a checkpoint folder itself."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    for candidate in (path, path / "checkpoints"):
+        latest = candidate / LATEST
+        if latest.is_file():
+            tag = latest.read_text(encoding="utf-8").strip()
+            if (candidate / tag / COMPLETE).is_file():
+                return candidate / tag
+            raise CheckpointError(f"{latest} names {tag}, which is not a complete checkpoint (no {COMPLETE})")
+    if (path / COMPLETE).is_file():
+        return path
+    if path.is_dir() and any(path.glob("*model_states.pt")):
+        raise CheckpointError(f"{path}: a checkpoint folder without {COMPLETE}: its save did not finish, or it was "
+                              f"not written by txl_dist")
+    raise CheckpointError(f"{path}: not a txl_dist run, checkpoints directory or checkpoint folder "
+                          f"(no {LATEST} and no {COMPLETE})")
+
+
+def read_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
+    tag_dir = locate_checkpoint(path)
+    marker = json.loads((tag_dir / COMPLETE).read_text(encoding="utf-8"))
+    for rank in range(marker["world_size"]):
+        rank_file = tag_dir / RANK_STATES / f"rank{rank:05d}.pt"
+        if not rank_file.is_file():
+            raise CheckpointError(f"{rank_file}: missing from a checkpoint marked complete")
+    model_states = sorted(tag_dir.glob("*model_states.pt"))
+    if not model_states:
+        raise CheckpointError(f"{tag_dir}: no DeepSpeed model-state file (*model_states.pt)")
+    state = torch.load(model_states[0], map_location="cpu", weights_only=True)
+    if CLIENT_KEY not in state:
+        raise CheckpointError(f"{model_states[0]}: no '{CLIENT_KEY}' client state; not written by txl_dist")
+    client = state[CLIENT_KEY]
+    run_config = RunConfig.from_dict(client["config"], where=f"the config stored in {model_states[0]}")
+    return TrainingCheckpoint(tag_dir=tag_dir, client=client, run_config=run_config)
+
+
+def consolidate_weights(checkpoint: TrainingCheckpoint) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict, gathered from every rank's partitions (tied weights appear once)."""
+    tag_dir = checkpoint.tag_dir
+    if any(tag_dir.glob("*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # DeepSpeed unpickles its optimizer files in full; read_training_checkpoint has established that this
+        # folder is a complete checkpoint written by txl_dist (see the module docstring).
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.checkpoints_dir), tag=checkpoint.tag)
+    # ZeRO stage 0 in fp32: the whole module is in the (weights-only) model-state file.
+    state = torch.load(next(tag_dir.glob("*model_states.pt")), map_location="cpu", weights_only=True)
+    return {name: tensor.float() for name, tensor in state["module"].items()}
+
+
+def find_tokenizer(checkpoint: TrainingCheckpoint, explicit: str | os.PathLike | None = None) -> Path:
+    """The tokenizer folder of the fingerprint the run recorded.
+
+    ``explicit`` must match it. Otherwise the candidates are the run's own copy (``{run}/tokenizer``, written by
+    the trainer), the run's ``data.tokenizer`` and the folder the shards were built with (the manifest's build
+    record); the first one whose files hash to the recorded fingerprint is used.
+    """
+    from txl_dist.tokenizer import find_tokenizer_dir
+
+    wanted = checkpoint.client["tokenizer"]["fingerprint"]
+    if explicit is not None:
+        return find_tokenizer_dir(wanted, [explicit], strict=True)
+    data = checkpoint.run_config.data
+    return find_tokenizer_dir(wanted, [checkpoint.run_dir / "tokenizer", data.tokenizer, *_shards_tokenizer(data.shards)])
+
+
+def _shards_tokenizer(shards: str | None) -> list[str]:
+    from txl_dist.data.format import ManifestError, read_manifest
+
+    if shards is None or "://" in shards or shards.startswith("pipe:"):
+        return []
+    try:
+        directory = read_manifest(shards).build.get("tokenizer_directory")
+    except (ManifestError, OSError):
+        return []
+    return [directory] if directory else []
