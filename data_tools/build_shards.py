@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -196,40 +197,34 @@ def _tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]
     settings, tokenizer, dtype = _worker
     text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
     if len(streams) == 1:
-        routes = {streams[0][0]: (text.documents, text.indices)}
+        routes = {streams[0][0]: np.arange(len(text.documents))}
     else:
         (source, _), (holdout, _) = streams
-        routes = {source: ([], []), holdout: ([], [])}
-        for document, index in zip(text.documents, text.indices):
-            documents, indices = routes[holdout if settings.holdout.takes(document) else source]
-            documents.append(document)
-            indices.append(index)
+        held_out = np.fromiter(map(settings.holdout.takes, text.documents), dtype=bool, count=len(text.documents))
+        routes = {source: np.flatnonzero(~held_out), holdout: np.flatnonzero(held_out)}
     pieces = {}
     for split, first_document in streams:
         if first_document is None:
             continue
-        documents, indices = routes[split]
+        selected = routes[split]
         if first_document:
-            keep = next((i for i, index in enumerate(indices) if index >= first_document), len(indices))
-            documents, indices = documents[keep:], indices[keep:]
-        pieces[split] = _encode_piece(tokenizer, documents, indices, dtype)
+            selected = selected[text.indices[selected] >= first_document]
+        pieces[split] = _encode_piece(tokenizer, text, selected, dtype)
     return ChunkResult(chunk.start.chunk, len(chunk.data), len(text.documents), text.empty,
                        text.replaced_bytes, pieces)
 
 
-def _encode_piece(tokenizer: Tokenizer, documents: list[list[str]], indices: list[int], dtype: np.dtype
+def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.ndarray, dtype: np.dtype
                   ) -> StreamPiece:
-    count = len(documents)
-    if not count:
-        empty = np.zeros(0, dtype=np.int64)
-        return StreamPiece(np.zeros(0, dtype=dtype), empty, empty, empty, empty)
+    """The documents ``text.documents[selected]`` as a piece of a split's stream."""
+    if len(selected) == len(text.documents):
+        documents = text.documents
+    else:
+        documents = [text.documents[i] for i in selected.tolist()]
     tokens, document_tokens = tokenizer.encode_documents(documents, dtype=dtype)
     # Words and characters of the raw text plus one per document (its separator); see ShardEntry.
-    words = np.fromiter((sum(len(line.split()) for line in document) + 1 for document in documents),
-                        dtype=np.int64, count=count)
-    characters = np.fromiter((sum(map(len, document)) + len(document) for document in documents),
-                             dtype=np.int64, count=count)
-    return StreamPiece(tokens, document_tokens, words, characters, np.asarray(indices, dtype=np.int64))
+    return StreamPiece(tokens, document_tokens, text.words[selected] + 1, text.characters[selected] + 1,
+                       text.indices[selected])
 
 
 def ordered_map(function: Callable, tasks: Iterable, workers: int, initializer: Callable, initargs: tuple,
@@ -374,10 +369,15 @@ class BuildSummary:
         rate = self.bytes_read / 1e6 / max(self.seconds, 1e-9)
         return (f"build_shards: {self.documents:,} documents, {self.tokens:,} tokens, {self.empty_documents:,} "
                 f"empty documents skipped, {self.replaced_bytes:,} non-UTF-8 bytes replaced, {self.shards} shards "
-                f"in {self.output}, {self.seconds:.1f} s, {rate:.1f} MB/s")
+                f"in {self.output}, {self.seconds:.2f} s, {rate:.1f} MB/s")
 
 
 _STATISTICS = ("bytes", "documents", "empty_documents", "replaced_bytes")
+
+
+def _shorten(value: Any, limit: int = 120) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class _Journal:
@@ -394,7 +394,8 @@ class _Journal:
             "sources": {source: {"done": False, "read_from": dataclasses.asdict(ReadPosition()),
                                  "statistics_next_chunk": 0, "statistics": dict.fromkeys(_STATISTICS, 0)}
                         for source in settings.sources},
-            "streams": {split: {"done": False, "position": dataclasses.asdict(StreamPosition()), "shards": []}
+            # position: where the split continues in its source; null once its last shard is written.
+            "streams": {split: {"position": dataclasses.asdict(StreamPosition()), "shards": []}
                         for split in settings.splits()},
         }
         journal = cls(path, state)
@@ -410,10 +411,11 @@ class _Journal:
             raise BuildError(f"{path}: unreadable resume state ({error}); start again with --overwrite") from error
         if journaled != record:
             differing = sorted(key for key in set(journaled) | set(record) if journaled.get(key) != record.get(key))
+            details = "; ".join(f"{key}: journal {_shorten(journaled.get(key))}, now {_shorten(record.get(key))}"
+                                for key in differing)
             raise BuildError(
-                f"{path}: the interrupted build used other settings ({', '.join(differing)} differ: journal "
-                f"{[journaled.get(k) for k in differing]}, now {[record.get(k) for k in differing]}); resume with "
-                f"the same settings and inputs, or start again with --overwrite"
+                f"{path}: the interrupted build used other settings ({', '.join(differing)} differ: {details}); "
+                f"resume with the same settings and inputs, or start again with --overwrite"
             )
         return cls(path, state)
 
@@ -441,6 +443,9 @@ class _Builder:
         # Imported here: webdataset imports torch, which spawned tokenising workers (importing this module) need not.
         from data_tools.shard_writer import ShardWriter
 
+        # The heap of the imports (torch's, through webdataset) never becomes garbage; leaving it out of the
+        # collector's passes makes the single-process build ~10% faster.
+        gc.freeze()
         started = time.perf_counter()
         journal = self._prepare_output(resume, overwrite)
         for source in self.settings.sources:
@@ -529,7 +534,7 @@ class _Builder:
 
         packers: dict[str, BlockPacker] = {}
         positions = {split: StreamPosition(**stream_states[split]["position"]) for split in splits
-                     if not stream_states[split]["done"]}
+                     if stream_states[split]["position"] is not None}
         writers = {}
         for split in splits:
             done = journal.shards(split)
@@ -581,7 +586,7 @@ class _Builder:
                                 tokens=sum(c[1] for c in counted.values()), refresh=False)
             for split in splits:
                 packers[split].close()
-                stream_states[split]["done"] = True
+                stream_states[split]["position"] = None
         except BaseException:
             for writer in writers.values():
                 writer.__exit__(*sys.exc_info())

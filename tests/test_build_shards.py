@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import io
 import json
+import random
 import re
 import signal
 import subprocess
@@ -177,6 +178,17 @@ def test_manifest_counts_equal_a_direct_count(ptb_word_tokenizer, tmp_path):
                      "--jsonl-field", "body") == 0
     split = read_manifest(output).splits["train"]
     assert {key: getattr(split, key) for key in direct(documents)} == direct(documents)
+
+
+def test_word_counts_follow_str_split_for_every_kind_of_whitespace():
+    generator = random.Random(1)
+    alphabet = ["a", "b", " ", "\t", "\u3000", "\xa0", "\u2028", "\x1c", "\u200b", "é", "\U0001F600", "\n", "\n"]
+    for _ in range(2000):
+        text = "".join(generator.choice(alphabet) for _ in range(generator.randint(1, 30)))
+        lines = text.split("\n")
+        if text.endswith("\n"):
+            lines.pop()
+        assert corpus.words_per_line(text).tolist() == [len(line.split()) for line in lines], repr(text)
 
 
 def test_gzip_input_gives_the_shards_of_the_plain_text(ptb_word_tokenizer, ptb_text_dir, tmp_path):

@@ -92,23 +92,24 @@ class Tokenizer(abc.ABC):
         Returns ``(tokens, tokens_per_document)``: the documents' tokens one after another, separators included,
         as one array of ``dtype``, and how many of them belong to each document.
         """
-        lines_per_document = [len(document) for document in documents]
-        if any(count == 0 for count in lines_per_document):
+        lines_per_document = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        if len(documents) and lines_per_document.min() == 0:
             raise ValueError("a document needs at least one line")
         encoded = self.encode_batch([line for document in documents for line in document])
-        last_line = -1
-        for count in lines_per_document:
-            for line_ids in encoded[last_line + 1:last_line + count]:
+        if len(encoded) == len(documents):  # one line each (PTB, One Billion Word): the fast path
+            for line_ids in encoded:
+                line_ids.append(self.eod_id)
+        else:
+            last_lines = np.cumsum(lines_per_document) - 1
+            for line_ids in encoded:
                 line_ids.append(self.eos_id)
-            last_line += count
-            encoded[last_line].append(self.eod_id)
-        tokens = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype,
-                             count=sum(map(len, encoded)))
+            for last_line in last_lines.tolist():
+                encoded[last_line][-1] = self.eod_id
+        tokens = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=sum(map(len, encoded)))
         line_tokens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         if len(encoded) == len(documents):
             return tokens, line_tokens
-        first_lines = np.cumsum([0] + lines_per_document[:-1])
-        return tokens, np.add.reduceat(line_tokens, first_lines)
+        return tokens, np.add.reduceat(line_tokens, np.cumsum(lines_per_document) - lines_per_document)
 
     def encode_document(self, text: str) -> list[int]:
         """Ids of a document given as text: its lines are the pieces between ``\\n`` characters."""
