@@ -443,14 +443,17 @@ class _Builder:
         # Imported here: webdataset imports torch, which spawned tokenising workers (importing this module) need not.
         from data_tools.shard_writer import ShardWriter
 
+        started = time.perf_counter()
+        journal = self._prepare_output(resume, overwrite)
         # The heap of the imports (torch's, through webdataset) never becomes garbage; leaving it out of the
         # collector's passes makes the single-process build ~10% faster.
         gc.freeze()
-        started = time.perf_counter()
-        journal = self._prepare_output(resume, overwrite)
-        for source in self.settings.sources:
-            if not journal.state["sources"][source]["done"]:
-                self._build_source(source, journal, ShardWriter)
+        try:
+            for source in self.settings.sources:
+                if not journal.state["sources"][source]["done"]:
+                    self._build_source(source, journal, ShardWriter)
+        finally:
+            gc.unfreeze()
         manifest = self._manifest(journal)
         write_manifest(self.output, manifest)
         journal.path.unlink()

@@ -15,7 +15,7 @@ import treebank
 from data_tools import corpus, train_tokenizer
 from tests.conftest import ptb_sentences
 from txl_dist.data.format import TokenizerIdentity
-from txl_dist.tokenizer import TokenizerError, load_tokenizer
+from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
 
 
 def test_ptb_word_vocabulary_is_the_standard_10000_words(ptb_word_tokenizer):
@@ -215,3 +215,13 @@ def test_description_disagreeing_with_the_files_is_named(word_tokenizer_copy):
     path.write_text(json.dumps({**description, "eos_id": 5}))
     with pytest.raises(TokenizerError, match="'eos_id' 5 is 'to' in .*vocab.txt, but key 'pieces.eos' says '<eos>'"):
         load_tokenizer(word_tokenizer_copy)
+
+
+def test_find_tokenizer_dir_by_fingerprint(ptb_word_tokenizer, ptb_sentencepiece_tokenizer, tmp_path):
+    wanted = load_tokenizer(ptb_sentencepiece_tokenizer).fingerprint
+    candidates = [None, tmp_path / "missing", ptb_word_tokenizer, ptb_sentencepiece_tokenizer]
+    assert find_tokenizer_dir(wanted, candidates) == ptb_sentencepiece_tokenizer
+    with pytest.raises(TokenizerError, match=f"{ptb_word_tokenizer}: fingerprint .*, not the wanted {wanted}"):
+        find_tokenizer_dir(wanted, [ptb_word_tokenizer], strict=True)
+    with pytest.raises(TokenizerError, match=f"no tokenizer with fingerprint {wanted} .*missing: no such tokenizer"):
+        find_tokenizer_dir(wanted, candidates[:3])

@@ -29,7 +29,7 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -323,3 +323,32 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
                 f"but key 'pieces.{name}' says {pieces.get(name)!r}"
             )
     return tokenizer
+
+
+def find_tokenizer_dir(fingerprint: str, candidates: Iterable[str | os.PathLike | None], strict: bool = False) -> Path:
+    """The first candidate directory holding a tokenizer with ``fingerprint``.
+
+    ``None`` candidates are skipped. Without ``strict`` a candidate that is missing, damaged or of another
+    fingerprint is passed over; with ``strict`` it is an error. When none fits, the error names every candidate
+    and why it was passed over.
+    """
+    passed_over = []
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        directory = Path(candidate)
+        try:
+            found = load_tokenizer(directory).fingerprint
+        except TokenizerError as error:
+            if strict:
+                raise
+            passed_over.append(str(error))
+            continue
+        if found == fingerprint:
+            return directory
+        problem = f"{directory}: fingerprint {found}, not the wanted {fingerprint}"
+        if strict:
+            raise TokenizerError(problem)
+        passed_over.append(problem)
+    raise TokenizerError(f"no tokenizer with fingerprint {fingerprint} among the candidates "
+                         f"({'; '.join(passed_over) or 'none given'}); pass its directory")
