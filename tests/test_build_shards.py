@@ -82,6 +82,15 @@ def test_ptb_word_shards_hold_the_exact_token_stream(ptb_word_shards, ptb_word_t
     assert manifest.build["statistics"]["train"]["empty_documents"] == sum(not line.strip() for line in lines) == 1
 
 
+def test_ptb_files_give_the_shards_of_the_treebank_package(ptb_word_shards, ptb_word_tokenizer, ptb_text_dir, tmp_path):
+    output = tmp_path / "from_files"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--format", "ptb", "--input", ptb_text_dir,
+                     "--tokens-per-block", PTB_TOKENS_PER_BLOCK, "--tokens-per-shard", PTB_TOKENS_PER_SHARD) == 0
+    from_files, from_package = files_of(output), files_of(ptb_word_shards)
+    assert from_files.pop(MANIFEST_NAME) != from_package.pop(MANIFEST_NAME)  # the input names differ
+    assert from_files == from_package
+
+
 def treebank_lines(split: str) -> list[str]:
     import treebank
 
