@@ -16,10 +16,17 @@
     # continue an interrupted build (each finished shard is checked by its sha256)
     python -m data_tools.build_shards ... --resume
 
-How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), workers
-decode and tokenise them (the tokenizer is loaded once per worker) and return compact arrays, and the parent
-packs the documents into blocks and blocks into shards, in input order, with a bounded number of chunks in
-flight. Which documents share a block depends only on the documents' token counts: a document that does not
+Documents. A document's tokens are followed by the tokenizer's ``eod_id`` (lines inside a multi-line document
+end with ``eos_id``; see `txl_dist.tokenizer`), so a one-sentence-per-line corpus becomes each sentence followed
+by one separator. Documents of nothing but whitespace are skipped and counted; bytes that are not UTF-8 become
+U+FFFD and are counted, or with ``--strict`` stop the build with the file and byte offset. ``--holdout NAME=F``
+sends a training document to split NAME when its 64-bit BLAKE2b hash (of its lines joined by ``\n``, in UTF-8,
+read little-endian) is below F * 2**64: the same document always lands in the same split.
+
+How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), worker
+processes decode and tokenise them (the tokenizer is loaded once per worker) and return compact arrays
+(`data_tools.workers.ordered_map`: results in input order, two chunks in flight per worker), and the parent
+packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one process. Which documents share a block depends only on the documents' token counts: a document that does not
 fit in what is left of the current block starts the next one, and a document longer than a block spans as many
 blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
 ``--workers``.
@@ -34,23 +41,22 @@ every split is complete.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import gc
 import hashlib
 import json
-import multiprocessing
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from data_tools import corpus
 from data_tools.corpus import InputError, InputFile, ReadPosition
+from data_tools.workers import WorkerError, ordered_map
 from txl_dist.data.format import (
     MANIFEST_NAME, Manifest, ManifestError, ShardEntry, SplitEntry, TokenizerIdentity, token_dtype, write_manifest,
 )
@@ -225,28 +231,6 @@ def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.nda
     # Words and characters of the raw text plus one per document (its separator); see ShardEntry.
     return StreamPiece(tokens, document_tokens, text.words[selected] + 1, text.characters[selected] + 1,
                        text.indices[selected])
-
-
-def ordered_map(function: Callable, tasks: Iterable, workers: int, initializer: Callable, initargs: tuple,
-                in_flight_per_worker: int = 2) -> Iterator:
-    """``map(function, tasks)`` over ``workers`` spawned processes, results in task order, at most
-    ``workers * in_flight_per_worker`` tasks submitted and not yet returned (memory does not grow with the
-    input). One worker runs in this process."""
-    if workers == 1:
-        initializer(*initargs)
-        yield from map(function, tasks)
-        return
-    # spawn, not fork: workers then import only what they need (numpy, sentencepiece), not the parent's
-    # webdataset/torch, and no thread of the parent is copied mid-operation.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer, initargs) as pool:
-        pending: collections.deque = collections.deque()
-        for task in tasks:
-            pending.append(pool.apply_async(function, (task,)))
-            if len(pending) >= workers * in_flight_per_worker:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
 
 
 # ---- parent side --------------------------------------------------------------------------------------------
@@ -595,7 +579,7 @@ class _Builder:
                 writer.__exit__(*sys.exc_info())
             raise
         finally:
-            results.close()  # stops the worker pool now, also on an error
+            results.close()  # stops the workers now, also on an error
             bar.close()
         source_state["done"] = True
         journal.save()
@@ -657,8 +641,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes")
-    parser.add_argument("--tokens-per-block", type=int, default=DEFAULT_TOKENS_PER_BLOCK)
-    parser.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD)
+    parser.add_argument("--tokens-per-block", type=int, default=DEFAULT_TOKENS_PER_BLOCK,
+                        help="most tokens of a block (one webdataset sample)")
+    parser.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD,
+                        help="a shard is closed after the block that reaches this many tokens")
     parser.add_argument("--chunk-bytes", type=int, default=corpus.DEFAULT_CHUNK_BYTES,
                         help="bytes of text per unit of work sent to a worker")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted build in --output")
@@ -698,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
         summary = build_shards(settings, args.output, workers=args.workers, resume=args.resume,
                                overwrite=args.overwrite, progress=args.progress)
-    except (BuildError, InputError, TokenizerError, ManifestError) as error:
+    except (BuildError, InputError, TokenizerError, ManifestError, WorkerError) as error:
         print(f"build_shards: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

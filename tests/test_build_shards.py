@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import random
 import re
 import signal
@@ -20,6 +21,7 @@ import pytest
 import webdataset as wds
 
 from data_tools import build_shards, corpus, inspect_shards
+from data_tools.workers import WorkerError, ordered_map
 from tests.conftest import PTB_TOKENS_PER_BLOCK, PTB_TOKENS_PER_SHARD, ptb_sentences
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
 from txl_dist.tokenizer import load_tokenizer
@@ -126,6 +128,18 @@ def test_worker_count_does_not_change_a_byte(ptb_sentencepiece_tokenizer, ptb_te
     assert "build_shards: " in completed.stdout and "MB/s" in completed.stderr  # summary line, progress bar
     assert len(read_manifest(one).splits["train"].shards) > 10
     assert files_of(one) == files_of(two)
+
+
+def test_worker_processes_return_results_in_order_and_report_errors_and_deaths():
+    # Builtins as the work: spawned workers find them without importing any test module.
+    tasks = [-5, 3, -1, 8, -13, 2, -7]
+    assert list(ordered_map(abs, tasks, workers=3, initializer=int)) == [abs(t) for t in tasks]
+    results = ordered_map(int, ["1", "2", "x", "4"], workers=2, initializer=int)
+    assert next(results) == 1 and next(results) == 2
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        next(results)
+    with pytest.raises(WorkerError, match=r"died without a result \(exit code 3\)"):
+        list(ordered_map(os._exit, [3, 3], workers=2, initializer=int))
 
 
 def test_long_document_spans_blocks_with_its_boundaries_kept(ptb_word_tokenizer, tmp_path):
@@ -408,8 +422,10 @@ def test_keyboard_interrupt_keeps_finished_shards_for_resume(ptb_word_tokenizer,
     output = tmp_path / "shards"
     args = ["--tokenizer", str(ptb_word_tokenizer), "--split", f"train={text}", "--output", str(output),
             "--tokens-per-block", "4096", "--tokens-per-shard", "50000", "--no-progress"]
+    # A shell's background job starts with SIGINT ignored, which the build would inherit: restore it.
     process = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", *args, "--workers", "2"], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (output / "train-000000.tar").exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
