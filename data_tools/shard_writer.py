@@ -36,6 +36,8 @@ class _HashingFile:
         self._handle.flush()
 
     def close(self) -> None:
+        if self._handle.closed:
+            return
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
@@ -120,12 +122,13 @@ class ShardWriter:
         }
 
     def _finish_shard(self) -> None:
-        shard, self._open = self._open, None
+        # self._open stays set until the rename, so that an interruption before it removes the partial file.
+        shard = self._open
         shard["writer"].close()
         shard["handle"].close()
         offsets = member_offsets(shard["tmp"])
-        final = self.directory / shard["name"]
-        os.replace(shard["tmp"], final)
+        os.replace(shard["tmp"], self.directory / shard["name"])
+        self._open = None
         entry = ShardEntry(
             path=shard["name"],
             sha256=shard["handle"].sha256.hexdigest(),
@@ -160,7 +163,7 @@ class ShardWriter:
             self.close()
         elif self._open is not None:
             # Leave no partial shard behind on failure; finished shards stay for --resume.
-            self._open["writer"].close()
-            self._open["handle"].close()
-            Path(self._open["tmp"]).unlink(missing_ok=True)
-            self._open = None
+            shard, self._open = self._open, None
+            Path(shard["tmp"]).unlink(missing_ok=True)
+            shard["writer"].close()
+            shard["handle"].close()

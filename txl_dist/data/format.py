@@ -19,11 +19,12 @@ import dataclasses
 import io
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from txl_dist.fileio import atomic_write_text
 
 FORMAT_NAME = "txl_dist.shards"
 FORMAT_VERSION = 1
@@ -256,15 +257,4 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
     directory = Path(directory)
     manifest.validate(str(directory / MANIFEST_NAME))
     text = json.dumps(manifest.to_dict(), indent=1, sort_keys=True) + "\n"
-    path = directory / MANIFEST_NAME
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(directory / MANIFEST_NAME, text)

@@ -1,0 +1,278 @@
+"""Train a tokenizer on a raw corpus: SentencePiece (unigram or BPE) or whitespace-separated words.
+
+    # SentencePiece on your own corpus (any size: --input-sentence-size sentences are sampled for training)
+    python -m data_tools.train_tokenizer --kind sentencepiece --input 'corpus/*.txt.gz' --output tok/ \\
+        --vocab-size 32000 --model-type unigram --eod-symbol '<eod>'
+
+    # the Penn Treebank's 10,000 words (its text already holds <unk>), from the treebank package
+    python -m data_tools.train_tokenizer --kind word --format ptb --output tok_ptb/
+
+    # the One Billion Word vocabulary of the paper: the words of the 99 training files seen at least 3 times,
+    # plus <S>, </S> (the sentence separator) and <UNK>
+    python -m data_tools.train_tokenizer --preset lm1b --format lm1b \\
+        --input 1-billion-word-language-modeling-benchmark-r13output --output tok_lm1b/
+
+The output directory holds the tokenizer's file (``spm.model`` or ``vocab.txt``) and ``tokenizer.json``; load it
+with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from data_tools import corpus
+from data_tools.corpus import InputError, InputFile
+from txl_dist.tokenizer import (
+    KINDS, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer, TokenizerError, write_tokenizer_json,
+    write_word_vocab,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Chelba et al. (2013): words of the training data with count >= 3, 793,471 entries with <S>, </S>, <UNK>.
+    "lm1b": {"kind": "word", "min_count": 3, "specials": ["<S>", "</S>", "<UNK>"], "eos": "</S>", "unk": "<UNK>"},
+}
+OWN_FILES = (TOKENIZER_JSON, SENTENCEPIECE_MODEL, "spm.vocab", WORD_VOCAB)
+
+
+class TrainError(ValueError):
+    """Settings that cannot train a tokenizer; the message names the flag."""
+
+
+class _Reading:
+    """The documents of the inputs, line by line, with a progress bar and counts for the record."""
+
+    def __init__(self, files: list[InputFile], doc_unit: str, jsonl_field: str, strict: bool, progress: bool):
+        self.files, self.doc_unit, self.jsonl_field, self.strict = files, doc_unit, jsonl_field, strict
+        self.progress = progress
+        self.statistics = {"documents": 0, "lines": 0, "empty_documents": 0, "replaced_bytes": 0, "bytes": 0}
+
+    def line_batches(self) -> Iterator[list[str]]:
+        """The non-blank lines of the non-empty documents, a chunk at a time."""
+        plain = all(not f.name.endswith(".gz") for f in self.files)
+        with tqdm(total=sum(f.size for f in self.files) if plain else None, unit="B", unit_scale=True,
+                  desc="reading", file=sys.stderr, disable=not self.progress, dynamic_ncols=True) as bar:
+            for chunk in corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES):
+                text = corpus.chunk_documents(chunk, self.doc_unit, self.jsonl_field, self.strict)
+                lines = [line for document in text.documents for line in document if line.strip()]
+                statistics = self.statistics
+                statistics["documents"] += len(text.documents)
+                statistics["lines"] += len(lines)
+                statistics["empty_documents"] += text.empty
+                statistics["replaced_bytes"] += text.replaced_bytes
+                statistics["bytes"] += len(chunk.data)
+                bar.update(len(chunk.data))
+                yield lines
+
+    def record(self) -> dict[str, Any]:
+        return {"inputs": [f.describe() for f in self.files], "doc_per": self.doc_unit, "statistics": self.statistics}
+
+
+def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | None, specials: list[str],
+               eos: str | None, eod: str | None, unk: str) -> Tokenizer:
+    """Vocabulary: ``specials`` (and ``eod``; and ``unk`` unless it is a kept word), then the words seen at
+    least ``min_count`` times by descending count (ties in code point order), at most ``max_size`` entries in
+    all."""
+    if min_count < 1:
+        raise TrainError(f"--min-count {min_count}: must be at least 1")
+    specials = list(dict.fromkeys(specials))
+    if not specials:
+        raise TrainError("--specials: give at least the end-of-sentence token, e.g. --specials '<eos>'")
+    eos = eos or specials[0]
+    for flag, token in (("--eos", eos), ("--eod", eod), ("--unk", unk)):
+        if token is not None and (not token or any(c.isspace() for c in token)):
+            raise TrainError(f"{flag} {token!r}: a token cannot be empty or contain whitespace")
+    if eos not in specials:
+        raise TrainError(f"--eos {eos!r} is not one of --specials {specials}")
+    if eod is not None and eod not in specials:
+        specials.append(eod)
+    if max_size is not None and max_size <= len(specials) + 1:
+        raise TrainError(f"--max-size {max_size}: leaves no room for words besides the specials {specials}")
+    counts: collections.Counter = collections.Counter()
+    for lines in reading.line_batches():
+        counts.update(" ".join(lines).split())
+    words = sorted((word for word, count in counts.items() if count >= min_count and word not in specials),
+                   key=lambda word: (-counts[word], word))
+    if max_size is not None:
+        words = words[:max_size - len(specials)]
+    if unk not in specials and unk not in set(words):
+        # PTB's text holds <unk>, which then keeps its place among the words; otherwise it is a special.
+        specials.append(unk)
+        if max_size is not None and len(specials) + len(words) > max_size:
+            words.pop()
+    entries = specials + words
+    write_word_vocab(output / WORD_VOCAB, entries, [counts.get(token, 0) for token in entries])
+    ids = {token: i for i, token in enumerate(entries)}
+    eod = eod or eos
+    training = {"kind": "word", "min_count": min_count, "max_size": max_size, "specials": specials,
+                "distinct_words": len(counts), **reading.record()}
+    return write_tokenizer_json(output, "word", [WORD_VOCAB], len(entries), ids[eos], ids[eod], ids[unk],
+                                {"eos": eos, "eod": eod, "unk": unk}, training)
+
+
+def sample_lines(batches: Iterable[list[str]], size: int, seed: int) -> list[str]:
+    """A uniform random sample of ``size`` lines (all of them if there are fewer), in one pass and memory for
+    ``size`` lines: reservoir sampling (Algorithm R) with a seeded generator, so the same input and seed give
+    the same sample. (SentencePiece's own sampler draws a new sample every run.)"""
+    generator = np.random.default_rng(seed)
+    reservoir: list[str] = []
+    seen = 0
+    for lines in batches:
+        room = size - len(reservoir)
+        if room > 0:
+            reservoir.extend(lines[:room])
+            seen += min(room, len(lines))
+            lines = lines[room:]
+        if lines:
+            # Line number i (from 0) replaces a uniform slot of [0, i] when that slot is in the reservoir.
+            slots = generator.integers(0, seen + np.arange(1, len(lines) + 1))
+            for position in np.flatnonzero(slots < size):
+                reservoir[slots[position]] = lines[position]
+            seen += len(lines)
+    return reservoir
+
+
+def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_type: str,
+                        character_coverage: float, input_sentence_size: int, user_symbols: list[str],
+                        eod_symbol: str | None, seed: int, threads: int) -> Tokenizer:
+    """A SentencePiece model trained on ``input_sentence_size`` lines sampled uniformly from the input (see
+    `sample_lines`: memory is bounded whatever the corpus size, and training is reproducible)."""
+    import sentencepiece
+
+    if input_sentence_size < 1:
+        raise TrainError(f"--input-sentence-size {input_sentence_size}: must be positive")
+    if eod_symbol is not None and eod_symbol not in user_symbols:
+        user_symbols = user_symbols + [eod_symbol]
+    sample = sample_lines(reading.line_batches(), input_sentence_size, seed)
+    if not sample:
+        raise TrainError("the input holds no text to train on")
+    model = io.BytesIO()
+    try:
+        # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
+        # would make the same training give different bytes (and fingerprints) in different directories.
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+            character_coverage=character_coverage, input_sentence_size=0, shuffle_input_sentence=False,
+            user_defined_symbols=user_symbols, num_threads=threads, minloglevel=1,
+        )
+    except RuntimeError as error:
+        raise TrainError(f"sentencepiece could not train ({error})") from error
+    (output / SENTENCEPIECE_MODEL).write_bytes(model.getvalue())
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(output / SENTENCEPIECE_MODEL))
+    eos_id, unk_id = processor.eos_id(), processor.unk_id()
+    eod_id = processor.piece_to_id(eod_symbol) if eod_symbol is not None else eos_id
+    training = {"kind": "sentencepiece", "model_type": model_type, "character_coverage": character_coverage,
+                "input_sentence_size": input_sentence_size, "sampled_lines": len(sample), "seed": seed,
+                "threads": threads,
+                "user_symbols": user_symbols, **reading.record()}
+    pieces = {"eos": processor.id_to_piece(eos_id), "eod": processor.id_to_piece(eod_id),
+              "unk": processor.id_to_piece(unk_id)}
+    return write_tokenizer_json(output, "sentencepiece", [SENTENCEPIECE_MODEL], processor.get_piece_size(),
+                                eos_id, eod_id, unk_id, pieces, training)
+
+
+def _training_files(args: argparse.Namespace) -> list[InputFile]:
+    if args.format == "text":
+        if not args.input:
+            raise TrainError("--input: give the training files (paths or glob patterns)")
+        return corpus.input_files([str(p) for p in args.input])
+    if args.doc_per not in (None, "line"):
+        raise TrainError(f"--doc-per {args.doc_per}: --format {args.format} has one sentence per line")
+    if len(args.input or []) > 1:
+        raise TrainError(f"--format {args.format} takes one --input directory")
+    directory = args.input[0] if args.input else None
+    if args.format == "lm1b":
+        if directory is None:
+            raise TrainError("--format lm1b needs --input DIR (the r13output directory)")
+        return corpus.lm1b_splits(directory)["train"]
+    return corpus.ptb_splits(directory)["train"]
+
+
+def _prepare_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise TrainError(f"{output}: exists and is not a directory")
+    output.mkdir(parents=True, exist_ok=True)
+    entries = sorted(p.name for p in output.iterdir())
+    if entries and not overwrite:
+        raise TrainError(f"{output}: not empty ({', '.join(entries[:3])}); pass --overwrite to replace the tokenizer")
+    for name in OWN_FILES:
+        (output / name).unlink(missing_ok=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m data_tools.train_tokenizer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="named settings (flags given still win)")
+    parser.add_argument("--kind", choices=KINDS)
+    parser.add_argument("--input", nargs="+", help="text/.gz/.jsonl files or glob patterns; for --format "
+                        "lm1b|ptb the corpus directory (ptb: optional, default the treebank package)")
+    parser.add_argument("--format", choices=corpus.FORMATS, default="text")
+    parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
+    parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
+    parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
+    parser.add_argument("--output", required=True, type=Path, help="the tokenizer directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    sp = parser.add_argument_group("sentencepiece")
+    sp.add_argument("--vocab-size", type=int, default=32000)
+    sp.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
+    sp.add_argument("--character-coverage", type=float, default=0.9995,
+                    help="share of characters the model covers (1.0 for small alphabets)")
+    sp.add_argument("--input-sentence-size", type=int, default=2_000_000,
+                    help="lines sampled from the input for training (bounds memory and time)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the sampling of --input-sentence-size lines")
+    sp.add_argument("--user-symbols", nargs="*", default=[], help="pieces never split, e.g. '<eod>'")
+    sp.add_argument("--eod-symbol", help="end-of-document user symbol; documents then end with it")
+    sp.add_argument("--threads", type=int, default=8,
+                    help="training threads; the model depends on their number, so a fixed default keeps training "
+                         "reproducible across machines")
+    word = parser.add_argument_group("word")
+    word.add_argument("--min-count", type=int, default=1, help="keep words seen at least this often")
+    word.add_argument("--max-size", type=int, help="at most this many entries, specials included")
+    word.add_argument("--specials", nargs="+", default=["<eos>"], help="tokens placed first, in this order")
+    word.add_argument("--eos", help="the sentence separator (default: the first special)")
+    word.add_argument("--eod", help="end-of-document token (default: the separator)")
+    word.add_argument("--unk", default="<unk>", help="token for words outside the vocabulary")
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset:
+        parser.set_defaults(**PRESETS[preset])
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    try:
+        if args.kind is None:
+            raise TrainError("--kind: choose sentencepiece or word (or a --preset)")
+        files = _training_files(args)
+        _prepare_output(args.output, args.overwrite)
+        reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress)
+        if args.kind == "word":
+            tokenizer = train_word(reading, args.output, args.min_count, args.max_size, args.specials, args.eos,
+                                   args.eod, args.unk)
+        else:
+            tokenizer = train_sentencepiece(reading, args.output, args.vocab_size, args.model_type,
+                                            args.character_coverage, args.input_sentence_size, args.user_symbols,
+                                            args.eod_symbol, args.seed, args.threads)
+    except (TrainError, InputError, TokenizerError) as error:
+        print(f"train_tokenizer: error: {error}", file=sys.stderr)
+        return 1
+    statistics = reading.statistics
+    print(f"train_tokenizer: {tokenizer.kind} tokenizer of {tokenizer.vocab_size:,} entries in {args.output} "
+          f"(eos {tokenizer.eos_id}, eod {tokenizer.eod_id}, unk {tokenizer.unk_id}) from {statistics['documents']:,} "
+          f"documents, {statistics['lines']:,} lines; {statistics['empty_documents']:,} empty documents skipped, "
+          f"{statistics['replaced_bytes']:,} non-UTF-8 bytes replaced; {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

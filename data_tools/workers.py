@@ -1,0 +1,137 @@
+"""An ordered, bounded map over worker processes that can be stopped at any moment.
+
+`multiprocessing.Pool` shares one result pipe and its lock among all workers; stopping it while a worker is
+halfway through sending a large result (the shard builder's are ~0.5 MB, far above a pipe's buffer) can leave
+``Pool.terminate`` waiting forever for that lock. Here each worker has its own task and result pipes and the
+tasks go round-robin, so results come back in task order without any shared lock, and stopping is killing
+the processes.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import pickle
+import queue
+import signal
+import threading
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Iterable, Iterator
+
+
+class WorkerError(RuntimeError):
+    """A worker process that died without a result (killed, out of memory, crashed)."""
+
+
+def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, initializer: Callable,
+                initargs: tuple = (), in_flight_per_worker: int = 2) -> Iterator:
+    """``map(function, tasks)`` with ``workers`` spawned processes; results come in task order.
+
+    At most ``workers * in_flight_per_worker`` tasks are out at a time, so memory does not grow with the
+    number of tasks. ``initializer(*initargs)`` runs once in each worker (load a tokenizer there). An exception
+    raised by ``function`` is raised here, in the order of its task. With one worker everything runs in this
+    process. Closing the iterator early (an error, Ctrl-C) kills the workers.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if workers == 1:
+        initializer(*initargs)
+        yield from map(function, tasks)
+        return
+    # spawn, not fork: workers import only what they need, and no thread of this process is copied mid-operation.
+    context = multiprocessing.get_context("spawn")
+    processes, senders, receivers = [], [], []
+    try:
+        for _ in range(workers):
+            task_receiver, task_sender = context.Pipe(duplex=False)
+            result_receiver, result_sender = context.Pipe(duplex=False)
+            process = context.Process(target=_serve, daemon=True,
+                                      args=(task_receiver, result_sender, function, initializer, initargs))
+            process.start()
+            task_receiver.close()
+            result_sender.close()
+            processes.append(process)
+            senders.append(task_sender)
+            receivers.append(result_receiver)
+
+        def died(worker: int) -> WorkerError:
+            processes[worker].join(timeout=1)
+            return WorkerError(f"worker process {processes[worker].pid} died without a result "
+                               f"(exit code {processes[worker].exitcode})")
+
+        def result_of(worker: int) -> Any:
+            try:
+                kind, value = receivers[worker].recv()
+            except EOFError:
+                raise died(worker) from None
+            if kind == "error":
+                raise value
+            return value
+
+        outstanding: collections.deque[int] = collections.deque()
+        for index, task in enumerate(tasks):
+            worker = index % workers
+            try:
+                senders[worker].send(task)
+            except (BrokenPipeError, ConnectionResetError):
+                raise died(worker) from None
+            outstanding.append(worker)
+            if len(outstanding) >= workers * in_flight_per_worker:
+                yield result_of(outstanding.popleft())
+        while outstanding:
+            yield result_of(outstanding.popleft())
+        for sender in senders:
+            sender.send(None)
+        for process in processes:
+            process.join()
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join()
+        for connection in senders + receivers:
+            connection.close()
+
+
+def _serve(tasks: Connection, results: Connection, function: Callable, initializer: Callable, initargs: tuple
+           ) -> None:
+    """A worker: run ``function`` on each task until ``None``, sending ("result", value) or ("error", exc)."""
+    # Ctrl-C reaches the whole process group; the parent decides, and stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A thread keeps the task pipe drained, so the parent never waits on a send while this process waits for
+    # the parent to take a result.
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def receive() -> None:
+        while True:
+            try:
+                task = tasks.recv()
+            except EOFError:
+                task = None
+            inbox.put(task)
+            if task is None:
+                return
+
+    threading.Thread(target=receive, daemon=True).start()
+    try:
+        initializer(*initargs)
+        failure = None
+    except Exception as error:  # the answer to every task, so that the parent raises it in order
+        failure = error
+    while (task := inbox.get()) is not None:
+        if failure is not None:
+            reply = ("error", failure)
+        else:
+            try:
+                reply = ("result", function(task))
+            except Exception as error:
+                reply = ("error", error)
+        _send(results, reply)
+
+
+def _send(results: Connection, reply: tuple[str, Any]) -> None:
+    try:
+        results.send(reply)
+    except (pickle.PicklingError, TypeError, AttributeError) as error:  # pickling fails before anything is sent
+        results.send(("error", RuntimeError(f"{reply[1]!r} (could not be sent from the worker: {error})")))

@@ -1,0 +1,442 @@
+"""data_tools.build_shards: the Penn Treebank through the whole path, determinism over worker counts, document
+units and input kinds, the One Billion Word layout, the holdout split, bad input, and resume."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from data_tools import build_shards, corpus, inspect_shards
+from data_tools.workers import WorkerError, ordered_map
+from tests.conftest import PTB_TOKENS_PER_BLOCK, PTB_TOKENS_PER_SHARD, ptb_sentences
+from txl_dist.data.format import MANIFEST_NAME, read_manifest
+from txl_dist.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def read_split(directory: Path, split: str) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """(token stream, each block's tokens, each block's doc_offsets) of a split, read with webdataset."""
+    manifest = read_manifest(directory)
+    urls = [str(directory / shard.path) for shard in manifest.splits[split].shards]
+    blocks, offsets = [], []
+    for sample in wds.WebDataset(urls, shardshuffle=False):
+        blocks.append(np.load(io.BytesIO(sample["tokens.npy"])))
+        offsets.append(np.load(io.BytesIO(sample["doc_offsets.npy"])))
+    return np.concatenate(blocks), blocks, offsets
+
+
+def word_ids(tokenizer_directory: Path) -> dict[str, int]:
+    """The word vocabulary, read from vocab.txt without the code under test."""
+    lines = (tokenizer_directory / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    return {line.split("\t")[0]: i for i, line in enumerate(lines)}
+
+
+def run_build(*args: str | Path) -> int:
+    return build_shards.main([str(a) for a in args] + ["--no-progress"])
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_ptb_word_shards_hold_the_exact_token_stream(ptb_word_shards, ptb_word_tokenizer):
+    ids = word_ids(ptb_word_tokenizer)
+    eos = ids["<eos>"]
+    manifest = read_manifest(ptb_word_shards)
+    assert sorted(manifest.splits) == ["test", "train", "valid"]
+    assert manifest.tokenizer.fingerprint == load_tokenizer(ptb_word_tokenizer).fingerprint
+    assert (manifest.dtype, manifest.block_tokens, manifest.tokenizer.eod_id) == ("uint16", PTB_TOKENS_PER_BLOCK, eos)
+    for split, entry in manifest.splits.items():
+        sentences = ptb_sentences(split)
+        expected = [i for sentence in sentences for i in [ids[w] for w in sentence.split()] + [eos]]
+        stream, blocks, offsets = read_split(ptb_word_shards, split)
+        assert stream.tolist() == expected
+        assert (entry.documents, entry.tokens) == (len(sentences), len(expected))
+        assert entry.words == sum(len(s.split()) + 1 for s in sentences)
+        assert entry.characters == sum(len(s) + 1 for s in sentences)
+        # Sentences are far shorter than a block: every block holds whole sentences.
+        for tokens, doc_offsets in zip(blocks, offsets):
+            assert len(tokens) <= PTB_TOKENS_PER_BLOCK and doc_offsets[0] == 0 and tokens[-1] == eos
+            assert all(tokens[o - 1] == eos for o in doc_offsets[1:])
+        assert sum(len(o) for o in offsets) == len(sentences)
+        assert all(shard.tokens >= PTB_TOKENS_PER_SHARD for shard in entry.shards[:-1])
+    lines = treebank_lines("train")
+    assert manifest.build["statistics"]["train"]["empty_documents"] == sum(not line.strip() for line in lines) == 1
+
+
+def test_ptb_files_give_the_shards_of_the_treebank_package(ptb_word_shards, ptb_word_tokenizer, ptb_text_dir, tmp_path):
+    output = tmp_path / "from_files"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--format", "ptb", "--input", ptb_text_dir,
+                     "--tokens-per-block", PTB_TOKENS_PER_BLOCK, "--tokens-per-shard", PTB_TOKENS_PER_SHARD) == 0
+    from_files, from_package = files_of(output), files_of(ptb_word_shards)
+    assert from_files.pop(MANIFEST_NAME) != from_package.pop(MANIFEST_NAME)  # the input names differ
+    assert from_files == from_package
+
+
+def treebank_lines(split: str) -> list[str]:
+    import treebank
+
+    return treebank.penn[split].split("\n")[:-1]
+
+
+def test_ptb_sentencepiece_shards_end_each_sentence_with_eod(ptb_sentencepiece_tokenizer, tmp_path, capsys):
+    tokenizer = load_tokenizer(ptb_sentencepiece_tokenizer)
+    output = tmp_path / "shards"
+    assert run_build("--tokenizer", ptb_sentencepiece_tokenizer, "--output", output, "--format", "ptb",
+                     "--tokens-per-block", 8192, "--tokens-per-shard", 200000) == 0
+    assert re.search(r"build_shards: 49,199 documents, [\d,]+ tokens, 1 empty documents skipped", capsys.readouterr().out)
+    manifest = read_manifest(output)
+    assert manifest.tokenizer.eod_id == tokenizer.eod_id != tokenizer.eos_id
+    for split in ("train", "valid", "test"):
+        sentences = ptb_sentences(split)
+        expected = [i for sentence in sentences for i in tokenizer.encode(sentence) + [tokenizer.eod_id]]
+        assert read_split(output, split)[0].tolist() == expected
+        assert manifest.splits[split].documents == len(sentences)
+    assert inspect_shards.main([str(output), "--verify", "--no-progress"]) == 0
+
+
+def test_worker_count_does_not_change_a_byte(ptb_sentencepiece_tokenizer, ptb_text_dir, tmp_path):
+    args = ["--tokenizer", ptb_sentencepiece_tokenizer, "--split", f"train={ptb_text_dir / 'ptb.train.txt'}",
+            "--split", f"test={ptb_text_dir / 'ptb.test.txt'}", "--holdout", "valid=0.05", "--chunk-bytes", 65536,
+            "--tokens-per-block", 1000, "--tokens-per-shard", 50000]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_build(*args, "--output", one, "--workers", 1) == 0
+    # The real command line, as users run it.
+    completed = subprocess.run([sys.executable, "-m", "data_tools.build_shards", *map(str, args), "--output", str(two),
+                                "--workers", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert "build_shards: " in completed.stdout and "MB/s" in completed.stderr  # summary line, progress bar
+    assert len(read_manifest(one).splits["train"].shards) > 10
+    assert files_of(one) == files_of(two)
+
+
+def test_worker_processes_return_results_in_order_and_report_errors_and_deaths():
+    # Builtins as the work: spawned workers find them without importing any test module.
+    tasks = [-5, 3, -1, 8, -13, 2, -7]
+    assert list(ordered_map(abs, tasks, workers=3, initializer=int)) == [abs(t) for t in tasks]
+    results = ordered_map(int, ["1", "2", "x", "4"], workers=2, initializer=int)
+    assert next(results) == 1 and next(results) == 2
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        next(results)
+    with pytest.raises(WorkerError, match=r"died without a result \(exit code 3\)"):
+        list(ordered_map(os._exit, [3, 3], workers=2, initializer=int))
+
+
+def test_long_document_spans_blocks_with_its_boundaries_kept(ptb_word_tokenizer, tmp_path):
+    tokenizer = load_tokenizer(ptb_word_tokenizer)
+    sentences = ptb_sentences("valid")
+    paragraphs = [sentences[0:2], sentences[2:3], sentences[3:20], sentences[20:22], sentences[22:23]]
+    text = tmp_path / "paragraphs.txt"
+    text.write_text("\n\n \n".join("\n".join(p) for p in paragraphs) + "\n", encoding="utf-8")
+    output = tmp_path / "shards"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", f"train={text}",
+                     "--doc-per", "blank-line", "--tokens-per-block", 64, "--tokens-per-shard", 128) == 0
+    expected, lengths = tokenizer.encode_documents(paragraphs)
+    assert lengths[2] > 3 * 64 and all(lengths[i] <= 64 for i in (0, 1, 3, 4))
+    stream, blocks, offsets = read_split(output, "train")
+    assert stream.tolist() == expected.tolist()
+    block_starts = np.cumsum([0] + [len(b) for b in blocks])
+    document_starts = np.concatenate([start + o for start, o in zip(block_starts, offsets)])
+    assert document_starts.tolist() == np.cumsum([0, *lengths[:-1]]).tolist()
+    assert all(len(block) <= 64 for block in blocks)
+    # A document that fits in a block is never cut; the long one starts a block, fills whole blocks (with no
+    # document beginning in them) and its tail shares the last of them with the next document.
+    for start, length in zip(document_starts, lengths):
+        first, last = (np.searchsorted(block_starts, p, side="right") - 1 for p in (start, start + length - 1))
+        assert first == last if length <= 64 else block_starts[first] == start
+    long_first = np.searchsorted(block_starts, document_starts[2])
+    assert [len(o) for o in offsets[long_first + 1:long_first + 3]] == [0, 0]
+    assert read_manifest(output).splits["train"].documents == 5
+
+
+def test_manifest_counts_equal_a_direct_count(ptb_word_tokenizer, tmp_path):
+    sentences = ptb_sentences("test")
+    documents = [sentences[i:i + 1 + i % 4] for i in range(0, 400, 5)]  # 80 documents of 1-4 lines
+    plain = tmp_path / "a.txt"
+    plain.write_text("\n\n".join("\n".join(d) for d in documents[:40]) + "\n", encoding="utf-8")
+    packed = tmp_path / "b.txt.gz"
+    packed.write_bytes(gzip.compress(("\n\n".join("\n".join(d) for d in documents[40:]) + "\n").encode()))
+    records = tmp_path / "c.jsonl"
+    records.write_text("".join(json.dumps({"id": i, "body": "\n".join(d)}) + "\n" for i, d in enumerate(documents)))
+
+    def direct(docs: list[list[str]]) -> dict[str, int]:
+        return {"documents": len(docs), "tokens": sum(len(" ".join(d).split()) + len(d) for d in docs),
+                "words": sum(len(" ".join(d).split()) + 1 for d in docs),
+                "characters": sum(len("\n".join(d)) + 1 for d in docs)}
+
+    cases = {
+        "blank-line": ([plain, packed], documents),
+        "line": ([plain, packed], [[line] for d in documents for line in d]),
+        "file": ([plain, packed], [[line for d in documents[:40] for line in d + [""]][:-1],
+                                   [line for d in documents[40:] for line in d + [""]][:-1]]),
+    }
+    for unit, (inputs, docs) in cases.items():
+        output = tmp_path / unit
+        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--doc-per", unit,
+                         "--split", "train=" + ",".join(map(str, inputs))) == 0
+        split = read_manifest(output).splits["train"]
+        assert {key: getattr(split, key) for key in direct(docs)} == direct(docs), unit
+    output = tmp_path / "jsonl"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", f"train={records}",
+                     "--jsonl-field", "body") == 0
+    split = read_manifest(output).splits["train"]
+    assert {key: getattr(split, key) for key in direct(documents)} == direct(documents)
+
+
+def test_word_counts_follow_str_split_for_every_kind_of_whitespace():
+    generator = random.Random(1)
+    alphabet = ["a", "b", " ", "\t", "\u3000", "\xa0", "\u2028", "\x1c", "\u200b", "é", "\U0001F600", "\n", "\n"]
+    for _ in range(2000):
+        text = "".join(generator.choice(alphabet) for _ in range(generator.randint(1, 30)))
+        lines = text.split("\n")
+        if text.endswith("\n"):
+            lines.pop()
+        assert corpus.words_per_line(text).tolist() == [len(line.split()) for line in lines], repr(text)
+
+
+def test_gzip_input_gives_the_shards_of_the_plain_text(ptb_word_tokenizer, ptb_text_dir, tmp_path):
+    packed = tmp_path / "ptb.valid.txt.gz"
+    packed.write_bytes(gzip.compress((ptb_text_dir / "ptb.valid.txt").read_bytes()))
+    for name, source in (("plain", ptb_text_dir / "ptb.valid.txt"), ("gz", packed)):
+        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / name, "--split", f"valid={source}",
+                         "--tokens-per-block", 1024, "--tokens-per-shard", 20000) == 0
+    plain, gz = files_of(tmp_path / "plain"), files_of(tmp_path / "gz")
+    assert plain.pop(MANIFEST_NAME) != gz.pop(MANIFEST_NAME)  # it records the input names
+    assert plain == gz and len(plain) == 4
+
+
+def test_lm1b_layout_builds_train_valid_and_test(fabricated_lm1b_dir, ptb_word_tokenizer, tmp_path, capsys):
+    ids = word_ids(ptb_word_tokenizer)
+    output = tmp_path / "lm1b"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--format", "lm1b",
+                     "--input", fabricated_lm1b_dir, "--workers", 2) == 0
+    manifest = read_manifest(output)
+    assert sorted(manifest.splits) == ["test", "train", "valid"]
+    inputs = manifest.build["inputs"]
+    assert [Path(f["name"]).name for f in inputs["train"]] == list(corpus.LM1B_TRAIN_FILES)
+    assert Path(inputs["valid"][0]["name"]).name == "news.en.heldout-00001-of-00050"
+    assert Path(inputs["test"][0]["name"]).name == "news.en.heldout-00000-of-00050"
+    for split in ("train", "valid", "test"):  # the fixture put PTB's split of the same name in each place
+        expected = [i for s in ptb_sentences(split) for i in [ids[w] for w in s.split()] + [ids["<eos>"]]]
+        assert read_split(output, split)[0].tolist() == expected
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--format", "lm1b",
+                     "--input", fabricated_lm1b_dir, "--lm1b-valid", "news.en.heldout-00000-of-00050") == 1
+    assert "that is the test file; validating on it selects models on the test set" in capsys.readouterr().err
+    empty = tmp_path / "empty_layout"
+    (empty / corpus.LM1B_TRAIN_DIR).mkdir(parents=True)
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--format", "lm1b",
+                     "--input", empty) == 1
+    assert f"{empty / corpus.LM1B_TRAIN_DIR / 'news.en-00001-of-00100'}: missing" in capsys.readouterr().err
+
+
+def test_holdout_is_a_deterministic_hash_partition_of_train(ptb_word_tokenizer, ptb_text_dir, tmp_path, capsys):
+    ids = word_ids(ptb_word_tokenizer)
+    words = {i: w for w, i in ids.items()}
+    output = tmp_path / "shards"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--holdout", "valid=0.1",
+                     "--split", f"train={ptb_text_dir / 'ptb.train.txt'}", "--chunk-bytes", 100000) == 0
+
+    def sentences_of(split: str) -> list[str]:
+        stream = read_split(output, split)[0].tolist()
+        text = " ".join(words[i] for i in stream)
+        return [s.strip() for s in text.split("<eos>")[:-1]]
+
+    def held_out(sentence: str) -> bool:  # the documented rule: blake2b-64 of the document's text < fraction
+        digest = hashlib.blake2b(sentence.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") < 0.1 * 2 ** 64
+
+    sentences = ptb_sentences("train")
+    assert sentences_of("valid") == [" ".join(s.split()) for s in sentences if held_out(s)]
+    assert sentences_of("train") == [" ".join(s.split()) for s in sentences if not held_out(s)]
+    assert 0.08 < len(sentences_of("valid")) / len(sentences) < 0.12
+    assert sorted(read_manifest(output).splits) == ["train", "valid"]
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--holdout", "valid=0.1",
+                     "--split", f"train={ptb_text_dir / 'ptb.train.txt'}",
+                     "--split", f"valid={ptb_text_dir / 'ptb.valid.txt'}") == 1
+    assert "split 'valid' also has inputs" in capsys.readouterr().err
+
+
+def test_missing_inputs_are_named(ptb_word_tokenizer, tmp_path, capsys):
+    output = tmp_path / "shards"
+    missing = tmp_path / "nowhere.txt"
+    for spec, message in ((f"train={missing}", f"{missing}: no such input file"),
+                          (f"train={tmp_path}/*.nothing", f"{tmp_path}/*.nothing: no input file matches"),
+                          (f"train={tmp_path}", f"{tmp_path}: is a directory")):
+        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", spec) == 1
+        assert message in capsys.readouterr().err
+    assert run_build("--tokenizer", tmp_path / "no_tokenizer", "--output", output, "--split", f"train={missing}") == 1
+    assert "no such" in capsys.readouterr().err
+    assert not (output / MANIFEST_NAME).exists()
+
+
+def test_non_utf8_bytes_are_replaced_and_counted_or_fail_with_strict(ptb_word_tokenizer, tmp_path, capsys):
+    text = tmp_path / "bad.txt"
+    text.write_bytes(b"the cat\n" + b"a \xff\xfe b\n" + b"ok \xe2\x82 end\n")  # 2 + 2 invalid bytes
+    output = tmp_path / "replaced"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", f"train={text}") == 0
+    assert "4 non-UTF-8 bytes replaced" in capsys.readouterr().out
+    manifest = read_manifest(output)
+    assert manifest.build["statistics"]["train"]["replaced_bytes"] == 4
+    assert manifest.splits["train"].documents == 3
+    strict = tmp_path / "strict"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", strict, "--split", f"train={text}", "--strict") == 1
+    assert f"{text}: invalid UTF-8 at byte offset 10 (line 2)" in capsys.readouterr().err
+    assert not any(p.suffix == ".tar" or p.name == MANIFEST_NAME for p in strict.iterdir())
+
+
+def test_empty_documents_are_skipped_and_counted(ptb_word_tokenizer, tmp_path, capsys):
+    lines = write_lines(tmp_path / "lines.txt", ["the cat", "", "   ", "\t", "a dog"])
+    (tmp_path / "empty.txt").write_text(" \n\n")
+    write_lines(tmp_path / "full.txt", ["the end"])
+    output = tmp_path / "by_line"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", f"train={lines}") == 0
+    assert "2 documents, 6 tokens, 3 empty documents skipped" in capsys.readouterr().out
+    assert read_manifest(output).build["statistics"]["train"]["empty_documents"] == 3
+    output = tmp_path / "by_file"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--doc-per", "file",
+                     "--split", f"train={tmp_path}/*.txt") == 0
+    # lines.txt is one document of 5 lines (inner blank lines stay, each with its separator): 9 tokens.
+    assert "2 documents, 12 tokens, 1 empty documents skipped" in capsys.readouterr().out
+
+
+def test_output_directory_rules(ptb_word_tokenizer, ptb_text_dir, tmp_path, capsys):
+    output = tmp_path / "shards"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+    args = ["--tokenizer", ptb_word_tokenizer, "--output", output, "--split", f"test={ptb_text_dir / 'ptb.test.txt'}"]
+    assert run_build(*args) == 1
+    assert f"{output}: not empty (notes.txt); pass --overwrite" in capsys.readouterr().err
+    assert run_build(*args, "--resume") == 1
+    assert "no .build_state.json to resume from" in capsys.readouterr().err
+    assert run_build(*args, "--overwrite") == 0
+    assert (output / "notes.txt").exists() and (output / "test-000000.tar").exists()
+    assert run_build(*args, "--resume") == 1
+    assert "the build is complete" in capsys.readouterr().err
+    assert run_build(*args, "--resume", "--overwrite") == 1
+    assert "--resume and --overwrite exclude each other" in capsys.readouterr().err
+
+
+def _interrupted_build(tokenizer: Path, text: Path, bad_offset: int, output: Path, *extra: str | int) -> list[str]:
+    """A --strict build that fails at an invalid byte placed at ``bad_offset``; returns its arguments."""
+    data = bytearray(text.read_bytes())
+    data[bad_offset] = 0xFF
+    text.write_bytes(bytes(data))
+    args = ["--tokenizer", str(tokenizer), "--split", f"train={text}", "--strict", "--output", str(output),
+            *map(str, extra)]
+    assert run_build(*args, "--workers", 2) == 1
+    assert not (output / MANIFEST_NAME).exists()
+    assert not [p for p in output.iterdir() if p.name.endswith(".partial")]
+    return args
+
+
+def _repair(text: Path, bad_offset: int) -> None:
+    data = bytearray(text.read_bytes())
+    data[bad_offset] = ord("x")
+    text.write_bytes(bytes(data))
+
+
+def test_interrupted_build_resumes_to_the_shards_of_an_uninterrupted_one(ptb_sentencepiece_tokenizer, ptb_text_dir,
+                                                                          tmp_path, capsys):
+    text = tmp_path / "train.txt"
+    text.write_bytes((ptb_text_dir / "ptb.train.txt").read_bytes())
+    bad_offset = int(text.stat().st_size * 0.7)
+    output = tmp_path / "resumed"
+    args = _interrupted_build(ptb_sentencepiece_tokenizer, text, bad_offset, output, "--holdout", "dev=0.05",
+                              "--split", f"test={ptb_text_dir / 'ptb.test.txt'}", "--chunk-bytes", 65536,
+                              "--tokens-per-block", 2048, "--tokens-per-shard", 32768)
+    assert f"{text}: invalid UTF-8 at byte offset {bad_offset}" in capsys.readouterr().err
+    state = json.loads((output / build_shards.STATE_NAME).read_text())
+    journaled = [s["path"] for stream in state["streams"].values() for s in stream["shards"]]
+    assert {"train-000000.tar", "dev-000000.tar"} <= set(journaled)
+    written = {name: (output / name).stat().st_mtime_ns for name in journaled}
+
+    changed = [a if a != "32768" else "65536" for a in args]
+    assert run_build(*changed, "--resume") == 1
+    assert "the interrupted build used other settings (tokens_per_shard differ" in capsys.readouterr().err
+
+    _repair(text, bad_offset)
+    assert run_build(*args, "--resume", "--workers", 1) == 0
+    assert {name: (output / name).stat().st_mtime_ns for name in journaled} == written  # not rewritten
+    assert not (output / build_shards.STATE_NAME).exists()
+    clean = tmp_path / "clean"
+    assert run_build(*[a if a != str(output) else str(clean) for a in args]) == 0
+    assert files_of(output) == files_of(clean)
+
+
+def test_resume_inside_long_documents(ptb_word_tokenizer, tmp_path):
+    sentences = ptb_sentences("valid")
+    text = tmp_path / "paragraphs.txt"
+    text.write_text("\n\n".join("\n".join(sentences[i:i + 12]) for i in range(0, 1200, 12)) + "\n")
+    bad_offset = int(text.stat().st_size * 0.6)
+    output = tmp_path / "resumed"
+    args = _interrupted_build(ptb_word_tokenizer, text, bad_offset, output, "--doc-per", "blank-line",
+                              "--chunk-bytes", 4096, "--tokens-per-block", 64, "--tokens-per-shard", 192)
+    state = json.loads((output / build_shards.STATE_NAME).read_text())
+    assert state["streams"]["train"]["position"]["skip_tokens"] > 0  # the build stopped inside a document
+    _repair(text, bad_offset)
+    assert run_build(*args, "--resume", "--workers", 2) == 0
+    clean = tmp_path / "clean"
+    assert run_build(*[a if a != str(output) else str(clean) for a in args]) == 0
+    assert files_of(output) == files_of(clean)
+
+
+def test_resume_refuses_a_damaged_shard(ptb_word_tokenizer, ptb_text_dir, tmp_path, capsys):
+    text = tmp_path / "train.txt"
+    text.write_bytes((ptb_text_dir / "ptb.train.txt").read_bytes())
+    bad_offset = text.stat().st_size // 2
+    output = tmp_path / "shards"
+    args = _interrupted_build(ptb_word_tokenizer, text, bad_offset, output, "--tokens-per-shard", 100000)
+    _repair(text, bad_offset)
+    shard = output / "train-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 1
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert run_build(*args, "--resume") == 1
+    assert f"{shard}: sha256" in capsys.readouterr().err
+
+
+def test_keyboard_interrupt_keeps_finished_shards_for_resume(ptb_word_tokenizer, ptb_text_dir, tmp_path):
+    text = tmp_path / "train.txt"
+    text.write_bytes((ptb_text_dir / "ptb.train.txt").read_bytes() * 4)
+    output = tmp_path / "shards"
+    args = ["--tokenizer", str(ptb_word_tokenizer), "--split", f"train={text}", "--output", str(output),
+            "--tokens-per-block", "4096", "--tokens-per-shard", "50000", "--no-progress"]
+    # A shell's background job starts with SIGINT ignored, which the build would inherit: restore it.
+    process = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", *args, "--workers", "2"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not (output / "train-000000.tar").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "interrupted; the finished shards are kept: rerun with --resume" in stderr
+    assert not (output / MANIFEST_NAME).exists()
+    assert not [p for p in output.iterdir() if p.name.endswith((".partial", ".tmp"))]
+    assert (output / build_shards.STATE_NAME).exists()
+    assert build_shards.main(args + ["--resume"]) == 0
+    manifest = read_manifest(output)
+    assert manifest.splits["train"].documents == 4 * len(ptb_sentences("train"))
+    assert inspect_shards.verify_shards(output) == []

@@ -1,0 +1,227 @@
+"""txl_dist.tokenizer and data_tools.train_tokenizer: both kinds on the Penn Treebank, the lm1b preset, and the
+clear errors of a damaged tokenizer directory."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import treebank
+
+from data_tools import corpus, train_tokenizer
+from tests.conftest import ptb_sentences
+from txl_dist.data.format import TokenizerIdentity
+from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
+
+
+def test_ptb_word_vocabulary_is_the_standard_10000_words(ptb_word_tokenizer):
+    tokenizer = load_tokenizer(ptb_word_tokenizer)
+    counts = collections.Counter(treebank.penn["train"].split())
+    assert len(counts) == 9999
+    assert tokenizer.kind == "word"
+    assert tokenizer.vocab_size == 10000
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    assert pieces[0] == "<eos>" and tokenizer.eos_id == tokenizer.eod_id == 0
+    assert set(pieces[1:]) == set(counts)
+    # <unk> is a word of the PTB text: it keeps its place by frequency instead of becoming a special.
+    assert tokenizer.id_to_piece(tokenizer.unk_id) == "<unk>"
+    assert [counts[piece] for piece in pieces[1:]] == sorted(counts.values(), reverse=True)
+    assert tokenizer.fingerprint == hashlib.sha256((ptb_word_tokenizer / "vocab.txt").read_bytes()).hexdigest()
+    assert TokenizerIdentity(**tokenizer.identity()).vocab_size == 10000
+
+
+def test_word_encode_decode_and_documents(ptb_word_tokenizer):
+    tokenizer = load_tokenizer(ptb_word_tokenizer)
+    sentence = ptb_sentences("valid")[0]
+    ids = tokenizer.encode(sentence)
+    assert [tokenizer.id_to_piece(i) for i in ids] == sentence.split()
+    assert tokenizer.decode(ids) == " ".join(sentence.split())
+    assert tokenizer.encode("the zyzzyva") == [tokenizer.encode("the")[0], tokenizer.unk_id]
+    document = "the market fell\n\nit rose"
+    expected = tokenizer.encode("the market fell") + [0] + [0] + tokenizer.encode("it rose") + [0]
+    assert tokenizer.encode_document(document) == expected
+    assert tokenizer.decode_document(expected) == document
+    with pytest.raises(ValueError, match="10000"):
+        tokenizer.id_to_piece(10000)
+
+
+def _write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_word_min_count_max_size_and_specials(tmp_path):
+    text = _write_lines(tmp_path / "text.txt", ["a a a b b c", "d a b e e", "  ", "c e"])
+    counts = collections.Counter(text.read_text().split())  # a4 b3 e3 c2 d1
+    output = tmp_path / "tok"
+    assert train_tokenizer.main(["--kind", "word", "--input", str(text), "--output", str(output), "--min-count", "2",
+                                 "--specials", "<eos>", "<pad>", "--eod", "<eod>", "--no-progress"]) == 0
+    tokenizer = load_tokenizer(output)
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    kept = sorted((w for w, c in counts.items() if c >= 2), key=lambda w: (-counts[w], w))
+    assert pieces == ["<eos>", "<pad>", "<eod>", "<unk>"] + kept
+    assert (tokenizer.eos_id, tokenizer.eod_id, tokenizer.unk_id) == (0, 2, 3)
+    assert tokenizer.encode("d a") == [3, pieces.index("a")]
+    assert tokenizer.encode_document("a\nb") == [pieces.index("a"), 0, pieces.index("b"), 2]
+
+    capped = tmp_path / "capped"
+    assert train_tokenizer.main(["--kind", "word", "--input", str(text), "--output", str(capped), "--max-size", "4",
+                                 "--no-progress"]) == 0
+    assert [load_tokenizer(capped).id_to_piece(i) for i in range(4)] == ["<eos>", "<unk>", "a", "b"]
+
+
+def test_lm1b_preset_counts_training_words_seen_three_times(fabricated_lm1b_dir, tmp_path):
+    output = tmp_path / "tok"
+    assert train_tokenizer.main(["--preset", "lm1b", "--format", "lm1b", "--input", str(fabricated_lm1b_dir),
+                                 "--output", str(output), "--no-progress"]) == 0
+    counts = collections.Counter()
+    for name in corpus.LM1B_TRAIN_FILES:  # the training files only, never the heldout ones
+        counts.update((fabricated_lm1b_dir / corpus.LM1B_TRAIN_DIR / name).read_text().split())
+    words = sorted((w for w, c in counts.items() if c >= 3), key=lambda w: (-counts[w], w))
+    tokenizer = load_tokenizer(output)
+    assert [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)] == ["<S>", "</S>", "<UNK>"] + words
+    assert (tokenizer.id_to_piece(tokenizer.eos_id), tokenizer.id_to_piece(tokenizer.unk_id)) == ("</S>", "<UNK>")
+    assert tokenizer.eod_id == tokenizer.eos_id
+    settings = json.loads((output / "tokenizer.json").read_text())["training"]
+    assert settings["min_count"] == 3 and len(settings["inputs"]) == 99
+
+
+def test_sentencepiece_round_trip_and_end_of_document(ptb_sentencepiece_tokenizer):
+    tokenizer = load_tokenizer(ptb_sentencepiece_tokenizer)
+    assert tokenizer.kind == "sentencepiece" and tokenizer.vocab_size == 2000
+    assert tokenizer.id_to_piece(tokenizer.eos_id) == "</s>"
+    assert tokenizer.id_to_piece(tokenizer.eod_id) == "<eod>" and tokenizer.eod_id != tokenizer.eos_id
+    assert tokenizer.fingerprint == hashlib.sha256((ptb_sentencepiece_tokenizer / "spm.model").read_bytes()).hexdigest()
+    sentences = [s for s in ptb_sentences("valid")[:300] if "<unk>" not in s]
+    for sentence in sentences:
+        assert tokenizer.decode(tokenizer.encode(sentence)) == " ".join(sentence.split())
+    tokens, per_document = tokenizer.encode_documents([[sentences[0]], [sentences[1], sentences[2]]])
+    first, second, third = (tokenizer.encode(s) for s in sentences[:3])
+    assert tokens.tolist() == first + [tokenizer.eod_id] + second + [tokenizer.eos_id] + third + [tokenizer.eod_id]
+    assert per_document.tolist() == [len(first) + 1, len(second) + len(third) + 2]
+    assert tokenizer.decode_document(tokens[per_document[0]:].tolist()) == "\n".join(
+        " ".join(s.split()) for s in sentences[1:3])
+
+
+def test_sentence_sample_is_uniform_bounded_and_seeded():
+    batches = [[f"line {i}" for i in range(start, start + 100)] for start in range(0, 1000, 100)]
+    sample = train_tokenizer.sample_lines(batches, 50, seed=3)
+    assert len(sample) == len(set(sample)) == 50 and set(sample) <= {f"line {i}" for i in range(1000)}
+    assert sample == train_tokenizer.sample_lines(batches, 50, seed=3)
+    assert sample != train_tokenizer.sample_lines(batches, 50, seed=4)
+    assert train_tokenizer.sample_lines(batches[:1], 500, seed=3) == batches[0]
+    # Uniform: over many seeds, lines of the first and of the last batch are drawn about equally often.
+    draws = collections.Counter(int(line.split()[1]) // 500 for seed in range(200)
+                                for line in train_tokenizer.sample_lines(batches, 50, seed))
+    assert abs(draws[0] - draws[1]) < 0.1 * (draws[0] + draws[1])
+
+
+def test_sentencepiece_unigram_sampled_training_is_reproducible(ptb_text_dir, tmp_path):
+    fingerprints = []
+    for run in ("a", "b"):
+        output = tmp_path / run
+        assert train_tokenizer.main(["--kind", "sentencepiece", "--model-type", "unigram", "--vocab-size", "800",
+                                     "--input-sentence-size", "1500", "--input", str(ptb_text_dir / "ptb.valid.txt"),
+                                     "--output", str(output), "--no-progress"]) == 0
+        tokenizer = load_tokenizer(output)
+        assert tokenizer.vocab_size == 800 and tokenizer.eod_id == tokenizer.eos_id
+        fingerprints.append(tokenizer.fingerprint)
+        training = json.loads((output / "tokenizer.json").read_text())["training"]
+        assert training["model_type"] == "unigram" and training["sampled_lines"] == 1500
+    assert fingerprints[0] == fingerprints[1]
+
+
+def test_train_tokenizer_refuses_a_non_empty_output_and_bad_flags(ptb_text_dir, tmp_path, capsys):
+    output = tmp_path / "tok"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+    argv = ["--kind", "word", "--input", str(ptb_text_dir / "ptb.valid.txt"), "--output", str(output), "--no-progress"]
+    assert train_tokenizer.main(argv) == 1
+    assert f"{output}: not empty" in capsys.readouterr().err
+    assert train_tokenizer.main(argv + ["--overwrite", "--eos", "<nope>"]) == 1
+    assert "--eos '<nope>' is not one of --specials" in capsys.readouterr().err
+    missing = tmp_path / "missing.txt"
+    assert train_tokenizer.main(["--kind", "word", "--input", str(missing), "--output", str(tmp_path / "t2")]) == 1
+    assert f"{missing}: no such input file" in capsys.readouterr().err
+
+
+@pytest.fixture
+def word_tokenizer_copy(ptb_word_tokenizer, tmp_path) -> Path:
+    copy = tmp_path / "tok"
+    shutil.copytree(ptb_word_tokenizer, copy)
+    return copy
+
+
+def test_missing_tokenizer_json_is_named(word_tokenizer_copy):
+    (word_tokenizer_copy / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match=f"{word_tokenizer_copy / 'tokenizer.json'}: missing"):
+        load_tokenizer(word_tokenizer_copy)
+    with pytest.raises(TokenizerError, match="no such tokenizer directory"):
+        load_tokenizer(word_tokenizer_copy / "nowhere")
+
+
+def test_corrupt_tokenizer_json_is_named(word_tokenizer_copy):
+    path = word_tokenizer_copy / "tokenizer.json"
+    path.write_text(path.read_text()[:-20])
+    with pytest.raises(TokenizerError, match=f"{path}: not valid JSON"):
+        load_tokenizer(word_tokenizer_copy)
+
+
+def test_missing_or_changed_vocabulary_is_named(word_tokenizer_copy):
+    vocab = word_tokenizer_copy / "vocab.txt"
+    vocab.write_text(vocab.read_text() + "extra\t1\n")
+    with pytest.raises(TokenizerError, match=f"{vocab}: sha256 is .* the file changed after training"):
+        load_tokenizer(word_tokenizer_copy)
+    vocab.unlink()
+    with pytest.raises(TokenizerError, match=f"{vocab}: missing tokenizer file"):
+        load_tokenizer(word_tokenizer_copy)
+
+
+def _refingerprint(directory: Path, name: str) -> None:
+    """Make tokenizer.json agree with a damaged file, so that the load gets past the fingerprint check."""
+    path = directory / "tokenizer.json"
+    description = json.loads(path.read_text())
+    description["fingerprint"] = hashlib.sha256((directory / name).read_bytes()).hexdigest()
+    path.write_text(json.dumps(description))
+
+
+def test_corrupt_vocabulary_and_model_files_are_named(word_tokenizer_copy, ptb_sentencepiece_tokenizer, tmp_path):
+    vocab = word_tokenizer_copy / "vocab.txt"
+    lines = vocab.read_text().split("\n")
+    vocab.write_text("\n".join(lines[:5] + [lines[3]] + lines[6:]))
+    _refingerprint(word_tokenizer_copy, "vocab.txt")
+    with pytest.raises(TokenizerError, match=f"{vocab}, line 6: token 'N' appears twice"):
+        load_tokenizer(word_tokenizer_copy)
+
+    sentencepiece_copy = tmp_path / "sp"
+    shutil.copytree(ptb_sentencepiece_tokenizer, sentencepiece_copy)
+    model = sentencepiece_copy / "spm.model"
+    model.write_bytes(b"\x00garbage" + model.read_bytes()[:100])
+    _refingerprint(sentencepiece_copy, "spm.model")
+    with pytest.raises(TokenizerError, match=f"{model}: not a valid SentencePiece model"):
+        load_tokenizer(sentencepiece_copy)
+
+
+def test_description_disagreeing_with_the_files_is_named(word_tokenizer_copy):
+    path = word_tokenizer_copy / "tokenizer.json"
+    description = json.loads(path.read_text())
+    path.write_text(json.dumps({**description, "vocab_size": 9999}))
+    with pytest.raises(TokenizerError, match="key 'vocab_size' is 9999, but .*vocab.txt has 10000 entries"):
+        load_tokenizer(word_tokenizer_copy)
+    path.write_text(json.dumps({**description, "eos_id": 5}))
+    with pytest.raises(TokenizerError, match="'eos_id' 5 is 'to' in .*vocab.txt, but key 'pieces.eos' says '<eos>'"):
+        load_tokenizer(word_tokenizer_copy)
+
+
+def test_find_tokenizer_dir_by_fingerprint(ptb_word_tokenizer, ptb_sentencepiece_tokenizer, tmp_path):
+    wanted = load_tokenizer(ptb_sentencepiece_tokenizer).fingerprint
+    candidates = [None, tmp_path / "missing", ptb_word_tokenizer, ptb_sentencepiece_tokenizer]
+    assert find_tokenizer_dir(wanted, candidates) == ptb_sentencepiece_tokenizer
+    with pytest.raises(TokenizerError, match=f"{ptb_word_tokenizer}: fingerprint .*, not the wanted {wanted}"):
+        find_tokenizer_dir(wanted, [ptb_word_tokenizer], strict=True)
+    with pytest.raises(TokenizerError, match=f"no tokenizer with fingerprint {wanted} .*missing: no such tokenizer"):
+        find_tokenizer_dir(wanted, candidates[:3])

@@ -1,0 +1,354 @@
+"""The one tokenizer interface of txl_dist: load a tokenizer directory, encode, decode, special ids.
+
+A tokenizer directory (written by ``python -m data_tools.train_tokenizer``) holds the tokenizer's files and
+``tokenizer.json``::
+
+    {"kind": "sentencepiece" | "word", "vocab_size": 32000, "files": ["spm.model"],
+     "fingerprint": "<sha256>", "eos_id": 2, "eod_id": 4, "unk_id": 0,
+     "pieces": {"eos": "</s>", "eod": "<eod>", "unk": "<unk>"}, "training": {...settings, for the record...}}
+
+- ``sentencepiece``: ``spm.model``, a SentencePiece model (unigram or BPE). ``eos_id`` is its ``</s>``; ``eod_id``
+  is a user-defined end-of-document symbol when one was trained, else ``eos_id``.
+- ``word``: ``vocab.txt``, one ``token<TAB>count`` line per id (specials first, then words by descending count).
+  Text is split on whitespace (Python's ``str.split()``); a word outside the vocabulary becomes ``unk_id``.
+  Decoding joins the words with single spaces.
+
+The fingerprint is the sha256 of the bytes of ``files`` in their listed order; with one file (both kinds) it is
+exactly ``sha256sum`` of that file. Shards record it, and readers refuse shards built with another tokenizer.
+
+Documents. A document is a list of lines. Its tokens are each line's tokens followed by ``eos_id``, except that
+the last line is followed by ``eod_id`` instead. A document of one line (a PTB or One Billion Word sentence) is
+therefore its tokens and one separator, and with ``eod_id == eos_id`` every line ends in ``eos_id``. Newlines thus
+stay meaningful for SentencePiece, whose normaliser would otherwise fold them into spaces.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from txl_dist.fileio import atomic_write_text, sha256_files
+
+TOKENIZER_JSON = "tokenizer.json"
+KINDS = ("sentencepiece", "word")
+SENTENCEPIECE_MODEL = "spm.model"
+WORD_VOCAB = "vocab.txt"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory that is missing, damaged or inconsistent; the message names the file."""
+
+
+def fingerprint_files(directory: str | os.PathLike, files: Sequence[str]) -> str:
+    """sha256 of the bytes of ``files`` (names relative to ``directory``) in the order given."""
+    paths = [Path(directory) / name for name in files]
+    try:
+        return sha256_files(paths)
+    except OSError as error:
+        raise TokenizerError(f"{error.filename}: cannot read tokenizer file ({error.strerror})") from error
+
+
+class Tokenizer(abc.ABC):
+    """What the rest of the system sees of a tokenizer. Create one with `load_tokenizer`."""
+
+    kind: str
+
+    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
+                 eos_id: int, eod_id: int, unk_id: int | None):
+        self.directory = directory
+        self.files = files
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.eod_id = eod_id
+        self.unk_id = unk_id
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Ids of one line (or any text); no separator is appended."""
+
+    def encode_batch(self, lines: Sequence[str]) -> list[list[int]]:
+        """`encode` of each line; subclasses make it faster than a loop."""
+        return [self.encode(line) for line in lines]
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ids (the inverse of `encode` up to normalisation)."""
+
+    @abc.abstractmethod
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary entry of one id."""
+
+    def encode_documents(self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """Token stream of documents given as lists of lines (see the module docstring).
+
+        Returns ``(tokens, tokens_per_document)``: the documents' tokens one after another, separators included,
+        as one array of ``dtype``, and how many of them belong to each document.
+        """
+        lines_per_document = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        if len(documents) and lines_per_document.min() == 0:
+            raise ValueError("a document needs at least one line")
+        encoded = self.encode_batch([line for document in documents for line in document])
+        if len(encoded) == len(documents):  # one line each (PTB, One Billion Word): the fast path
+            for line_ids in encoded:
+                line_ids.append(self.eod_id)
+        else:
+            last_lines = np.cumsum(lines_per_document) - 1
+            for line_ids in encoded:
+                line_ids.append(self.eos_id)
+            for last_line in last_lines.tolist():
+                encoded[last_line][-1] = self.eod_id
+        tokens = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=sum(map(len, encoded)))
+        line_tokens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        if len(encoded) == len(documents):
+            return tokens, line_tokens
+        return tokens, np.add.reduceat(line_tokens, np.cumsum(lines_per_document) - lines_per_document)
+
+    def encode_document(self, text: str) -> list[int]:
+        """Ids of a document given as text: its lines are the pieces between ``\\n`` characters."""
+        return self.encode_documents([text.split("\n")])[0].tolist()
+
+    def decode_document(self, ids: Sequence[int]) -> str:
+        """Text of a document's ids: lines end at ``eos_id``/``eod_id`` and are joined with ``\\n``."""
+        lines, line = [], []
+        for token_id in ids:
+            if token_id in (self.eos_id, self.eod_id):
+                lines.append(self.decode(line))
+                line = []
+            else:
+                line.append(token_id)
+        if line:
+            lines.append(self.decode(line))
+        return "\n".join(lines)
+
+    def identity(self) -> dict[str, Any]:
+        """The fields of `txl_dist.data.format.TokenizerIdentity`."""
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "fingerprint": self.fingerprint,
+                "eos_id": self.eos_id, "eod_id": self.eod_id, "unk_id": self.unk_id}
+
+    def _check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({str(self.directory)!r}, vocab_size={self.vocab_size}, "
+                f"eos_id={self.eos_id}, eod_id={self.eod_id}, unk_id={self.unk_id})")
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (``spm.model``)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
+                 eos_id: int, eod_id: int, unk_id: int | None):
+        import sentencepiece
+
+        super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
+        path = directory / files[0]
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as error:
+            raise TokenizerError(f"{path}: not a valid SentencePiece model ({error})") from error
+        self._entries = self._processor.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def encode_batch(self, lines: Sequence[str]) -> list[list[int]]:
+        # One thread: build_shards parallelises over processes; more threads here would oversubscribe the cores.
+        return self._processor.encode(list(lines), num_threads=1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        for token_id in ids:
+            self._check_id(token_id)
+        return self._processor.decode(ids)
+
+    def id_to_piece(self, token_id: int) -> str:
+        self._check_id(int(token_id))
+        return self._processor.id_to_piece(int(token_id))
+
+
+class WordTokenizer(Tokenizer):
+    """Whitespace-separated words looked up in ``vocab.txt``."""
+
+    kind = "word"
+
+    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
+                 eos_id: int, eod_id: int, unk_id: int | None):
+        super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
+        self.words, self.counts = read_word_vocab(directory / files[0])
+        self._entries = len(self.words)
+        self._ids = {word: token_id for token_id, word in enumerate(self.words)}
+
+    def encode(self, text: str) -> list[int]:
+        lookup, unk_id = self._ids.get, self.unk_id
+        ids = [lookup(word, unk_id) for word in text.split()]
+        if unk_id is None and None in ids:
+            unknown = next(word for word in text.split() if word not in self._ids)
+            raise ValueError(f"word {unknown!r} is not in {self.directory / self.files[0]} and it has no unk token")
+        return ids
+
+    def encode_batch(self, lines: Sequence[str]) -> list[list[int]]:
+        if self.unk_id is None:
+            return [self.encode(line) for line in lines]
+        lookup, unk_id = self._ids.get, self.unk_id
+        return [[lookup(word, unk_id) for word in line.split()] for line in lines]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(self.id_to_piece(token_id) for token_id in ids)
+
+    def id_to_piece(self, token_id: int) -> str:
+        self._check_id(int(token_id))
+        return self.words[int(token_id)]
+
+
+def read_word_vocab(path: Path) -> tuple[list[str], list[int]]:
+    """Words and counts of a ``vocab.txt`` (``token<TAB>count`` per line, the line number is the id)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise TokenizerError(f"{path}: not UTF-8 text ({error})") from error
+    except OSError as error:
+        raise TokenizerError(f"{path}: cannot read word vocabulary ({error.strerror})") from error
+    # Split on "\n" only: str.splitlines would also break at characters such as U+2028 (none can be inside a
+    # word, but a damaged file should fail on its line number, not shift every id).
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    words, counts, seen = [], [], set()
+    for number, line in enumerate(lines, start=1):
+        word, tab, count = line.partition("\t")
+        if not tab or not word or not count.isdigit() or any(c.isspace() for c in word):
+            raise TokenizerError(f"{path}, line {number}: expected 'token<TAB>count', got {line[:80]!r}")
+        if word in seen:
+            raise TokenizerError(f"{path}, line {number}: token {word!r} appears twice")
+        seen.add(word)
+        words.append(word)
+        counts.append(int(count))
+    if not words:
+        raise TokenizerError(f"{path}: empty word vocabulary")
+    return words, counts
+
+
+def write_word_vocab(path: Path, words: Sequence[str], counts: Sequence[int]) -> None:
+    atomic_write_text(path, "".join(f"{word}\t{count}\n" for word, count in zip(words, counts)))
+
+
+_CLASSES = {cls.kind: cls for cls in (SentencePieceTokenizer, WordTokenizer)}
+
+
+def write_tokenizer_json(directory: str | os.PathLike, kind: str, files: list[str], vocab_size: int,
+                         eos_id: int, eod_id: int, unk_id: int | None, pieces: dict[str, str],
+                         training: dict[str, Any]) -> Tokenizer:
+    """Fingerprint the files, write ``tokenizer.json`` (atomically and last: it marks a complete directory) and
+    load the result with the checks a user's `load_tokenizer` makes."""
+    directory = Path(directory)
+    description = {
+        "kind": kind, "vocab_size": vocab_size, "files": files, "fingerprint": fingerprint_files(directory, files),
+        "eos_id": eos_id, "eod_id": eod_id, "unk_id": unk_id, "pieces": pieces, "training": training,
+    }
+    atomic_write_text(directory / TOKENIZER_JSON, json.dumps(description, indent=1, ensure_ascii=False) + "\n")
+    return load_tokenizer(directory)
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer directory, checking ``tokenizer.json`` against the files it describes.
+
+    Raises `TokenizerError` naming the file for a missing or damaged ``tokenizer.json`` or tokenizer file, a
+    fingerprint that no longer matches the files, or special ids that disagree with the vocabulary.
+    """
+    directory = Path(directory)
+    path = directory / TOKENIZER_JSON
+    if not directory.is_dir():
+        raise TokenizerError(f"{directory}: no such tokenizer directory")
+    if not path.is_file():
+        raise TokenizerError(f"{path}: missing; create a tokenizer with python -m data_tools.train_tokenizer")
+    try:
+        description = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TokenizerError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(description, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+
+    def field(key: str, kind: type | tuple[type, ...]) -> Any:
+        if key not in description:
+            raise TokenizerError(f"{path}: missing key '{key}'")
+        value = description[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise TokenizerError(f"{path}: key '{key}' has the wrong type ({type(value).__name__})")
+        return value
+
+    kind = field("kind", str)
+    if kind not in _CLASSES:
+        raise TokenizerError(f"{path}: key 'kind' is {kind!r}, expected one of {list(KINDS)}")
+    files = field("files", list)
+    if len(files) != 1 or not isinstance(files[0], str) or Path(files[0]).name != files[0]:
+        raise TokenizerError(f"{path}: key 'files' must list one file name of the directory, got {files!r}")
+    for name in files:
+        if not (directory / name).is_file():
+            raise TokenizerError(f"{directory / name}: missing tokenizer file (listed in {path})")
+    recorded = field("fingerprint", str)
+    actual = fingerprint_files(directory, files)
+    if actual != recorded:
+        raise TokenizerError(
+            f"{directory / files[0]}: sha256 is {actual}, but {path} records fingerprint {recorded}; the file "
+            f"changed after training (restore it, or retrain the tokenizer)"
+        )
+    vocab_size = field("vocab_size", int)
+    eos_id, eod_id = field("eos_id", int), field("eod_id", int)
+    unk_id = field("unk_id", (int, type(None)))
+    tokenizer = _CLASSES[kind](directory, files, actual, vocab_size, eos_id, eod_id, unk_id)
+    if tokenizer._entries != vocab_size:
+        raise TokenizerError(
+            f"{path}: key 'vocab_size' is {vocab_size}, but {directory / files[0]} has {tokenizer._entries} entries"
+        )
+    pieces = field("pieces", dict)
+    for name, token_id in (("eos", eos_id), ("eod", eod_id), ("unk", unk_id)):
+        if token_id is None:
+            continue
+        if not 0 <= token_id < vocab_size:
+            raise TokenizerError(f"{path}: key '{name}_id' is {token_id}, outside [0, {vocab_size})")
+        if pieces.get(name) != tokenizer.id_to_piece(token_id):
+            raise TokenizerError(
+                f"{path}: '{name}_id' {token_id} is {tokenizer.id_to_piece(token_id)!r} in {directory / files[0]}, "
+                f"but key 'pieces.{name}' says {pieces.get(name)!r}"
+            )
+    return tokenizer
+
+
+def find_tokenizer_dir(fingerprint: str, candidates: Iterable[str | os.PathLike | None], strict: bool = False) -> Path:
+    """The first candidate directory holding a tokenizer with ``fingerprint``.
+
+    ``None`` candidates are skipped. Without ``strict`` a candidate that is missing, damaged or of another
+    fingerprint is passed over; with ``strict`` it is an error. When none fits, the error names every candidate
+    and why it was passed over.
+    """
+    passed_over = []
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        directory = Path(candidate)
+        try:
+            found = load_tokenizer(directory).fingerprint
+        except TokenizerError as error:
+            if strict:
+                raise
+            passed_over.append(str(error))
+            continue
+        if found == fingerprint:
+            return directory
+        problem = f"{directory}: fingerprint {found}, not the wanted {fingerprint}"
+        if strict:
+            raise TokenizerError(problem)
+        passed_over.append(problem)
+    raise TokenizerError(f"no tokenizer with fingerprint {fingerprint} among the candidates "
+                         f"({'; '.join(passed_over) or 'none given'}); pass its directory")
