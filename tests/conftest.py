@@ -78,3 +78,12 @@ def fabricated_lm1b_dir(tmp_path_factory) -> Path:
         (root / corpus.LM1B_HELDOUT_DIR / name).write_text(
             "".join(line + "\n" for line in ptb_sentences(split)), encoding="utf-8")
     return root
+
+
+@pytest.fixture(autouse=True)
+def _remove_deepspeed_shm_buffers():
+    """Every DeepSpeed run on the CPU accelerator leaves /dev/shm/deepspeed_allreduce_buffer_* files (66 MiB
+    each, named by port): remove them after each test so they do not pile up in memory."""
+    yield
+    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        path.unlink(missing_ok=True)

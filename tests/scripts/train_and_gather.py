@@ -16,7 +16,8 @@ from txl_dist.training.trainer import Trainer
 
 
 def main() -> None:
-    out, argv = sys.argv[1], sys.argv[2:]
+    # The launcher puts --local_rank=N first; LOCAL_RANK in the environment says the same.
+    out, *argv = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
     cfg, args = parse_run_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     trainer = Trainer(cfg, deepspeed_overlay=args.deepspeed_config)
