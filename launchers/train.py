@@ -48,6 +48,10 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # DeepSpeed calls a torch.distributed function that torch has deprecated, once per collective kind.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     from txl_dist.training.cli import parse_run_args
 
     cfg, args = parse_run_args(argv)  # exits 2 with the offending key before any process group exists

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -340,7 +341,8 @@ class Trainer:
                     evaluated = True
                 stop_now = self._stop_agreed(stop)
                 improved = evaluated and self.best is not None and self.best["step"] == self.step
-                if stop_now or improved or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                periodic = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not finished
+                if stop_now or improved or periodic:
                     self.save()
                     last_saved = self.step
                 if evaluated or stop_now:
@@ -349,7 +351,8 @@ class Trainer:
                     stopped_by = stop.signal_name or "a signal on another rank"
                     break
             if stopped_by is None or stopped_by.startswith("max_epochs"):
-                last_eval = self._validate_and_track(0)  # a full pass over the split when training ends
+                # A full pass over the split when training ends, then the last checkpoint, which records it.
+                last_eval = self._validate_and_track(0)
                 if last_saved != self.step:
                     self.save()
         finally:
@@ -378,7 +381,8 @@ class Trainer:
         loss = totals[0].item() / (window_steps * self.world_size)
         seconds = time.perf_counter() - window_start
         if self.device_type == "cpu":
-            memory = {"rss_mb": _resident_memory_mb()}
+            peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+            memory = {"rss_mb": _resident_memory_mb(), "peak_rss_mb": peak_kib / 1024}
         else:
             memory = {"max_allocated_mb": self.accelerator.max_memory_allocated() / 2**20}
             self.accelerator.reset_peak_memory_stats()
