@@ -401,3 +401,38 @@ def test_two_gloo_processes_read_disjoint_streams_covering_the_split(shards, tmp
         assert np.array_equal(windows.ravel(),
                               np.arange(stream * tokens_per_stream, stream * tokens_per_stream + steps * tgt_len))
     assert np.unique(inputs).size == inputs.size == num_streams * steps * tgt_len
+
+
+def test_penn_treebank_streams_tile_the_real_token_stream(ptb_word_shards, ptb_word_tokenizer):
+    """On real shards from data_tools: the windows of every stream, over both ranks, are exactly the PTB token
+    stream (each sentence's words, then <eos>) cut as DESIGN.md says."""
+    import treebank
+
+    from txl_dist.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(ptb_word_tokenizer)
+    expected = [i for line in treebank.penn["train"].split("\n") if line.strip()
+                for i in tokenizer.encode(line) + [tokenizer.eos_id]]
+    tgt_len, micro_batch, grad_accum, world_size = 32, 4, 2, 2
+    n_streams = world_size * micro_batch * grad_accum
+    per_stream = len(expected) // n_streams
+    inputs: dict[int, list[int]] = {}
+    last_target: dict[int, int] = {}
+    for rank in range(world_size):
+        with TrainStreams(ptb_word_shards, "train", tgt_len=tgt_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                          world_size=world_size, rank=rank, expected_fingerprint=tokenizer.fingerprint,
+                          verify_sha256=True) as streams:
+            assert streams.num_tokens == len(expected)
+            steps = streams.steps_per_epoch
+            batches = iter(streams)
+            for _ in range(steps * grad_accum):
+                batch = next(batches)
+                assert torch.equal(batch.targets[:, :-1], batch.inputs[:, 1:])
+                for row, stream in enumerate(batch.stream_ids.tolist()):
+                    inputs.setdefault(stream, []).extend(batch.inputs[row].tolist())
+                    last_target[stream] = batch.targets[row, -1].item()
+    assert sorted(inputs) == list(range(n_streams))
+    for stream, tokens in inputs.items():
+        start = stream * per_stream
+        assert tokens == expected[start:start + steps * tgt_len], stream
+        assert last_target[stream] == expected[start + steps * tgt_len], stream
