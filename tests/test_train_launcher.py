@@ -7,8 +7,10 @@ other runs stop, get killed, resume, change the number of ranks, and are compare
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,22 @@ def test_bad_config_fails_before_any_process_group(ptb_word_shards, tmp_path):
     assert result.returncode != 0
     assert "train.micro_batch" in tail(result) and "global_batch" in tail(result)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 training needs a CUDA device (DeepSpeed refuses "
+                    "fp16 on its CPU accelerator); the model's fp16 paths are tested with autocast in test_model.py")
+def test_fp16_with_dynamic_loss_scaling_on_gpus(ptb_word_shards, tmp_path):
+    """On a CUDA machine: ZeRO 2, fp16 with dynamic loss scaling, NCCL and DeepSpeed's fused Adam."""
+    n_gpus = min(2, torch.cuda.device_count())
+    output = tmp_path / "fp16"
+    command = launcher_command(TRAIN, args(ptb_word_shards, output, "--config", "configs/variants/fp16.yaml",
+                                           "train.max_steps=30", "model.dropout=0.0",
+                                           f"train.micro_batch={8 // n_gpus // 2}"), nprocs=n_gpus)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # the CUDA accelerator, not the CPU's
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, tail(result)
+    logged = records(output)
+    assert all(record["loss_scale"] >= 1 for record in logged.values())
+    assert logged[30]["skipped_steps"] < 15  # overflowing steps are skipped while the scale settles, then it trains
+    assert "max_allocated_mb" in logged[30]
+    assert logged[30]["loss"] < logged[1]["loss"] - 0.5
