@@ -80,10 +80,30 @@ def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str 
 
     checkpoint = read_training_checkpoint(path)
     config = apply_eval_overrides(checkpoint.run_config.model, overrides)
-    model = model_from_state_dict(consolidate_weights(checkpoint), config, device=device, where=str(checkpoint.tag_dir))
+    weights = _consolidate_once(checkpoint, consolidate_weights, device)
+    model = model_from_state_dict(weights, config, device=device, where=str(checkpoint.tag_dir))
     tokenizer = load_tokenizer(find_tokenizer(checkpoint, tokenizer_dir))
     # Next to the checkpoints, not inside one: a checkpoint folder stays as the trainer wrote it.
     return model, tokenizer, checkpoint.run_config.data.shards, checkpoint.run_dir / f"eval_{split}_{checkpoint.tag}.json"
+
+
+def _consolidate_once(checkpoint, consolidate, device) -> dict:
+    """The checkpoint's full weights on every rank, gathered from its ZeRO partitions by rank 0 alone (each
+    rank reading every partition would multiply the reads and the host memory by the number of ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return consolidate(checkpoint)
+    weights = consolidate(checkpoint) if dist.get_rank() == 0 else None
+    layout = [{name: (tensor.shape, tensor.dtype) for name, tensor in weights.items()} if weights else None]
+    dist.broadcast_object_list(layout, src=0)
+    received = {}
+    for name, (shape, dtype) in sorted(layout[0].items()):
+        tensor = weights[name].to(device) if weights is not None else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=0)
+        received[name] = tensor
+    return received
 
 
 def tokens_are_characters(tokenizer) -> bool:
@@ -134,11 +154,15 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import torch.distributed as dist
+
     try:
         summary = evaluate_split(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"evaluate.py: error: {error}", file=sys.stderr)
         return 2
+    if dist.is_initialized():
+        dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
     if summary:
         Path(summary["output"]).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
         line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}, ppl {summary['ppl']:.2f}"

@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     from txl_dist.training.trainer import Trainer
 
+    import torch.distributed as dist
+
     summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config).run()
+    dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"output: {summary['output_dir']}  (tensorboard --logdir {summary['output_dir']}/tensorboard)")
     return 0

@@ -520,8 +520,10 @@ def test_parse_run_args_fails_before_training_with_the_key_named(capsys, tmp_pat
     assert "data.shards is not set" in parse_error(capsys, ["--config", tiny])
     assert "train.output_dir is not set" in parse_error(capsys, ["--config", tiny, f"data.shards={shards}",
                                                                   "train.output_dir=null"])
-    assert f"data.shards='{tmp_path}' is not allowed: a directory holding manifest.json" \
+    assert f"data.shards='{tmp_path}' is not allowed: a local directory holding manifest.json" \
         in parse_error(capsys, ["--config", tiny, f"data.shards={tmp_path}"])
+    assert "data.shards='s3://bucket/lm1b' is not allowed: a local directory" \
+        in parse_error(capsys, ["--config", tiny, "data.shards=s3://bucket/lm1b"])
     assert "train.micro_batch=0 is not allowed" in parse_error(capsys, ["--config", tiny, "train.micro_batch=0"])
     assert "train.global_batch=8 is not a multiple of train.micro_batch=2 x world_size=3 = 6" \
         in parse_error(capsys, ["--config", tiny, f"data.shards={shards}"], world_size=3)

@@ -102,9 +102,13 @@ def test_evaluate_export_equals_checkpoint_and_two_ranks_equal_one(zero3_run, ex
     python("launchers/evaluate.py", str(export), *settings, "--output", str(tmp_path / "export.json"))
     python("launchers/evaluate.py", str(zero3_run[0]), *settings, "--output", str(tmp_path / "checkpoint.json"))
     run(launcher_command("launchers/evaluate.py", [str(export), *settings, "--output", str(tmp_path / "two.json")]))
-    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("export", "checkpoint", "two")}
-    assert results["two"]["ranks"] == 2
-    for name in ("checkpoint", "two"):
+    # On 2 ranks from the checkpoint: rank 0 gathers the ZeRO partitions and sends the weights to rank 1.
+    run(launcher_command("launchers/evaluate.py", [str(zero3_run[0]), *settings, "--output",
+                                                   str(tmp_path / "two_checkpoint.json")]))
+    names = ("export", "checkpoint", "two", "two_checkpoint")
+    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
+    assert results["two"]["ranks"] == results["two_checkpoint"]["ranks"] == 2
+    for name in names[1:]:
         assert results[name]["tokens"] == results["export"]["tokens"] == 73760 - 1
         assert results[name]["loss"] == pytest.approx(results["export"]["loss"], abs=1e-6)
     # A word-level vocabulary: every token is a word (the separator counts as one), so both perplexities agree.
@@ -159,3 +163,21 @@ def test_bad_inputs_are_clear_errors(export, zero3_run, ptb_sentencepiece_tokeni
     result = python("launchers/convert.py", "original-to-export", str(pickled), str(export / "config.json"),
                     str(tmp_path / "y"), check=False)
     assert result.returncode == 2 and "state_dict" in result.stderr
+
+
+def test_zero0_bf16_export_takes_the_fp32_master_weights(ptb_word_shards, tmp_path):
+    """At ZeRO stage 0 the module holds bf16 copies; the export must carry the optimizer's fp32 masters."""
+    from txl_dist.convert.zero import consolidate_weights, read_training_checkpoint
+
+    output = tmp_path / "bf16_stage0"
+    run(launcher_command("launchers/train.py", [
+        "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}", f"train.output_dir={output}",
+        "zero.stage=0", "precision.dtype=bf16", "train.max_steps=6", "eval.every=0", "train.micro_batch=8",
+        "optim.lr=5e-3"], nprocs=1))
+    checkpoint = read_training_checkpoint(output)
+    masters = consolidate_weights(checkpoint)
+    module = torch.load(next(checkpoint.tag_dir.glob("*model_states.pt")), weights_only=True)["module"]
+    assert all(tensor.dtype == torch.float32 for tensor in masters.values())
+    # The module's weights are the masters rounded to bf16, and the masters are not bf16 values themselves.
+    assert all(torch.equal(masters[name].bfloat16(), module[name]) for name in masters)
+    assert max((masters[name] - module[name].float()).abs().max().item() for name in masters) > 0

@@ -295,8 +295,12 @@ def test_states_of_another_split_tokenizer_shard_set_or_seed_are_refused(shards,
     write_position_shards(rebuilt, {"train": TRAIN_TOKENS}, seed=1)
     with pytest.raises(StreamStateError, match="key 'manifest_id'.*other shards than those of .*rebuilt"):
         TrainStreams(rebuilt, "train", **kwargs).load_state_dict(state)
+    # The seed orders the blocks of a shuffled split only: a shuffled state refuses another seed, an ordered one not.
+    shuffled = TrainStreams(shards, "train", shuffle_blocks=True, **kwargs)
+    take(iter(shuffled), 3)
     with pytest.raises(StreamStateError, match="key 'seed' is 0, this loader has 4"):
-        TrainStreams(shards, "train", seed=4, **kwargs).load_state_dict(state)
+        TrainStreams(shards, "train", seed=4, shuffle_blocks=True, **kwargs).load_state_dict(shuffled.state_dict())
+    assert TrainStreams(shards, "train", seed=4, **kwargs).load_state_dict(state) == ResumeKind.EXACT
     with pytest.raises(StreamStateError, match="key 'layout_spans'"):
         streams.load_state_dict({**state, "layout_spans": [[0, TRAIN_TOKENS + 1]]})
     # Moving the shards behind pipe: URLs does not change what a position refers to.

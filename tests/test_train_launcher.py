@@ -227,3 +227,17 @@ def test_fp16_with_dynamic_loss_scaling_on_gpus(ptb_word_shards, tmp_path):
     assert logged[30]["skipped_steps"] < 15  # overflowing steps are skipped while the scale settles, then it trains
     assert "max_allocated_mb" in logged[30]
     assert logged[30]["loss"] < logged[1]["loss"] - 0.5
+
+
+def test_resume_refuses_another_architecture_and_an_unwanted_fresh_start(first_half, ptb_word_shards, tmp_path):
+    output = tmp_path / "changed"
+    shutil.copytree(first_half, output)
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=30", "model.d_inner=48")),
+                 check=False)
+    assert result.returncode != 0
+    assert "was trained with another architecture: d_inner: checkpoint 32, config 48" in tail(result)
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=30",
+                                              "checkpoint.resume=false")), check=False)
+    assert result.returncode != 0
+    assert "checkpoint.resume=false, but" in tail(result) and "holds checkpoints" in tail(result)
+    assert latest(output) == "step00000020"

@@ -101,8 +101,9 @@ class DataConfig(_Section):
     SECTION: ClassVar[str] = "data"
 
     shards: str | None = None
-    """Directory (or URL prefix) holding the manifest.json and split tars written by data_tools.build_shards.
-    Required to train; usually given on the command line as data.shards=DIR."""
+    """Directory holding the manifest.json written by data_tools.build_shards (the shards themselves may live
+    elsewhere: the manifest's shard paths can be ``pipe:`` URLs, e.g. ``pipe:aws s3 cp s3://b/x.tar -``). Required
+    to train; usually given on the command line as data.shards=DIR."""
     train_split: str = "train"
     """The manifest split the model trains on."""
     shuffle_blocks: bool = False
@@ -315,7 +316,8 @@ class EvalConfig(_Section):
     batch_size: int = 10
     """Streams the evaluation split is cut into, over all ranks."""
     max_batches: int = 0
-    """Segments per stream to evaluate; 0 evaluates the whole split."""
+    """Segments per stream to evaluate during training; 0 evaluates the whole split. The best checkpoint is
+    tracked over whole-split passes only (the final one always is), since samples score different tokens."""
 
     def _check_ranges(self) -> None:
         self._at_least("every", 0)
@@ -339,7 +341,8 @@ class CheckpointConfig(_Section):
     SECTION: ClassVar[str] = "checkpoint"
 
     every: int = 1000
-    """Save every this many optimizer steps and at the end of training; 0 saves only at the end."""
+    """Save every this many optimizer steps and at the end of training (0: only at the end), and whenever a full
+    validation pass improves on the best so far; SIGTERM/SIGINT also save."""
     keep_last: int = 2
     """Checkpoints kept (older ones are deleted once a newer one is complete); 0 keeps all."""
     resume: bool = True

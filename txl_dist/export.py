@@ -25,7 +25,6 @@ An export is written into a temporary folder next to OUT and renamed into place,
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from txl_dist.model import ModelConfig, TransformerXLLM
+from txl_dist.tokenizer import fingerprint_files
 
 if TYPE_CHECKING:
     from txl_dist.tokenizer import Tokenizer
@@ -141,20 +141,6 @@ def apply_eval_overrides(config: ModelConfig, overrides: Mapping[str, Any]) -> M
 # Tokenizer files
 
 
-def tokenizer_fingerprint(directory: Path, files: Sequence[str]) -> str:
-    """sha256 of the tokenizer files' bytes one after another, in the order tokenizer.json lists them.
-
-    The same rule as `txl_dist.tokenizer.fingerprint_files` (kept separate so that reading an export does not
-    load a tokenizer library).
-    """
-    digest = hashlib.sha256()
-    for name in files:
-        with open(directory / name, "rb") as handle:
-            while block := handle.read(1 << 22):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def _tokenizer_files(directory: Path) -> tuple[list[str], dict[str, Any]]:
     """The file names tokenizer.json lists, and the identity it records (its fingerprint checked against them)."""
     path = directory / TOKENIZER_JSON
@@ -171,7 +157,7 @@ def _tokenizer_files(directory: Path) -> tuple[list[str], dict[str, Any]]:
     for name in files:
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name}: missing tokenizer file (listed in {path})")
-    actual = tokenizer_fingerprint(directory, files)
+    actual = fingerprint_files(directory, files)
     if actual != description["fingerprint"]:
         raise ValueError(f"{directory}: the files {files} have fingerprint {actual}, but {path} records "
                          f"{description['fingerprint']}; they changed after the tokenizer was made")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -27,6 +26,7 @@ import torch
 
 from txl_dist.convert.hf import sinusoid_inv_freq
 from txl_dist.convert.keymap import KeyMap
+from txl_dist.fileio import atomic_write
 from txl_dist.model.config import ModelConfig
 
 # The authors' nn.LayerNorm(d_model) everywhere: PyTorch's default epsilon.
@@ -147,12 +147,5 @@ def save_original(state: Mapping[str, torch.Tensor], path: str | os.PathLike) ->
     name in the same folder, then renamed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(dict(state), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    state = dict(state)
+    return atomic_write(path, lambda handle: torch.save(state, handle))

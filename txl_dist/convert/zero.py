@@ -20,9 +20,7 @@ from typing import Any
 import torch
 
 from txl_dist.config import RunConfig
-from txl_dist.training.checkpoint import COMPLETE, LATEST, RANK_STATES
-
-CLIENT_KEY = "txl_dist"
+from txl_dist.training.checkpoint import CLIENT_KEY, COMPLETE, LATEST, RANK_STATES
 
 
 class CheckpointError(ValueError):
@@ -99,9 +97,45 @@ def consolidate_weights(checkpoint: TrainingCheckpoint) -> dict[str, torch.Tenso
         # DeepSpeed unpickles its optimizer files in full; read_training_checkpoint has established that this
         # folder is a complete checkpoint written by txl_dist (see the module docstring).
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.checkpoints_dir), tag=checkpoint.tag)
-    # ZeRO stage 0 in fp32: the whole module is in the (weights-only) model-state file.
-    state = torch.load(next(tag_dir.glob("*model_states.pt")), map_location="cpu", weights_only=True)
+    # ZeRO stage 0: everything is in the (weights-only) model-state file.
+    path = next(tag_dir.glob("*model_states.pt"))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    optimizer = state.get("optimizer") or {}
+    masters = _fp32_masters(optimizer, checkpoint.run_config.model, path)
+    if masters is not None:
+        return masters
     return {name: tensor.float() for name, tensor in state["module"].items()}
+
+
+def _fp32_masters(optimizer: dict[str, Any], config, where: Path) -> dict[str, torch.Tensor] | None:
+    """The fp32 master weights a ZeRO-0 bf16/fp16 optimizer keeps (the module holds rounded copies), by name;
+    None when training was in fp32. The trainer gives DeepSpeed ``model.parameters()`` as one group, so the
+    masters follow the order of ``named_parameters()``."""
+    if "fp32_groups" in optimizer:
+        flat_masters = [t for group in optimizer["fp32_groups"] for t in group]
+    elif "fp32_groups_flat" in optimizer:
+        flat_masters = list(optimizer["fp32_groups_flat"])
+    else:
+        return None
+    from txl_dist.model import TransformerXLLM
+
+    with torch.device("meta"):
+        shapes = [(name, p.shape) for name, p in TransformerXLLM(config).named_parameters()]
+    if len(flat_masters) == len(shapes):
+        tensors = flat_masters
+    else:  # one flat tensor per group: cut it into the parameters, in order
+        flat = torch.cat([t.flatten() for t in flat_masters])
+        sizes = [shape.numel() for _, shape in shapes]
+        if flat.numel() != sum(sizes):
+            raise CheckpointError(f"{where}: the optimizer's fp32 masters hold {flat.numel()} values, the model "
+                                  f"{sum(sizes)}")
+        tensors = list(flat.split(sizes))
+    masters = {}
+    for (name, shape), tensor in zip(shapes, tensors):
+        if tensor.numel() != shape.numel():
+            raise CheckpointError(f"{where}: fp32 master for {name} has {tensor.numel()} values, expected {shape}")
+        masters[name] = tensor.float().reshape(shape).clone()
+    return masters
 
 
 def find_tokenizer(checkpoint: TrainingCheckpoint, explicit: str | os.PathLike | None = None) -> Path:

@@ -423,9 +423,10 @@ class TrainStreams:
              f"the state was saved with another tokenizer than the one of {where}"),
             ("manifest_id", state.get("manifest_id"), self.manifest_id,
              f"the state was saved on other shards than those of {where} (rebuilt or changed)"),
-            ("seed", state.get("seed"), self.seed, "the epoch's block order would differ"),
             ("shuffle_blocks", state.get("shuffle_blocks"), self.shuffle_blocks, "the epoch's block order would differ"),
         ]
+        if self.shuffle_blocks:  # the seed orders the blocks only when they are shuffled
+            mismatches.append(("seed", state.get("seed"), self.seed, "the epoch's block order would differ"))
         for key, saved, current, why in mismatches:
             if saved != current:
                 raise StreamStateError(f"stream state: key '{key}' is {saved!r}, this loader has {current!r}: {why}")

@@ -127,13 +127,6 @@ class TransformerXLLM(nn.Module):
                    if v is not None}
         self.config = dataclasses.replace(self.config, **changes).validate()
 
-    def init_mems(self, batch_size: int, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """Empty memory (no cached positions) for a batch."""
-        param = next(self.parameters())
-        return [torch.empty(0, batch_size, self.config.d_model, device=device or param.device, dtype=dtype or param.dtype)
-                for _ in range(self.config.n_layer + 1)]
-
     def _check_mems(self, mems: list[torch.Tensor], batch_size: int) -> int:
         if len(mems) != self.config.n_layer + 1:
             raise ValueError(f"mems: expected n_layer + 1 = {self.config.n_layer + 1} tensors, got {len(mems)}")

@@ -23,7 +23,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from txl_dist.fileio import atomic_write, atomic_write_text
+
 log = logging.getLogger("txl_dist.training")
 
+CLIENT_KEY = "txl_dist"
+"""The key of our client state inside DeepSpeed's model-state file."""
 LATEST = "latest"
 COMPLETE = "COMPLETE.json"
 RANK_STATES = "txl_rank_states"
@@ -42,30 +45,6 @@ _TAG_RE = re.compile(r"step(\d{8})")
 
 def tag_for_step(step: int) -> str:
     return f"step{step:08d}"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def rng_state() -> dict[str, Any]:
@@ -144,25 +123,30 @@ class CheckpointManager:
     # ---- saving ------------------------------------------------------------------------------------------------
 
     def save(self, engine, step: int, client_state: dict[str, Any], rank_state: RankState,
-             best_tag: str | None = None) -> str:
-        """Collective: every rank calls it at the same step."""
+             architecture: dict[str, Any], best_tag: str | None = None) -> str:
+        """Collective: every rank calls it at the same step. ``architecture`` goes into COMPLETE.json, where a
+        resuming run checks it before building anything."""
         tag = tag_for_step(step)
+        if self.rank == 0 and (self.directory / tag).exists():
+            # A folder of this name from an earlier attempt (an interrupted save, or a run that did not resume):
+            # its files must not mix with this save's, nor can it stay marked complete meanwhile.
+            shutil.rmtree(self.directory / tag)
+        dist.barrier()
         engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
         states_dir = self.directory / tag / RANK_STATES
         states_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_torch_save(
-            {"stream_ids": torch.tensor(rank_state.stream_ids, dtype=torch.long), "mems": rank_state.mems,
-             "rng": rank_state.rng, "world_size": rank_state.world_size, "rank": rank_state.rank},
-            states_dir / f"rank{self.rank:05d}.pt",
-        )
+        state = {"stream_ids": torch.tensor(rank_state.stream_ids, dtype=torch.long), "mems": rank_state.mems,
+                 "rng": rank_state.rng, "world_size": rank_state.world_size, "rank": rank_state.rank}
+        atomic_write(states_dir / f"rank{self.rank:05d}.pt", lambda handle: torch.save(state, handle))
         # Every rank has written DeepSpeed's files and its own before the checkpoint is declared complete.
         dist.barrier()
         if self.rank == 0:
             # Rank r owns streams [r * n, (r + 1) * n): a resuming rank opens only the files of its streams.
             marker = {"step": step, "world_size": self.world_size, "streams_per_rank": len(rank_state.stream_ids),
-                      "rank_states": sorted(p.name for p in states_dir.glob("rank*.pt"))}
-            _atomic_write_text(self.directory / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
-            _atomic_write_text(self.directory / LATEST, tag + "\n")
+                      "rank_states": sorted(p.name for p in states_dir.glob("rank*.pt")),
+                      "architecture": architecture}
+            atomic_write_text(self.directory / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
+            atomic_write_text(self.directory / LATEST, tag + "\n")
             # DeepSpeed writes this pointer when the run resumed through a universal checkpoint; ours is `latest`.
             (self.directory / "latest_universal").unlink(missing_ok=True)
             self._prune(keep={tag, best_tag} - {None})
@@ -179,8 +163,12 @@ class CheckpointManager:
 
     # ---- loading -----------------------------------------------------------------------------------------------
 
+    def marker(self, tag: str) -> dict[str, Any]:
+        """The COMPLETE.json of a checkpoint: step, world_size, streams_per_rank, rank_states, architecture."""
+        return json.loads((self.directory / tag / COMPLETE).read_text(encoding="utf-8"))
+
     def saved_world_size(self, tag: str) -> int:
-        return json.loads((self.directory / tag / COMPLETE).read_text(encoding="utf-8"))["world_size"]
+        return self.marker(tag)["world_size"]
 
     def needs_universal(self, tag: str) -> bool:
         """True when ``tag`` holds optimizer partitions for another number of ranks than this run has.
@@ -219,7 +207,7 @@ class CheckpointManager:
         """Mems of the given streams (by stream id, each a list of n_layer + 1 tensors [mem_len, d_model]) and,
         when the checkpoint was written by the same number of ranks, this rank's RNG state."""
         states_dir = self.directory / tag / RANK_STATES
-        marker = json.loads((self.directory / tag / COMPLETE).read_text(encoding="utf-8"))
+        marker = self.marker(tag)
         per_rank, saved_world = marker["streams_per_rank"], marker["world_size"]
         wanted = set(stream_ids)
         mems: dict[int, list[torch.Tensor]] = {}

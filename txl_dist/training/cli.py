@@ -95,11 +95,11 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
 def _require_run_paths(cfg: RunConfig) -> None:
     """The keys a config file may leave to the command line but a run cannot do without."""
     if cfg.data.shards is None:
-        raise ValueError("data.shards is not set: give the shard directory (or URL prefix) written by "
-                         "data_tools.build_shards, e.g. data.shards=DIR")
+        raise ValueError("data.shards is not set: give the shard directory written by data_tools.build_shards, "
+                         "e.g. data.shards=DIR")
     if cfg.train.output_dir is None:
         raise ValueError("train.output_dir is not set: give the run's directory, e.g. train.output_dir=runs/NAME")
     shards = cfg.data.shards
-    if "://" not in shards and not shards.startswith("pipe:") and not Path(shards, MANIFEST_NAME).is_file():
-        raise ValueError(f"data.shards={shards!r} is not allowed: a directory holding {MANIFEST_NAME} (a finished "
-                         f"data_tools.build_shards output) or a URL prefix")
+    if not Path(shards, MANIFEST_NAME).is_file():
+        raise ValueError(f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
+                         f"finished data_tools.build_shards output; its shard paths may be pipe: URLs)")

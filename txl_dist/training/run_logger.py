@@ -11,9 +11,10 @@ import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from txl_dist.fileio import atomic_write_text
 
 log = logging.getLogger("txl_dist.training")
 
@@ -49,10 +50,7 @@ class RunLogger:
                     kept.append(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a kill
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def info(self, message: str, *args: Any) -> None:
         if self.enabled:

@@ -36,6 +36,7 @@ from txl_dist.data.format import read_manifest
 from txl_dist.evaluation import EvalResult, evaluate, segment_settings
 from txl_dist.model import TransformerXLLM
 from txl_dist.training.checkpoint import (
+    CLIENT_KEY,
     CheckpointManager,
     RankState,
     rng_state,
@@ -47,8 +48,6 @@ from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
 
 log = logging.getLogger("txl_dist.training")
-
-CLIENT_KEY = "txl_dist"
 
 
 class GracefulStop:
@@ -90,6 +89,12 @@ def _as_float(value: Any) -> float | None:
     return float(value)
 
 
+def _loss_scale(optimizer: Any) -> float | None:
+    """The dynamic loss scale of DeepSpeed's fp16 optimizers (ZeRO 0 keeps it in loss_scale_config)."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    return _as_float(getattr(config, "cur_scale", None) if config is not None else getattr(optimizer, "cur_scale", None))
+
+
 def _architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [f"{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}"
             for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
@@ -120,6 +125,9 @@ class Trainer:
             self.device = torch.device("cpu")
         deepspeed.init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
+        # does not wait for the device to finish the step's kernels.
+        self._flag_group = dist.new_group(backend="gloo") if self.device_type != "cpu" else None
 
         manifest = read_manifest(cfg.data.shards)
         cfg = with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/manifest.json")
@@ -144,7 +152,7 @@ class Trainer:
             train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
             world_size=self.world_size, device=self.device_type, overlay_path=deepspeed_overlay,
         )
-        self.resume_tag = self.checkpoints.latest_tag() if cfg.checkpoint.resume else None
+        self.resume_tag = self._resume_tag()
         self.load_tag = self.resume_tag
         if self.resume_tag and self.checkpoints.needs_universal(self.resume_tag):
             self.load_tag = self.checkpoints.prepare_universal(self.resume_tag)
@@ -196,6 +204,23 @@ class Trainer:
 
     # ---- resume ------------------------------------------------------------------------------------------------
 
+    def _resume_tag(self) -> str | None:
+        """The checkpoint to resume from, checked against this run's architecture before anything is built."""
+        latest = self.checkpoints.latest_tag()
+        if not self.cfg.checkpoint.resume:
+            if latest is not None:
+                raise ValueError(f"checkpoint.resume=false, but {self.checkpoints.directory} holds checkpoints "
+                                 f"(newest {latest}): choose another train.output_dir, or remove them")
+            return None
+        if latest is None:
+            return None
+        differences = _architecture_differences(self.checkpoints.marker(latest)["architecture"],
+                                                self.cfg.model.architecture())
+        if differences:
+            raise ValueError(f"{self.checkpoints.directory / latest} was trained with another architecture: "
+                             + "; ".join(differences))
+        return latest
+
     def _resume(self) -> str | None:
         tag = self.resume_tag
         if tag is None:
@@ -206,10 +231,6 @@ class Trainer:
         if client_state is None or CLIENT_KEY not in client_state:
             raise RuntimeError(f"{self.checkpoints.directory / tag}: not a txl_dist checkpoint (no client state)")
         saved = client_state[CLIENT_KEY]
-        differences = _architecture_differences(saved["architecture"], self.cfg.model.architecture())
-        if differences:
-            raise ValueError(f"{self.checkpoints.directory / tag} was trained with another architecture: "
-                             + "; ".join(differences))
         self.step, self.tokens_seen, self.best = saved["step"], saved["tokens_seen"], saved.get("best")
         kind = self.streams.load_state_dict(saved["data"])
         rng = None
@@ -228,8 +249,8 @@ class Trainer:
         else:
             torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.rank + 7919 * self.step)
             if self.rank == 0:
-                log.info("world size changed (%d -> %d): dropout RNG reseeded from (seed, step, rank)",
-                         saved.get("world_size", -1), self.world_size)
+                log.info("the checkpoint's ranks (%d) and streams do not map onto these %d ranks one to one: "
+                         "dropout RNG reseeded from (seed, step, rank)", saved["world_size"], self.world_size)
         if self.rank == 0:
             log.info("resumed from %s at step %d (%s, %d tokens seen)", self.checkpoints.directory / tag,
                      self.step, kind.value, self.tokens_seen)
@@ -243,7 +264,6 @@ class Trainer:
             "config": self.cfg.to_dict(), "architecture": self.cfg.model.architecture(),
             "tokenizer": dataclasses.asdict(self.manifest.tokenizer), "best": self.best,
             "world_size": self.world_size, "layout": self.layout._asdict(),
-            "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
         }}
 
     def save(self) -> str:
@@ -258,7 +278,8 @@ class Trainer:
                     for layer in range(len(columns[0]))]
         state = RankState(stream_ids=stream_ids, mems=mems, rng=rng_state(), world_size=self.world_size, rank=self.rank)
         best_tag = tag_for_step(self.best["step"]) if self.best else None
-        tag = self.checkpoints.save(self.engine, self.step, self._client_state(), state, best_tag=best_tag)
+        tag = self.checkpoints.save(self.engine, self.step, self._client_state(), state,
+                                    architecture=self.cfg.model.architecture(), best_tag=best_tag)
         self.logger.info("checkpoint %s written", self.checkpoints.directory / tag)
         return tag
 
@@ -280,15 +301,18 @@ class Trainer:
         self.logger.record(self.step, "eval", {"loss": result.loss, "ppl": result.ppl, "targets": result.targets})
         self.logger.info("step %d | eval loss %.4f | eval ppl %.2f | %d targets", self.step, result.loss,
                          result.ppl, result.targets)
-        if self.best is None or result.loss < self.best["loss"]:
-            self.best = {"step": self.step, "loss": result.loss, "ppl": result.ppl}
+        # Only full passes are compared: a sampled evaluation (eval.max_batches) scores other tokens.
+        if max_batches == 0 and (self.best is None or result.loss < self.best["loss"]):
+            self.best = {"step": self.step, "loss": result.loss, "ppl": result.ppl, "targets": result.targets}
         return result
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def _stop_agreed(self, stop: GracefulStop) -> bool:
-        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([1.0 if stop.requested else 0.0])
+        if self._flag_group is None:
+            flag = flag.to(self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
         return bool(flag.item())
 
     def run(self) -> dict[str, Any]:
@@ -390,7 +414,7 @@ class Trainer:
         values = {
             "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": self.engine.get_lr()[0],
             "grad_norm": _as_float(self.engine.get_global_grad_norm()),
-            "loss_scale": _as_float(getattr(self.engine.optimizer, "cur_scale", None)) if fp16 else None,
+            "loss_scale": _loss_scale(self.engine.optimizer) if fp16 else None,
             "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
             "tokens": self.tokens_seen, "tokens_per_s": window_steps * tokens_per_step / max(seconds, 1e-9),
             "step_time_s": seconds / window_steps, "data_checksum": int(totals[1].item()), **memory,
