@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
                 out = work / f"{config}_zero{stage}_{repeat}"
                 records = train(f"configs/{config}.yaml", shards, out, [
                     f"zero.stage={stage}", f"train.max_steps={args.steps}", f"log.every={log_every}",
-                    "eval.every=0", "checkpoint.every=0", "log.tensorboard=false"])
+                    "schedule.warmup_steps=1", "eval.every=0", "checkpoint.every=0", "log.tensorboard=false"])
                 windows = [r for r in records if r["kind"] == "train"][1:]
                 figures = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
                            "peak_rss_mb": max(r.get("peak_rss_mb", r.get("max_allocated_mb", 0)) for r in windows)}
