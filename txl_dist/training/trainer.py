@@ -369,7 +369,7 @@ class Trainer:
                 if stop_now or improved or periodic:
                     self.save()
                     last_saved = self.step
-                if evaluated or stop_now:
+                if evaluated or last_saved == self.step:  # keep evaluation and saving out of tokens/s
                     window_start = time.perf_counter()
                 if stop_now:
                     stopped_by = stop.signal_name or "a signal on another rank"
