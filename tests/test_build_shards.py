@@ -142,6 +142,15 @@ def test_worker_processes_return_results_in_order_and_report_errors_and_deaths()
         list(ordered_map(os._exit, [3, 3], workers=2, initializer=int))
 
 
+def test_tokenising_workers_import_neither_torch_nor_webdataset():
+    # Each spawned worker imports data_tools.build_shards; torch in there costs every worker about a second of
+    # CPU and 300 MB, which once made 2 workers no faster than 1 on a 2-core machine.
+    probe = ("import sys, data_tools.build_shards, txl_dist.data.format, txl_dist.tokenizer; "
+             "print(sorted(m for m in ('torch', 'webdataset', 'deepspeed') if m in sys.modules))")
+    completed = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == "[]", completed.stdout
+
+
 def test_long_document_spans_blocks_with_its_boundaries_kept(ptb_word_tokenizer, tmp_path):
     tokenizer = load_tokenizer(ptb_word_tokenizer)
     sentences = ptb_sentences("valid")

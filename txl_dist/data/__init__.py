@@ -1,24 +1,43 @@
-"""Shards on disk (format) and the per-rank contiguous token streams read from them."""
+"""Shards on disk (format) and the per-rank contiguous token streams read from them.
 
-from txl_dist.data.format import ManifestError, read_manifest
-from txl_dist.data.reader import ShardError
-from txl_dist.data.streams import (
-    EvalBatch,
-    EvalStreams,
-    MicroBatch,
-    ResumeKind,
-    StreamStateError,
-    TrainStreams,
-)
+The names below are imported on first use (PEP 562): `txl_dist.data.format` is what the shard builder's
+spawned workers import, and it must not pull in webdataset and torch (about a second and 300 MB per process)
+through this package's ``__init__``.
+"""
 
-__all__ = [
-    "EvalBatch",
-    "EvalStreams",
-    "ManifestError",
-    "MicroBatch",
-    "ResumeKind",
-    "ShardError",
-    "StreamStateError",
-    "TrainStreams",
-    "read_manifest",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "ManifestError": "txl_dist.data.format",
+    "read_manifest": "txl_dist.data.format",
+    "ShardError": "txl_dist.data.reader",
+    "EvalBatch": "txl_dist.data.streams",
+    "EvalStreams": "txl_dist.data.streams",
+    "MicroBatch": "txl_dist.data.streams",
+    "ResumeKind": "txl_dist.data.streams",
+    "StreamStateError": "txl_dist.data.streams",
+    "TrainStreams": "txl_dist.data.streams",
+}
+
+__all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:
+    from txl_dist.data.format import ManifestError, read_manifest
+    from txl_dist.data.reader import ShardError
+    from txl_dist.data.streams import EvalBatch, EvalStreams, MicroBatch, ResumeKind, StreamStateError, TrainStreams
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
