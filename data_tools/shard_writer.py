@@ -112,7 +112,7 @@ class ShardWriter:
 
     def _start_shard(self) -> None:
         name = shard_name(self.split, self._next_index)
-        tmp = self.directory / f".{name}.partial"
+        tmp = self._partial_path(self._next_index)
         handle = _HashingFile(tmp)
         writer = wds.TarWriter(handle, encoder=False, mtime=TAR_MTIME, user="txl", group="txl", mode=0o444)
         self._open = {
@@ -161,9 +161,15 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        elif self._open is not None:
-            # Leave no partial shard behind on failure; finished shards stay for --resume.
-            shard, self._open = self._open, None
-            Path(shard["tmp"]).unlink(missing_ok=True)
+            return
+        # Leave no partial shard behind on failure; finished shards stay for --resume. The partial file is found
+        # by name, not through self._open: an interruption (Ctrl-C) can come after `_start_shard` created the
+        # file and before it recorded it.
+        shard, self._open = self._open, None
+        self._partial_path(self._next_index).unlink(missing_ok=True)
+        if shard is not None:
             shard["writer"].close()
             shard["handle"].close()
+
+    def _partial_path(self, index: int) -> Path:
+        return self.directory / f".{shard_name(self.split, index)}.partial"

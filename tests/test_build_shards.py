@@ -425,6 +425,27 @@ def test_resume_refuses_a_damaged_shard(ptb_word_tokenizer, ptb_text_dir, tmp_pa
     assert f"{shard}: sha256" in capsys.readouterr().err
 
 
+def test_an_interrupt_while_a_shard_is_being_opened_leaves_no_partial_file(tmp_path, monkeypatch):
+    # Ctrl-C can land between the creation of a shard's partial file and the writer's note of it.
+    from data_tools import shard_writer
+
+    real_tar_writer, opened = shard_writer.wds.TarWriter, []
+
+    def tar_writer_interrupted_on_the_second_shard(*args, **kwargs):
+        opened.append(args)
+        if len(opened) == 2:
+            raise KeyboardInterrupt
+        return real_tar_writer(*args, **kwargs)
+
+    monkeypatch.setattr(shard_writer.wds, "TarWriter", tar_writer_interrupted_on_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        with shard_writer.ShardWriter(tmp_path, "train", vocab_size=10, dtype=np.uint16, tokens_per_shard=4) as writer:
+            for _ in range(3):
+                writer.add_block(np.array([3, 4, 5, 0]), np.array([0]))
+    assert len(opened) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train-000000.tar"]
+
+
 def test_keyboard_interrupt_keeps_finished_shards_for_resume(ptb_word_tokenizer, ptb_text_dir, tmp_path):
     text = tmp_path / "train.txt"
     text.write_bytes((ptb_text_dir / "ptb.train.txt").read_bytes() * 4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import BinaryIO, Callable, Sequence
 
@@ -26,22 +26,29 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
     """Create ``path`` through ``write(binary file)`` so that a reader sees the old file or the whole new one,
-    never a part: the bytes go to a temporary file in the same folder, which is synced and renamed."""
+    never a part: the bytes go to a temporary file in the same folder, which is synced and renamed. On any
+    failure, Ctrl-C included, the temporary file is removed and ``path`` is left as it was."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            # Mode 0666 less the umask, as open() gives: the other accounts of a shared cluster can read the file.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            break
+        except FileExistsError:  # somebody else's file of that name: not ours to remove
+            continue
+        except BaseException:
+            # Removed by name: an interrupt can arrive after the file was created and before `fd` was set.
+            tmp.unlink(missing_ok=True)
+            raise
     try:
-        # mkstemp makes the file private (0600); give it the permissions of a file created with open(), so that
-        # the other accounts of a shared cluster can read what a run wrote.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
