@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+# The launcher installed beside this interpreter (a virtual environment), else the one on PATH.
+_BESIDE = Path(sys.executable).parent / "deepspeed"
+DEEPSPEED = str(_BESIDE) if _BESIDE.exists() else (shutil.which("deepspeed") or str(_BESIDE))
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

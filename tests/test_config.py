@@ -24,7 +24,7 @@ from txl_dist.config import (
 from txl_dist.data.format import Manifest, TokenizerIdentity, write_manifest
 from txl_dist.model.config import PRESETS, ModelConfig
 from txl_dist.training.cli import parse_run_args
-from txl_dist.training.deepspeed_config import build_deepspeed_config
+from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.schedule import build_lr_scheduler, learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -310,16 +310,25 @@ def test_deepspeed_dict_maps_every_section():
     d = ds_dict(cfg, world_size=2, device="cpu")
     assert (d["train_batch_size"], d["train_micro_batch_size_per_gpu"], d["gradient_accumulation_steps"]) == (8, 2, 2)
     assert d["gradient_clipping"] == 0.5
-    assert d["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9], "eps": 1e-8,
-                                                          "weight_decay": 0.01, "torch_adam": True}}
+    assert "optimizer" not in d  # torch's fused AdamW, built by the trainer
+    deepspeed_adam = ds_dict(load_config(REPO / "configs" / "tiny_cpu.yaml",
+                                         ["optim.weight_decay=0.01", "optim.betas=[0.8,0.9]",
+                                          "optim.implementation=deepspeed"]), world_size=2, device="cpu")
+    assert deepspeed_adam["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9], "eps": 1e-8,
+                                                                       "weight_decay": 0.01, "torch_adam": True}}
     assert d["zero_optimization"]["stage"] == 3
     assert d["zero_optimization"]["stage3_param_persistence_threshold"] == cfg.zero.stage3_param_persistence_threshold
     assert "bf16" not in d and "fp16" not in d
     assert d["wall_clock_breakdown"] is False and d["steps_per_print"] >= 10**9
 
 
-def test_optimizer_choice_follows_device_and_offload():
+def test_optimizer_choice_follows_implementation_device_and_offload():
     cfg = load_config(REPO / "configs" / "lm1b_base.yaml")
+    assert "optimizer" not in ds_dict(cfg, 8, "cuda")
+    optimizer = build_torch_optimizer(cfg.optim, [torch.nn.Parameter(torch.zeros(3))])
+    assert type(optimizer) is torch.optim.Adam and optimizer.defaults["fused"] is True
+    assert optimizer.defaults["lr"] == cfg.optim.lr and optimizer.defaults["betas"] == tuple(cfg.optim.betas)
+    cfg = load_config(REPO / "configs" / "lm1b_base.yaml", ["optim.implementation=deepspeed"])
     cuda = ds_dict(cfg, 8, "cuda")["optimizer"]
     assert cuda["type"] == "Adam" and cuda["params"]["adam_w_mode"] is False and "torch_adam" not in cuda["params"]
     offloaded = load_config([REPO / "configs" / "lm1b_base.yaml", REPO / "configs" / "variants" / "offload.yaml"])
@@ -350,9 +359,10 @@ def test_deepspeed_config_overlay_merges_but_refuses_batch_and_owned_keys(tmp_pa
         with pytest.raises(ValueError, match=rf"--deepspeed_config {overlay} sets '{key}', which is not allowed: "
                                              r"batch sizes are stated once, in train.global_batch"):
             ds_dict(cfg, 2, "cpu", str(overlay))
-    overlay.write_text(json.dumps({"scheduler": {"type": "WarmupLR"}}))
-    with pytest.raises(ValueError, match="sets 'scheduler'"):
-        ds_dict(cfg, 2, "cpu", str(overlay))
+    for key in ("scheduler", "optimizer"):
+        overlay.write_text(json.dumps({key: {"type": "WarmupLR"}}))
+        with pytest.raises(ValueError, match=f"sets '{key}'"):
+            ds_dict(cfg, 2, "cpu", str(overlay))
     overlay.write_text(json.dumps({"bf16": {"enabled": True}}))
     with pytest.raises(ValueError, match=r"sets bf16.enabled=true, which disagrees with precision.dtype='fp32'"):
         ds_dict(cfg, 2, "cpu", str(overlay))
@@ -365,7 +375,7 @@ ENGINE_PROBE = """
 import json, sys
 import deepspeed, torch
 from txl_dist.config import load_config
-from txl_dist.training.deepspeed_config import build_deepspeed_config
+from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.schedule import build_lr_scheduler
 deepspeed.init_distributed(dist_backend="gloo")
 for files in json.loads(sys.argv[1]):
@@ -374,7 +384,8 @@ for files in json.loads(sys.argv[1]):
                                 world_size=1, device="cpu")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds,
+    optimizer = None if "optimizer" in ds else build_torch_optimizer(cfg.optim, model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, optimizer=optimizer,
         lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps))
     lrs = []
     for _ in range(3):
@@ -384,6 +395,7 @@ for files in json.loads(sys.argv[1]):
             engine.step()
         lrs.append(engine.get_lr()[0])
     print("RESULT", json.dumps({"optimizer": type(engine.basic_optimizer).__name__, "lrs": lrs,
+                                "fused": bool(engine.basic_optimizer.defaults.get("fused")),
                                 "steps": engine.global_steps}), flush=True)
 """
 
@@ -397,6 +409,7 @@ def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path):
     runs = [[str(tiny), str(stage0)]]
     runs += [[str(tiny), str(variants / name)] for name in ("zero1.yaml", "zero2.yaml", "zero3.yaml", "bf16.yaml")]
     runs.append([str(REPO / "configs" / "ptb_small.yaml")])
+    runs.append([str(tiny), str(write(tmp_path / "ds_adam.yaml", "optim: {implementation: deepspeed}\n"))])
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -406,7 +419,8 @@ def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert [r["optimizer"] for r in results] == ["AdamW"] * 5 + ["Adam"]
+    assert [r["optimizer"] for r in results] == ["AdamW"] * 5 + ["Adam", "AdamW"]
+    assert [r["fused"] for r in results] == [True] * 6 + [False]
     for files, result in zip(runs, results):
         cfg = load_config(files)
         peak, total = cfg.optim.lr, cfg.schedule.total_steps or cfg.train.max_steps

@@ -210,21 +210,27 @@ def test_bad_config_fails_before_any_process_group(ptb_word_shards, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 training needs a CUDA device (DeepSpeed refuses "
-                    "fp16 on its CPU accelerator); the model's fp16 paths are tested with autocast in test_model.py")
-def test_fp16_with_dynamic_loss_scaling_on_gpus(ptb_word_shards, tmp_path):
-    """On a CUDA machine: ZeRO 2, fp16 with dynamic loss scaling, NCCL and DeepSpeed's fused Adam."""
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (DeepSpeed refuses fp16 on its CPU "
+                    "accelerator); the model's fp16 paths are tested with autocast in test_model.py")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_training_on_gpus(precision, ptb_word_shards, tmp_path):
+    """On a CUDA machine: ZeRO 2 over NCCL with torch's fused Adam; fp16 with dynamic loss scaling, or bf16."""
     n_gpus = min(2, torch.cuda.device_count())
-    output = tmp_path / "fp16"
-    command = launcher_command(TRAIN, args(ptb_word_shards, output, "--config", "configs/variants/fp16.yaml",
+    output = tmp_path / precision
+    command = launcher_command(TRAIN, args(ptb_word_shards, output, "--config", f"configs/variants/{precision}.yaml",
                                            "train.max_steps=30", "model.dropout=0.0",
                                            f"train.micro_batch={8 // n_gpus // 2}"), nprocs=n_gpus)
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # the CUDA accelerator, not the CPU's
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, tail(result)
     logged = records(output)
-    assert all(record["loss_scale"] >= 1 for record in logged.values())
-    assert logged[30]["skipped_steps"] < 15  # overflowing steps are skipped while the scale settles, then it trains
+    if precision == "fp16":
+        assert all(record["loss_scale"] >= 1 for record in logged.values())
+        # Overflowing steps are skipped while the scale settles, then it trains.
+        assert logged[30]["skipped_steps"] < 15
+    else:
+        assert logged[30]["skipped_steps"] == 0 and logged[30].get("loss_scale") is None
     assert "max_allocated_mb" in logged[30]
     assert logged[30]["loss"] < logged[1]["loss"] - 0.5
 

@@ -188,7 +188,8 @@ class TrainConfig(_Section):
 
 @dataclass
 class OptimConfig(_Section):
-    """The optimizer (DeepSpeed builds it: fused Adam on CUDA, torch's on CPU, CPU Adam with offload)."""
+    """The optimizer: torch's fused Adam/AdamW by default, DeepSpeed's FusedAdam on request, DeepSpeed's CPU Adam
+    whenever optimizer states are offloaded."""
 
     SECTION: ClassVar[str] = "optim"
 
@@ -205,6 +206,11 @@ class OptimConfig(_Section):
     """Weight decay coefficient (the authors use none)."""
     grad_clip: float = 0.25
     """Maximum global gradient norm (the authors clip at 0.25); 0 disables clipping."""
+    implementation: Literal["torch", "deepspeed"] = "torch"
+    """Whose Adam: "torch" is torch.optim's Adam/AdamW with ``fused=True`` (one kernel per step on CUDA and CPU,
+    nothing to compile); "deepspeed" is DeepSpeed's FusedAdam on accelerators (a CUDA extension that compiles at
+    first use, 60-70 s, then cached) and torch's on CPU. With zero.offload_optimizer DeepSpeed's CPU Adam runs
+    whatever this says."""
 
     def _check_ranges(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "a positive number")

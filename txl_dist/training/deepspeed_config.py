@@ -22,6 +22,7 @@ OWNED_KEYS = {
             "follows from them and the world size)" for key in BATCH_KEYS},
     "scheduler": "the learning-rate schedule is the schedule section (schedule.kind, warmup_steps, ...)",
     "amp": "the precision is precision.dtype",
+    "optimizer": "the optimizer is the optim section (optim.name, lr, betas, eps, weight_decay, implementation)",
     "bfloat16": "the precision is precision.dtype",
 }
 # DeepSpeed prints its own step line every steps_per_print steps; the trainer logs instead.
@@ -32,8 +33,10 @@ def build_deepspeed_config(*, train: TrainConfig, optim: OptimConfig, precision:
                            world_size: int, device: str, overlay_path: str | None = None) -> dict[str, Any]:
     """DeepSpeed's config for ``world_size`` ranks on ``device`` ("cpu" or an accelerator such as "cuda").
 
-    The optimizer is DeepSpeed's: torch's AdamW/Adam on CPU (``torch_adam``: FusedAdam needs CUDA), FusedAdam on
-    an accelerator, DeepSpeed's CPU Adam when optimizer states are offloaded. ``overlay_path`` names a user's
+    With ``optim.implementation="torch"`` (and no offload) the dict has no optimizer section: the trainer builds
+    torch's fused Adam itself (`build_torch_optimizer`) and hands it to DeepSpeed. Otherwise DeepSpeed builds it
+    from the section: FusedAdam on an accelerator, torch's Adam on CPU (``torch_adam``), DeepSpeed's CPU Adam when
+    optimizer states are offloaded. ``overlay_path`` names a user's
     ``--deepspeed_config`` JSON merged on top (mappings key by key); it may not set the keys in `OWNED_KEYS`.
     Raises ValueError naming the key and the file."""
     layout = train.batch_layout(world_size)
@@ -46,11 +49,13 @@ def build_deepspeed_config(*, train: TrainConfig, optim: OptimConfig, precision:
         "train_micro_batch_size_per_gpu": layout.micro_batch,
         "gradient_accumulation_steps": layout.grad_accum,
         "gradient_clipping": optim.grad_clip,
-        "optimizer": _optimizer_section(optim, offloaded=zero.offload_optimizer != "none", on_cpu=on_cpu),
         "zero_optimization": _zero_section(zero, on_cpu=on_cpu),
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
+    offloaded = zero.offload_optimizer != "none"
+    if optim.implementation == "deepspeed" or offloaded:
+        config["optimizer"] = _optimizer_section(optim, offloaded=offloaded, on_cpu=on_cpu)
     if precision.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif precision.dtype == "fp16":
@@ -77,6 +82,18 @@ def _optimizer_section(optim: OptimConfig, offloaded: bool, on_cpu: bool) -> dic
         # FusedAdam is a CUDA kernel; with offload DeepSpeed's CPU Adam is chosen instead of either.
         params["torch_adam"] = True
     return {"type": "AdamW" if optim.name == "adamw" else "Adam", "params": params}
+
+
+def build_torch_optimizer(optim: OptimConfig, parameters) -> "torch.optim.Optimizer":
+    """torch's Adam or AdamW with ``fused=True``: one kernel for all parameters per step, on CUDA and on CPU.
+
+    The parameters may still be on the CPU (DeepSpeed moves them, or its ZeRO partitions, to the device later);
+    the fused kernel is chosen per device at each step."""
+    import torch
+
+    kind = torch.optim.AdamW if optim.name == "adamw" else torch.optim.Adam
+    return kind(parameters, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
+                fused=True)
 
 
 def _zero_section(zero: ZeroConfig, on_cpu: bool) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from txl_dist.training.checkpoint import (
     set_rng_state,
     tag_for_step,
 )
-from txl_dist.training.deepspeed_config import build_deepspeed_config
+from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
 
@@ -157,8 +157,10 @@ class Trainer:
         if self.resume_tag and self.checkpoints.needs_universal(self.resume_tag):
             self.load_tag = self.checkpoints.prepare_universal(self.resume_tag)
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+        # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
+        optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config,
+            model=model, model_parameters=model.parameters(), optimizer=optimizer, config=ds_config,
             lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
         )
         self.fingerprint = _tokenizer_fingerprint(cfg.data.tokenizer) or manifest.tokenizer.fingerprint
