@@ -61,7 +61,8 @@ from txl_dist.data.format import (
     MANIFEST_NAME, Manifest, ManifestError, ShardEntry, SplitEntry, TokenizerIdentity, token_dtype, write_manifest,
 )
 from txl_dist.fileio import atomic_write_text, sha256_file
-from txl_dist.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from txl_dist.tokenizer import Tokenizer, TokenizerError, WordTokenizer, load_tokenizer
+from txl_dist.word_scan import scan_lines
 
 STATE_NAME = ".build_state.json"
 DEFAULT_TOKENS_PER_BLOCK = 1 << 16
@@ -201,6 +202,11 @@ def _tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]
     of its first document still to tokenise (None: the split already holds all of them)."""
     chunk, streams = task
     settings, tokenizer, dtype = _worker
+    if (isinstance(tokenizer, WordTokenizer) and settings.doc_unit == "line" and not chunk.jsonl
+            and len(streams) == 1 and streams[0][1] == 0):
+        result = _tokenize_lines(chunk, streams[0][0], tokenizer, dtype)
+        if result is not None:
+            return result
     text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
     if len(streams) == 1:
         routes = {streams[0][0]: np.arange(len(text.documents))}
@@ -218,6 +224,22 @@ def _tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]
         pieces[split] = _encode_piece(tokenizer, text, selected, dtype)
     return ChunkResult(chunk.start.chunk, len(chunk.data), len(text.documents), text.empty,
                        text.replaced_bytes, pieces)
+
+
+def _tokenize_lines(chunk: corpus.Chunk, split: str, tokenizer: WordTokenizer, dtype: np.dtype
+                    ) -> ChunkResult | None:
+    """The word tokenizer's fast path for one-document-per-line text (One Billion Word, PTB): the words are
+    found and looked up with numpy (`txl_dist.word_scan`), about three times faster than ``str.split`` and a
+    dict lookup per word. None for text it does not take (see `txl_dist.word_scan.scan_lines`)."""
+    scan = scan_lines(chunk.data)
+    if scan is None:
+        return None
+    tokens, document_tokens = tokenizer.encode_scanned_lines(scan, dtype)
+    documents = np.flatnonzero(scan.words_per_line)
+    piece = StreamPiece(tokens, document_tokens, scan.words_per_line[documents] + 1,
+                        scan.characters_per_line()[documents] + 1, documents)
+    return ChunkResult(chunk.start.chunk, len(chunk.data), len(documents), len(scan.words_per_line) - len(documents),
+                       0, {split: piece})
 
 
 def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.ndarray, dtype: np.dtype

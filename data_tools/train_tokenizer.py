@@ -8,9 +8,9 @@
     python -m data_tools.train_tokenizer --kind word --format ptb --output tok_ptb/
 
     # the One Billion Word vocabulary of the paper: the words of the 99 training files seen at least 3 times,
-    # plus <S>, </S> (the sentence separator) and <UNK>
+    # plus <S>, </S> (the sentence separator) and <UNK>; counted by 8 processes
     python -m data_tools.train_tokenizer --preset lm1b --format lm1b \\
-        --input 1-billion-word-language-modeling-benchmark-r13output --output tok_lm1b/
+        --input 1-billion-word-language-modeling-benchmark-r13output --output tok_lm1b/ --workers 8
 
 The output directory holds the tokenizer's file (``spm.model`` or ``vocab.txt``) and ``tokenizer.json``; load it
 with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import sys
 import time
@@ -31,6 +32,8 @@ from tqdm import tqdm
 
 from data_tools import corpus
 from data_tools.corpus import InputError, InputFile
+from data_tools.workers import WorkerError, ordered_map
+from txl_dist import word_scan
 from txl_dist.tokenizer import (
     KINDS, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer, TokenizerError, write_tokenizer_json,
     write_word_vocab,
@@ -75,12 +78,126 @@ class _Reading:
     def record(self) -> dict[str, Any]:
         return {"inputs": [f.describe() for f in self.files], "doc_per": self.doc_unit, "statistics": self.statistics}
 
+    def count_words(self, workers: int) -> collections.Counter:
+        """How often each whitespace-separated word occurs in the non-empty documents, counted by ``workers``
+        processes (each counts the chunks it is given and hands over its totals once, at the end)."""
+        if workers < 1:
+            raise TrainError(f"--workers {workers}: must be at least 1")
+        plain = all(not f.name.endswith(".gz") for f in self.files)
+        settings = _CountSettings(self.doc_unit, self.jsonl_field, self.strict)
+        chunks = corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES)
+        totals: list[_WordCounts] = []
+        results = ordered_map(_count_chunk, chunks, workers, _start_counting, (settings,), finalizer=_counted)
+        try:
+            with tqdm(total=sum(f.size for f in self.files) if plain else None, unit="B", unit_scale=True,
+                      desc="counting", file=sys.stderr, disable=not self.progress, dynamic_ncols=True) as bar:
+                for result in results:
+                    if isinstance(result, _WordCounts):
+                        totals.append(result)
+                        continue
+                    for key, value in result.items():
+                        self.statistics[key] += value
+                    bar.update(result["bytes"])
+        except WorkerError as error:
+            raise TrainError(f"counting stopped: {error}") from error
+        finally:
+            results.close()
+        return _WordCounts.combine(totals)
+
+
+# ---- word counting in worker processes (spawned: they import this module, so keep its imports light) --------
+
+@dataclasses.dataclass(frozen=True)
+class _CountSettings:
+    doc_unit: str
+    jsonl_field: str
+    strict: bool
+
+
+class _WordCounts:
+    """The words one process counted: short words as packed keys (`txl_dist.word_scan`) with their counts,
+    merged into one sorted array whenever enough have piled up; longer words (bytes) and the words of chunks
+    that took the ``str`` path in Counters."""
+
+    MERGE_EVERY = 1 << 22  # keys piled up before a merge: ~64 MB of arrays at most
+
+    def __init__(self) -> None:
+        self.keys: list[np.ndarray] = []
+        self.key_counts: list[np.ndarray] = []
+        self.piled = 0
+        self.long: collections.Counter = collections.Counter()
+        self.text: collections.Counter = collections.Counter()
+
+    def add_keys(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        self.keys.append(keys)
+        self.key_counts.append(counts)
+        self.piled += len(keys)
+        if self.piled > self.MERGE_EVERY:
+            self._merge()
+
+    def _merge(self) -> None:
+        keys, counts = word_scan.merge_counts(self.keys, self.key_counts)
+        self.keys, self.key_counts, self.piled = [keys], [counts], 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._merge()
+        return self.__dict__
+
+    @staticmethod
+    def combine(parts: list["_WordCounts"]) -> collections.Counter:
+        """The counts of several processes as one Counter of words (str)."""
+        keys, counts = word_scan.merge_counts([k for part in parts for k in part.keys],
+                                              [c for part in parts for c in part.key_counts])
+        # Short and long words come from chunks that are valid UTF-8 split at ASCII whitespace: each is valid
+        # UTF-8 on its own, and decodes to the str that str.split() gives.
+        total = collections.Counter(dict(zip((word.decode("utf-8") for word in word_scan.unpack_keys(keys)),
+                                             counts.tolist())))
+        for part in parts:
+            for word, count in part.long.items():
+                total[word.decode("utf-8")] += count
+            total.update(part.text)
+        return total
+
+
+_counts: tuple[_CountSettings, _WordCounts] | None = None
+
+
+def _start_counting(settings: _CountSettings) -> None:
+    global _counts
+    _counts = (settings, _WordCounts())
+
+
+def _count_chunk(chunk: corpus.Chunk) -> dict[str, int]:
+    """Count a chunk's words into this process's totals; returns the chunk's statistics."""
+    settings, counts = _counts
+    scan = None
+    if settings.doc_unit == "line" and not chunk.jsonl:
+        scan = word_scan.scan_lines(chunk.data)
+    if scan is None:
+        text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
+        lines = [line for document in text.documents for line in document if line.strip()]
+        counts.text.update(" ".join(lines).split())
+        return {"documents": len(text.documents), "lines": len(lines), "empty_documents": text.empty,
+                "replaced_bytes": text.replaced_bytes, "bytes": len(chunk.data)}
+    short = scan.short()
+    counts.add_keys(*word_scan.count_keys(scan.packed_keys(short)))
+    long_words = np.flatnonzero(~short)
+    if len(long_words):
+        counts.long.update(scan.words(long_words))
+    documents = int(np.count_nonzero(scan.words_per_line))
+    return {"documents": documents, "lines": documents, "empty_documents": len(scan.words_per_line) - documents,
+            "replaced_bytes": 0, "bytes": len(chunk.data)}
+
+
+def _counted() -> _WordCounts:
+    return _counts[1]
+
 
 def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | None, specials: list[str],
-               eos: str | None, eod: str | None, unk: str) -> Tokenizer:
+               eos: str | None, eod: str | None, unk: str, workers: int = 1) -> Tokenizer:
     """Vocabulary: ``specials`` (and ``eod``; and ``unk`` unless it is a kept word), then the words seen at
     least ``min_count`` times by descending count (ties in code point order), at most ``max_size`` entries in
-    all."""
+    all. The words are counted by ``workers`` processes; the vocabulary is the same for any number."""
     if min_count < 1:
         raise TrainError(f"--min-count {min_count}: must be at least 1")
     specials = list(dict.fromkeys(specials))
@@ -96,9 +213,7 @@ def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | 
         specials.append(eod)
     if max_size is not None and max_size <= len(specials) + 1:
         raise TrainError(f"--max-size {max_size}: leaves no room for words besides the specials {specials}")
-    counts: collections.Counter = collections.Counter()
-    for lines in reading.line_batches():
-        counts.update(" ".join(lines).split())
+    counts = reading.count_words(workers)
     words = sorted((word for word, count in counts.items() if count >= min_count and word not in specials),
                    key=lambda word: (-counts[word], word))
     if max_size is not None:
@@ -221,6 +336,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, type=Path, help="the tokenizer directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="--kind word: processes counting words (the vocabulary is the same for any number)")
     sp = parser.add_argument_group("sentencepiece")
     sp.add_argument("--vocab-size", type=int, default=32000)
     sp.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
@@ -253,12 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.kind is None:
             raise TrainError("--kind: choose sentencepiece or word (or a --preset)")
+        if args.kind == "sentencepiece" and args.workers != 1:
+            raise TrainError(f"--workers {args.workers}: only --kind word counts in processes; sentencepiece "
+                             f"trains with --threads")
         files = _training_files(args)
         _prepare_output(args.output, args.overwrite)
         reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress)
         if args.kind == "word":
             tokenizer = train_word(reading, args.output, args.min_count, args.max_size, args.specials, args.eos,
-                                   args.eod, args.unk)
+                                   args.eod, args.unk, args.workers)
         else:
             tokenizer = train_sentencepiece(reading, args.output, args.vocab_size, args.model_type,
                                             args.character_coverage, args.input_sentence_size, args.user_symbols,

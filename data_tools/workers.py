@@ -23,20 +23,31 @@ class WorkerError(RuntimeError):
     """A worker process that died without a result (killed, out of memory, crashed)."""
 
 
+class _Finalize:
+    """The message that asks a worker for ``finalizer()`` after its last task."""
+
+
 def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, initializer: Callable,
-                initargs: tuple = (), in_flight_per_worker: int = 2) -> Iterator:
+                initargs: tuple = (), in_flight_per_worker: int = 2, finalizer: Callable[[], Any] | None = None
+                ) -> Iterator:
     """``map(function, tasks)`` with ``workers`` spawned processes; results come in task order.
 
     At most ``workers * in_flight_per_worker`` tasks are out at a time, so memory does not grow with the
     number of tasks. ``initializer(*initargs)`` runs once in each worker (load a tokenizer there). An exception
     raised by ``function`` is raised here, in the order of its task. With one worker everything runs in this
     process. Closing the iterator early (an error, Ctrl-C) kills the workers.
+
+    With a ``finalizer``, each worker calls it once after its last task, and its ``workers`` results follow
+    the tasks' results: a worker can accumulate over its tasks (count words) and hand over the total once,
+    instead of one large result per task.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if workers == 1:
         initializer(*initargs)
         yield from map(function, tasks)
+        if finalizer is not None:
+            yield finalizer()
         return
     # spawn, not fork: workers import only what they need, and no thread of this process is copied mid-operation.
     context = multiprocessing.get_context("spawn")
@@ -46,7 +57,7 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
             task_receiver, task_sender = context.Pipe(duplex=False)
             result_receiver, result_sender = context.Pipe(duplex=False)
             process = context.Process(target=_serve, daemon=True,
-                                      args=(task_receiver, result_sender, function, initializer, initargs))
+                                      args=(task_receiver, result_sender, function, initializer, initargs, finalizer))
             process.start()
             task_receiver.close()
             result_sender.close()
@@ -68,16 +79,21 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
                 raise value
             return value
 
-        outstanding: collections.deque[int] = collections.deque()
-        for index, task in enumerate(tasks):
-            worker = index % workers
+        def send(worker: int, task: Any) -> None:
             try:
                 senders[worker].send(task)
             except (BrokenPipeError, ConnectionResetError):
                 raise died(worker) from None
             outstanding.append(worker)
+
+        outstanding: collections.deque[int] = collections.deque()
+        for index, task in enumerate(tasks):
+            send(index % workers, task)
             if len(outstanding) >= workers * in_flight_per_worker:
                 yield result_of(outstanding.popleft())
+        if finalizer is not None:
+            for worker in range(workers):
+                send(worker, _Finalize())
         while outstanding:
             yield result_of(outstanding.popleft())
         for sender in senders:
@@ -94,9 +110,10 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
             connection.close()
 
 
-def _serve(tasks: Connection, results: Connection, function: Callable, initializer: Callable, initargs: tuple
-           ) -> None:
-    """A worker: run ``function`` on each task until ``None``, sending ("result", value) or ("error", exc)."""
+def _serve(tasks: Connection, results: Connection, function: Callable, initializer: Callable, initargs: tuple,
+           finalizer: Callable[[], Any] | None = None) -> None:
+    """A worker: run ``function`` on each task (``finalizer`` on a `_Finalize`) until ``None``, sending
+    ("result", value) or ("error", exc)."""
     # Ctrl-C reaches the whole process group; the parent decides, and stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A thread keeps the task pipe drained, so the parent never waits on a send while this process waits for
@@ -124,7 +141,7 @@ def _serve(tasks: Connection, results: Connection, function: Callable, initializ
             reply = ("error", failure)
         else:
             try:
-                reply = ("result", function(task))
+                reply = ("result", finalizer() if isinstance(task, _Finalize) else function(task))
             except Exception as error:
                 reply = ("error", error)
         _send(results, reply)
