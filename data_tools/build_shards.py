@@ -26,7 +26,9 @@ read little-endian) is below F * 2**64: the same document always lands in the sa
 How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), worker
 processes decode and tokenise them (the tokenizer is loaded once per worker) and return compact arrays
 (`data_tools.workers.ordered_map`: results in input order, two chunks in flight per worker), and the parent
-packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one process. Which documents share a block depends only on the documents' token counts: a document that does not
+packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one process. With a
+word tokenizer, plain one-document-per-line text is tokenised with numpy (`txl_dist.word_scan`; the same tokens
+as the str path, three times faster). Which documents share a block depends only on the documents' token counts: a document that does not
 fit in what is left of the current block starts the next one, and a document longer than a block spans as many
 blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
 ``--workers``.

@@ -14,6 +14,12 @@
 
 The output directory holds the tokenizer's file (``spm.model`` or ``vocab.txt``) and ``tokenizer.json``; load it
 with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read.
+
+Words are counted by ``--workers`` processes, each over the chunks it is given (with numpy for plain
+one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary
+does not depend on their number. SentencePiece skips every training sentence longer than its
+``max_sentence_length`` (4,192 bytes) without a word; here a longer line is first cut into pieces that fit (at
+sentence ends, else at whitespace: `training_pieces`), so that documents of one long line count too.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import collections
 import dataclasses
 import io
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,6 +51,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "lm1b": {"kind": "word", "min_count": 3, "specials": ["<S>", "</S>", "<UNK>"], "eos": "</S>", "unk": "<UNK>"},
 }
 OWN_FILES = (TOKENIZER_JSON, SENTENCEPIECE_MODEL, "spm.vocab", WORD_VOCAB)
+DEFAULT_MAX_SENTENCE_LENGTH = 4192  # bytes: SentencePiece's own default
 
 
 class TrainError(ValueError):
@@ -255,20 +263,88 @@ def sample_lines(batches: Iterable[list[str]], size: int, seed: int) -> list[str
     return reservoir
 
 
+# Where a long line may be cut for training: after a sentence's final punctuation and any closing quotes or
+# brackets, where whitespace follows.
+_SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f][\"'\u201d\u2019)\]]*(?=\s)")
+
+
+def training_pieces(line: str, max_bytes: int) -> list[str]:
+    """``line`` as pieces of at most ``max_bytes`` bytes of UTF-8 each, for SentencePiece, which silently drops
+    every training sentence longer than its ``max_sentence_length``: whole sentences where the line holds
+    sentence ends, a sentence still too long cut at whitespace into the longest runs of words that fit, and a
+    single word longer than that cut between characters. Whitespace at the cuts is dropped; nothing else is."""
+    if len(line) * 4 <= max_bytes or len(line.encode("utf-8")) <= max_bytes:
+        return [line]
+    pieces: list[str] = []
+    cuts = [0] + [end.end() for end in _SENTENCE_END.finditer(line)] + [len(line)]
+    for sentence in (line[start:stop].strip() for start, stop in zip(cuts[:-1], cuts[1:])):
+        if not sentence:
+            continue
+        if len(sentence.encode("utf-8")) <= max_bytes:
+            pieces.append(sentence)
+            continue
+        run, run_bytes = [], 0
+        for word in sentence.split():
+            size = len(word.encode("utf-8"))
+            if run and run_bytes + 1 + size > max_bytes:
+                pieces.append(" ".join(run))
+                run, run_bytes = [], 0
+            if size > max_bytes:
+                pieces.extend(_cut_word(word, max_bytes))
+                continue
+            run_bytes += size + (1 if run else 0)
+            run.append(word)
+        if run:
+            pieces.append(" ".join(run))
+    return pieces
+
+
+def _cut_word(word: str, max_bytes: int) -> list[str]:
+    """A word longer than ``max_bytes`` bytes in pieces of at most that many, cut between characters."""
+    pieces, start, size = [], 0, 0
+    for index, character in enumerate(word):
+        width = len(character.encode("utf-8"))
+        if size + width > max_bytes:
+            pieces.append(word[start:index])
+            start, size = index, 0
+        size += width
+    pieces.append(word[start:])
+    return pieces
+
+
 def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_type: str,
                         character_coverage: float, input_sentence_size: int, user_symbols: list[str],
-                        eod_symbol: str | None, seed: int, threads: int) -> Tokenizer:
-    """A SentencePiece model trained on ``input_sentence_size`` lines sampled uniformly from the input (see
-    `sample_lines`: memory is bounded whatever the corpus size, and training is reproducible)."""
+                        eod_symbol: str | None, seed: int, threads: int,
+                        max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH) -> Tokenizer:
+    """A SentencePiece model trained on ``input_sentence_size`` pieces sampled uniformly from the input's lines
+    (see `sample_lines`: memory is bounded whatever the corpus size, and training is reproducible). A line
+    longer than ``max_sentence_length`` bytes is first cut into pieces that are not (`training_pieces`), so
+    that documents of one long line (a speech, an article) are trained on instead of being dropped."""
     import sentencepiece
 
     if input_sentence_size < 1:
         raise TrainError(f"--input-sentence-size {input_sentence_size}: must be positive")
+    if max_sentence_length < 16:
+        raise TrainError(f"--max-sentence-length {max_sentence_length}: must be at least 16 bytes")
     if eod_symbol is not None and eod_symbol not in user_symbols:
         user_symbols = user_symbols + [eod_symbol]
-    sample = sample_lines(reading.line_batches(), input_sentence_size, seed)
+    cut_lines = 0
+
+    def piece_batches() -> Iterator[list[str]]:
+        nonlocal cut_lines
+        for lines in reading.line_batches():
+            pieces = []
+            for line in lines:
+                line_pieces = training_pieces(line, max_sentence_length)
+                cut_lines += len(line_pieces) > 1 or line_pieces[0] is not line
+                pieces.extend(line_pieces)
+            yield pieces
+
+    sample = sample_lines(piece_batches(), input_sentence_size, seed)
     if not sample:
-        raise TrainError("the input holds no text to train on")
+        files = ", ".join(f.name for f in reading.files[:3]) + (", ..." if len(reading.files) > 3 else "")
+        raise TrainError(f"the input holds no text to train on ({reading.statistics['documents']:,} documents, "
+                         f"{reading.statistics['empty_documents']:,} of them blank, in {files})")
     model = io.BytesIO()
     try:
         # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
@@ -276,6 +352,7 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
         sentencepiece.SentencePieceTrainer.train(
             sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
             character_coverage=character_coverage, input_sentence_size=0, shuffle_input_sentence=False,
+            max_sentence_length=max_sentence_length,
             user_defined_symbols=user_symbols, num_threads=threads, minloglevel=1,
         )
     except RuntimeError as error:
@@ -286,7 +363,7 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
     eod_id = processor.piece_to_id(eod_symbol) if eod_symbol is not None else eos_id
     training = {"kind": "sentencepiece", "model_type": model_type, "character_coverage": character_coverage,
                 "input_sentence_size": input_sentence_size, "sampled_lines": len(sample), "seed": seed,
-                "threads": threads,
+                "threads": threads, "max_sentence_length": max_sentence_length, "lines_cut": cut_lines,
                 "user_symbols": user_symbols, **reading.record()}
     pieces = {"eos": processor.id_to_piece(eos_id), "eod": processor.id_to_piece(eod_id),
               "unk": processor.id_to_piece(unk_id)}
@@ -346,6 +423,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sp.add_argument("--input-sentence-size", type=int, default=2_000_000,
                     help="lines sampled from the input for training (bounds memory and time)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the sampling of --input-sentence-size lines")
+    sp.add_argument("--max-sentence-length", type=int, default=DEFAULT_MAX_SENTENCE_LENGTH,
+                    help="bytes; longer lines are cut (at sentence ends, else at whitespace) into training pieces")
     sp.add_argument("--user-symbols", nargs="*", default=[], help="pieces never split, e.g. '<eod>'")
     sp.add_argument("--eod-symbol", help="end-of-document user symbol; documents then end with it")
     sp.add_argument("--threads", type=int, default=8,
@@ -382,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             tokenizer = train_sentencepiece(reading, args.output, args.vocab_size, args.model_type,
                                             args.character_coverage, args.input_sentence_size, args.user_symbols,
-                                            args.eod_symbol, args.seed, args.threads)
+                                            args.eod_symbol, args.seed, args.threads, args.max_sentence_length)
     except (TrainError, InputError, TokenizerError) as error:
         print(f"train_tokenizer: error: {error}", file=sys.stderr)
         return 1

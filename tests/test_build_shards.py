@@ -470,3 +470,33 @@ def test_keyboard_interrupt_keeps_finished_shards_for_resume(ptb_word_tokenizer,
     manifest = read_manifest(output)
     assert manifest.splits["train"].documents == 4 * len(ptb_sentences("train"))
     assert inspect_shards.verify_shards(output) == []
+
+
+def test_word_tokenizer_numpy_and_str_paths_give_one_stream(ptb_word_tokenizer, tmp_path):
+    """Chunks of plain text take the word tokenizer's numpy path, chunks with no-break spaces, CRLF, NUL or
+    bytes that are not UTF-8 the str path; the shards hold the exact stream and counts either way, for any
+    number of workers."""
+    tokenizer = load_tokenizer(ptb_word_tokenizer)
+    sentences = ptb_sentences("valid")[:3000]
+    odd = ["the\xa0market fell", "it rose\r", "a\x00b c", "  \t ", "n't \u3000 stop", "words café naïve"]
+    lines = [odd[i // 100 % len(odd)] if i % 100 == 50 else s for i, s in enumerate(sentences)]
+    data = "\n".join(lines).encode() + b"\nbad \xff byte\n"
+    text = tmp_path / "mixed.txt"
+    text.write_bytes(data)
+    decoded = data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n")[:-1]
+    documents = [[line] for line in decoded if line.split()]
+    expected, _ = tokenizer.encode_documents(documents)
+    outputs = {}
+    for workers in (1, 2):
+        outputs[workers] = tmp_path / f"workers{workers}"
+        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", outputs[workers], "--split", f"train={text}",
+                         "--chunk-bytes", 4096, "--tokens-per-block", 1000, "--tokens-per-shard", 20000,
+                         "--workers", workers) == 0
+    assert files_of(outputs[1]) == files_of(outputs[2])
+    stream, _, _ = read_split(outputs[1], "train")
+    assert stream.tolist() == expected.tolist()
+    split = read_manifest(outputs[1]).splits["train"]
+    assert (split.documents, split.words) == (len(documents), sum(len(d[0].split()) + 1 for d in documents))
+    assert split.characters == sum(len(d[0]) + 1 for d in documents)
+    statistics = read_manifest(outputs[1]).build["statistics"]["train"]
+    assert statistics["empty_documents"] == len(decoded) - len(documents) == 5 and statistics["replaced_bytes"] == 1
