@@ -46,6 +46,8 @@ CASES: dict[str, tuple[str, list[str], str]] = {
                                                        "model.mem_len=96"], "lm1b"),
     "mid_zero3_bf16": ("configs/lm1b_base.yaml", [*MID, "zero.stage=3", "zero.stage3_param_persistence_threshold=0"],
                        "lm1b"),
+    # lm1b_base itself (bf16, ZeRO-2) with a vocabulary of 935k words: 2 sequences per step, as in the issue.
+    "lm1b_base_zero2": ("configs/lm1b_base.yaml", ["train.global_batch=2"], "lm1b_935k"),
 }
 RUN_SETTINGS = [f"train.max_steps={STEPS}", "log.every=1", "eval.every=0", "checkpoint.every=0",
                 "log.tensorboard=false", "schedule.warmup_steps=1", "schedule.total_steps=1000", "eval.max_batches=1"]
@@ -96,15 +98,22 @@ def shards_of(kind: str, work: Path) -> Path:
         from training_runs import ptb_word_shards
 
         return ptb_word_shards(work / "ptb")[1]
-    shards = work / "lm1b" / "shards"
+    # "lm1b": a flatter law than One Billion Word's over 400k ranks, the lm1b preset's vocabulary (words seen 3
+    # times: 95k); "lm1b_935k": flatter still over 1.2M ranks, every word seen (935k: lm1b_base's size).
+    scale, exponent, ranks, counting = {"lm1b": (0.01, 1.25, 400_000, ["--preset", "lm1b"]),
+                                        "lm1b_935k": (0.05, 1.2, 1_200_000, [
+                                            "--kind", "word", "--specials", "<S>", "</S>", "--eos", "</S>",
+                                            "--unk", "<UNK>"])}[kind]
+    home = work / kind
+    shards = home / "shards"
     if not (shards / "manifest.json").is_file():
-        shape = synthetic_lm1b.CorpusShape(scale=0.01, exponent=1.25, vocabulary=400_000)
-        synthetic_lm1b.write_corpus(work / "lm1b", shape, progress=False)
-        source = work / "lm1b" / synthetic_lm1b.ROOT_NAME
-        train_tokenizer.main(["--preset", "lm1b", "--format", "lm1b", "--input", str(source), "--output",
-                              str(work / "lm1b" / "tokenizer"), "--overwrite", "--no-progress"])
-        build_shards.main(["--tokenizer", str(work / "lm1b" / "tokenizer"), "--output", str(shards), "--format",
-                           "lm1b", "--input", str(source), "--overwrite", "--no-progress"])
+        synthetic_lm1b.write_corpus(home, synthetic_lm1b.CorpusShape(scale=scale, exponent=exponent,
+                                                                     vocabulary=ranks), progress=False)
+        source = home / synthetic_lm1b.ROOT_NAME
+        train_tokenizer.main([*counting, "--format", "lm1b", "--input", str(source), "--output",
+                              str(home / "tokenizer"), "--overwrite", "--no-progress", "--workers", "2"])
+        build_shards.main(["--tokenizer", str(home / "tokenizer"), "--output", str(shards), "--format", "lm1b",
+                           "--input", str(source), "--overwrite", "--no-progress", "--workers", "2"])
     return shards
 
 

@@ -26,7 +26,8 @@ read little-endian) is below F * 2**64: the same document always lands in the sa
 How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), worker
 processes decode and tokenise them (the tokenizer is loaded once per worker) and return compact arrays
 (`data_tools.workers.ordered_map`: results in input order, two chunks in flight per worker), and the parent
-packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one process. With a
+packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one process, and so
+does a source of fewer than 32 chunks (32 MB with the default ``--chunk-bytes``). With a
 word tokenizer, plain one-document-per-line text is tokenised with numpy (`txl_dist.word_scan`; the same tokens
 as the str path, three times faster). Which documents share a block depends only on the documents' token counts: a document that does not
 fit in what is left of the current block starts the next one, and a document longer than a block spans as many
@@ -69,6 +70,7 @@ from txl_dist.word_scan import scan_lines
 STATE_NAME = ".build_state.json"
 DEFAULT_TOKENS_PER_BLOCK = 1 << 16
 DEFAULT_TOKENS_PER_SHARD = 1 << 24
+SMALL_SOURCE_CHUNKS = 32  # a source of fewer chunks than this is tokenised without worker processes
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 OUTPUT_FILE = re.compile(r"^([A-Za-z0-9_]+-\d{6}\.tar|\..+\.(partial|tmp))$")
 
@@ -193,9 +195,10 @@ class _WorkerSettings:
 _worker: tuple[_WorkerSettings, Tokenizer, np.dtype] | None = None
 
 
-def _start_worker(settings: _WorkerSettings) -> None:
+def _start_worker(settings: _WorkerSettings, tokenizer: Tokenizer | None = None) -> None:
+    """Load the tokenizer of a worker process (or, in this process, adopt the builder's)."""
     global _worker
-    tokenizer = load_tokenizer(settings.tokenizer_directory)
+    tokenizer = tokenizer or load_tokenizer(settings.tokenizer_directory)
     _worker = (settings, tokenizer, token_dtype(tokenizer.vocab_size))
 
 
@@ -580,7 +583,11 @@ class _Builder:
                                           settings.strict, settings.holdout)
         totals = source_state["statistics"]
         counted = {split: [0, 0] for split in splits}  # documents, tokens (of this run, for the progress bar)
-        results = ordered_map(_tokenize_chunk, tasks(), self.workers, _start_worker, (worker_settings,))
+        # A worker costs seconds to start (a million-word vocabulary to load); a small source (One Billion
+        # Word's valid and test files) is tokenised here, with the builder's tokenizer.
+        workers = self.workers if sum(f.size for f in files) >= SMALL_SOURCE_CHUNKS * settings.chunk_bytes else 1
+        initargs = (worker_settings,) if workers > 1 else (worker_settings, self.tokenizer)
+        results = ordered_map(_tokenize_chunk, tasks(), workers, _start_worker, initargs)
         try:
             for result in results:
                 for split, piece in result.pieces.items():

@@ -56,11 +56,18 @@ FP32 = 4
 # DeepSpeed's defaults for settings the typed config does not expose: the all-reduce bucket of ZeRO-0
 # ("allreduce_bucket_size") and the size of a stage-3 optimizer sub-group ("sub_group_size").
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
-# Process memory outside the tensors. CPU: resident set of a rank before it builds the model (Python, PyTorch,
-# DeepSpeed, gloo, the data reader; measured by benchmarks/plan_check.py on 2 ranks here: 393-431 MiB) and
-# DeepSpeed's 64 MiB shared-memory all-reduce buffer once touched. CUDA: the context and kernels, which
+# Process memory outside the tensors. CPU: Python, PyTorch, DeepSpeed (244 MiB before the model is built), then
+# gloo, DeepSpeed's 64 MiB shared-memory all-reduce buffer, the shard reader: the tiny model's ranks peak at
+# 392 MiB; 430 MiB fits the runs of benchmarks/plan_check.py best. CUDA: the context and kernels, which
 # max_memory_allocated does not count.
-CPU_PROCESS_BYTES = 480 * MiB
+CPU_PROCESS_BYTES = 430 * MiB
+# On a CPU the model is built in fp32 and DeepSpeed then replaces every parameter's tensor (a bf16/fp16 copy, or
+# a view of its flat ZeRO buffers). glibc returns a freed block to the system only when it was mmap-ed, which
+# blocks of 32 MiB or more always are; the smaller fp32 parameters (a layer's weights) stay in the heap, and
+# resident memory with them. Measured: +42 to +107 MiB over the tensors for a 29M-parameter model, +640 MiB for
+# lm1b_base, whose layers hold 245M such parameters.
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB
+CPU_HEAP_RETAINED = 0.7
 CUDA_CONTEXT_BYTES = 600 * MiB
 # The caching allocator rounds and splits blocks; PyTorch's own guidance is to leave a tenth of the device.
 FRAGMENTATION_MARGIN = 0.10
@@ -76,6 +83,9 @@ class ModelShape:
     """Distinct parameters (tied weights and projections once)."""
     largest_gather: int
     """Elements ZeRO-3 gathers at once for one module: the adaptive softmax (or embedding) with its clusters."""
+    heap_sized: int
+    """Elements of the parameters whose fp32 tensor is smaller than glibc's largest mmap threshold (32 MiB):
+    freed, their memory stays in the process's heap (see CPU_HEAP_RETAINED)."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> "ModelShape":
@@ -88,7 +98,8 @@ class ModelShape:
         parameters = sum(p.numel() for p in module.parameters())
         groups = [sum(p.numel() for p in child.parameters()) for child in module.children()]
         groups += [sum(p.numel() for p in layer.parameters()) for layer in module.layers]
-        return cls(parameters, max(groups))
+        heap_sized = sum(p.numel() for p in module.parameters() if p.numel() * FP32 < GLIBC_MMAP_THRESHOLD_MAX)
+        return cls(parameters, max(groups), heap_sized)
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
@@ -229,15 +240,19 @@ class MemoryPlan:
         return int(self.peak * (1 + FRAGMENTATION_MARGIN)) + CUDA_CONTEXT_BYTES
 
     def table(self) -> str:
-        lines = [f"{'term':34s} {'where':6s} {'phase':8s} {'GiB':>9s}  formula"]
-        for term in self.terms:
-            lines.append(f"{term.name:34s} {term.where:6s} {term.phase:8s} {term.bytes / GiB:9.3f}  {term.formula}")
-        lines.append(f"{'peak per rank':34s} {'device':6s} {'':8s} {self.peak / GiB:9.3f}  steady + max(backward, step)")
+        width = max(len(term.name) for term in self.terms) + 2
+
+        def row(name: str, where: str, phase: str, size: int, formula: str) -> str:
+            return f"{name:{width}s}{where:8s}{phase:10s}{size / MiB:12,.1f}  {formula}"
+
+        lines = [f"{'term':{width}s}{'where':8s}{'phase':10s}{'MiB':>12s}  formula"]
+        lines += [row(t.name, t.where, t.phase, t.bytes, t.formula) for t in self.terms]
+        lines.append(row("peak per rank", "device", "", self.peak, "steady + max(backward, step)"))
         if self.host:
-            lines.append(f"{'host per rank':34s} {'host':6s} {'':8s} {self.host / GiB:9.3f}")
+            lines.append(row("host per rank", "host", "", self.host, "offloaded optimizer states"))
         if self.device != "cpu":
-            lines.append(f"{'needed on the device':34s} {'device':6s} {'':8s} {self.needed() / GiB:9.3f}  peak x "
-                         f"{1 + FRAGMENTATION_MARGIN:.2f} + CUDA context {CUDA_CONTEXT_BYTES / GiB:.2f}")
+            lines.append(row("needed on the device", "device", "", self.needed(),
+                             f"peak x {1 + FRAGMENTATION_MARGIN:.2f} + CUDA context {CUDA_CONTEXT_BYTES / MiB:.0f} MiB"))
         return "\n".join(lines)
 
 
@@ -318,7 +333,10 @@ def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None,
     add("mems", grad_accum * (model.n_layer + 1) * model.mem_len * micro_batch * model.d_model * mem_bytes,
         "steady", f"{grad_accum} slot(s) x (n_layer + 1) x mem_len x micro-batch x d_model x {mem_bytes}")
     if device == "cpu":
-        add("process (Python, PyTorch, DeepSpeed, gloo)", CPU_PROCESS_BYTES, "steady", "measured on this machine")
+        add("process", CPU_PROCESS_BYTES, "steady", "Python, PyTorch, DeepSpeed, gloo (measured on 2 CPU ranks)")
+        if stage > 0 or mixed:  # DeepSpeed replaces the fp32 tensors the model was built with
+            add("fp32 build copies kept in the heap", shape.heap_sized * FP32 * CPU_HEAP_RETAINED, "steady",
+                f"{CPU_HEAP_RETAINED} x 4 x parameters in tensors under 32 MiB")
     return MemoryPlan(device, world_size, micro_batch, grad_accum, terms, P)
 
 
