@@ -96,7 +96,9 @@ class ModelShape:
         with torch.device("meta"):
             module = TransformerXLLM(model)
         parameters = sum(p.numel() for p in module.parameters())
-        groups = [sum(p.numel() for p in child.parameters()) for child in module.children()]
+        # ZeRO-3 gathers a module's parameters for its forward: the adaptive input or softmax (all clusters), or
+        # one decoder layer (the layers' ModuleList is no module that runs).
+        groups = [sum(p.numel() for p in module.word_emb.parameters()), sum(p.numel() for p in module.crit.parameters())]
         groups += [sum(p.numel() for p in layer.parameters()) for layer in module.layers]
         heap_sized = sum(p.numel() for p in module.parameters() if p.numel() * FP32 < GLIBC_MMAP_THRESHOLD_MAX)
         return cls(parameters, max(groups), heap_sized)
@@ -223,13 +225,17 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        """Held through the step, plus the larger of the backward and the optimizer step."""
-        return self.phase_total("steady") + max(self.phase_total("backward"), self.phase_total("step"))
+        """Held through the step, plus the larger of the backward and the optimizer step (on a CPU the offloaded
+        states count too: they share its memory)."""
+        places = ("device", "host") if self.device == "cpu" else ("device",)
+        total = {phase: sum(self.phase_total(phase, where) for where in places)
+                 for phase in ("steady", "backward", "step")}
+        return total["steady"] + max(total["backward"], total["step"])
 
     @property
     def host(self) -> int:
-        """Host memory of a rank beyond its process (offloaded optimizer states; the fp32 model while it is
-        built on a GPU run)."""
+        """Host memory of a rank for its offloaded optimizer states (on a GPU run; on a CPU they are in
+        `peak`)."""
         steady = self.phase_total("steady", "host")
         return steady + max(self.phase_total("backward", "host"), self.phase_total("step", "host"))
 
@@ -248,7 +254,7 @@ class MemoryPlan:
         lines = [f"{'term':{width}s}{'where':8s}{'phase':10s}{'MiB':>12s}  formula"]
         lines += [row(t.name, t.where, t.phase, t.bytes, t.formula) for t in self.terms]
         lines.append(row("peak per rank", "device", "", self.peak, "steady + max(backward, step)"))
-        if self.host:
+        if self.host and self.device != "cpu":
             lines.append(row("host per rank", "host", "", self.host, "offloaded optimizer states"))
         if self.device != "cpu":
             lines.append(row("needed on the device", "device", "", self.needed(),
@@ -318,8 +324,10 @@ def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None,
     else:
         add("gradient partition", Pn * b, "steady", f"P/N x {b}")
         add("reduction bucket", bucket * b, "steady", bucket_formula)
-        add("fp32 gradient buffer (ZeRO-3)", P * FP32, "steady", "P x 4 (sized by the unpartitioned model)",
-            states_at)
+        if offload:  # the model-sized buffer is made and dropped; the offloaded partition keeps its own
+            add("fp32 gradient partition", Pn * FP32, "steady", "P/N x 4", states_at)
+        else:
+            add("fp32 gradient buffer (ZeRO-3)", P * FP32, "steady", "P x 4 (sized by the unpartitioned model)")
 
     # Activations, mems.
     layer = layer_activation_bytes(model, micro_batch, b)
@@ -456,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run config (repeat to layer files, as for launchers/train.py)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the run")
-    parser.add_argument("--device-memory", type=parse_size, help="memory per device, e.g. 80GiB")
+    parser.add_argument("--device-memory", type=parse_size,
+                        help="memory per rank, e.g. 80GiB (for CPU ranks: the machine's memory / its ranks)")
     parser.add_argument("--micro-batch", type=int, help="plan this micro-batch instead of the config's")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--vocab-size", type=int, help="model.n_token when the config gives no data.shards "
