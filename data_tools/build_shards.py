@@ -23,11 +23,12 @@ U+FFFD and are counted, or with ``--strict`` stop the build with the file and by
 sends a training document to split NAME when its 64-bit BLAKE2b hash (of its lines joined by ``\n``, in UTF-8,
 read little-endian) is below F * 2**64: the same document always lands in the same split.
 
-How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), worker
-processes decode and tokenise them (the tokenizer is loaded once per worker) and return compact arrays
-(`data_tools.workers.ordered_map`: results in input order, two chunks in flight per worker), and the parent
-packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one process, and so
-does a source of fewer than 32 chunks (32 MB with the default ``--chunk-bytes``). With a
+How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), ``--workers``
+processes decode and tokenise them, the parent and ``--workers - 1`` spawned ones (the tokenizer is loaded once
+per worker; `data_tools.workers.ordered_map`: results in input order, two chunks in flight per spawned worker,
+the parent takes a chunk when they are all busy), and the parent packs the documents into blocks and blocks into
+shards. With ``--workers 1`` all of it runs in one process, and so does a source of fewer than 32 chunks (32 MB
+with the default ``--chunk-bytes``). With a
 word tokenizer, plain one-document-per-line text is tokenised with numpy (`txl_dist.word_scan`; the same tokens
 as the str path, three times faster). Which documents share a block depends only on the documents' token counts: a document that does not
 fit in what is left of the current block starts the next one, and a document longer than a block spans as many
@@ -583,11 +584,12 @@ class _Builder:
                                           settings.strict, settings.holdout)
         totals = source_state["statistics"]
         counted = {split: [0, 0] for split in splits}  # documents, tokens (of this run, for the progress bar)
-        # A worker costs seconds to start (a million-word vocabulary to load); a small source (One Billion
-        # Word's valid and test files) is tokenised here, with the builder's tokenizer.
+        # This process tokenises too, with the builder's tokenizer. A spawned worker costs seconds to start (a
+        # million-word vocabulary to load): a small source (One Billion Word's valid and test files) is
+        # tokenised here alone.
         workers = self.workers if sum(f.size for f in files) >= SMALL_SOURCE_CHUNKS * settings.chunk_bytes else 1
-        initargs = (worker_settings,) if workers > 1 else (worker_settings, self.tokenizer)
-        results = ordered_map(_tokenize_chunk, tasks(), workers, _start_worker, initargs)
+        results = ordered_map(_tokenize_chunk, tasks(), workers, _start_worker, (worker_settings,),
+                              local_initargs=(worker_settings, self.tokenizer))
         try:
             for result in results:
                 for split, piece in result.pieces.items():
@@ -671,7 +673,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
     parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
-    parser.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="tokenising processes, this one included (it takes a chunk when the others are busy)")
     parser.add_argument("--tokens-per-block", type=int, default=DEFAULT_TOKENS_PER_BLOCK,
                         help="most tokens of a block (one webdataset sample)")
     parser.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD,

@@ -414,7 +414,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--workers", type=int, default=1,
-                        help="--kind word: processes counting words (the vocabulary is the same for any number)")
+                        help="--kind word: processes counting words, this one included (the vocabulary is the "
+                             "same for any number)")
     sp = parser.add_argument_group("sentencepiece")
     sp.add_argument("--vocab-size", type=int, default=32000)
     sp.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")

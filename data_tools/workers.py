@@ -2,9 +2,14 @@
 
 `multiprocessing.Pool` shares one result pipe and its lock among all workers; stopping it while a worker is
 halfway through sending a large result (the shard builder's are ~0.5 MB, far above a pipe's buffer) can leave
-``Pool.terminate`` waiting forever for that lock. Here each worker has its own task and result pipes and the
-tasks go round-robin, so results come back in task order without any shared lock, and stopping is killing
-the processes.
+``Pool.terminate`` waiting forever for that lock. Here each worker has its own task and result pipes, each
+worker's results come back in the order of its tasks, and the caller hands results over in task order; no lock
+is shared, and stopping is killing the processes.
+
+The calling process works too: of ``workers``, ``workers - 1`` are spawned, and a task that finds every one of
+them busy is computed by the caller. Sending a chunk of text and receiving its tokens costs about 2 ms per MB
+each way; a task kept here costs nothing of it, and the caller's core, which would otherwise wait for results,
+is used.
 """
 
 from __future__ import annotations
@@ -27,24 +32,29 @@ class _Finalize:
     """The message that asks a worker for ``finalizer()`` after its last task."""
 
 
+_LOCAL = -1  # the caller's own "worker" id in the queue of pending results
+
+
 def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, initializer: Callable,
-                initargs: tuple = (), in_flight_per_worker: int = 2, finalizer: Callable[[], Any] | None = None
-                ) -> Iterator:
-    """``map(function, tasks)`` with ``workers`` spawned processes; results come in task order.
+                initargs: tuple = (), in_flight_per_worker: int = 2, finalizer: Callable[[], Any] | None = None,
+                local_initargs: tuple | None = None) -> Iterator:
+    """``map(function, tasks)`` over ``workers`` processes, this one included; results come in task order.
 
-    At most ``workers * in_flight_per_worker`` tasks are out at a time, so memory does not grow with the
-    number of tasks. ``initializer(*initargs)`` runs once in each worker (load a tokenizer there). An exception
-    raised by ``function`` is raised here, in the order of its task. With one worker everything runs in this
-    process. Closing the iterator early (an error, Ctrl-C) kills the workers.
+    ``workers - 1`` processes are spawned; each holds at most ``in_flight_per_worker`` tasks, and a task that
+    finds all of them full is computed here. Results wait here until all earlier ones are handed over (at most
+    about ``2 * workers * in_flight_per_worker`` of them), so memory does not grow with the number of tasks.
+    ``initializer(*initargs)`` runs once in each spawned worker (load a tokenizer there) and
+    ``initializer(*local_initargs)`` (default: ``initargs``) here. An exception raised by ``function`` is raised
+    here, in the order of its task. Closing the iterator early (an error, Ctrl-C) kills the workers.
 
-    With a ``finalizer``, each worker calls it once after its last task, and its ``workers`` results follow
+    With a ``finalizer``, every process calls it once after the last task, and its ``workers`` results follow
     the tasks' results: a worker can accumulate over its tasks (count words) and hand over the total once,
     instead of one large result per task.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    initializer(*(initargs if local_initargs is None else local_initargs))
     if workers == 1:
-        initializer(*initargs)
         yield from map(function, tasks)
         if finalizer is not None:
             yield finalizer()
@@ -53,7 +63,7 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
     context = multiprocessing.get_context("spawn")
     processes, senders, receivers = [], [], []
     try:
-        for _ in range(workers):
+        for _ in range(workers - 1):
             task_receiver, task_sender = context.Pipe(duplex=False)
             result_receiver, result_sender = context.Pipe(duplex=False)
             process = context.Process(target=_serve, daemon=True,
@@ -70,32 +80,57 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
             return WorkerError(f"worker process {processes[worker].pid} died without a result "
                                f"(exit code {processes[worker].exitcode})")
 
-        def result_of(worker: int) -> Any:
-            try:
-                kind, value = receivers[worker].recv()
-            except EOFError:
-                raise died(worker) from None
-            if kind == "error":
-                raise value
-            return value
+        # Pending results in task order: [worker, reply]; the reply of a spawned worker's task is None until
+        # received (a worker answers its tasks in the order it got them, so the oldest pending task of worker w
+        # is the one its next reply belongs to).
+        pending: collections.deque[list] = collections.deque()
+        queued = [0] * len(senders)
 
         def send(worker: int, task: Any) -> None:
             try:
                 senders[worker].send(task)
             except (BrokenPipeError, ConnectionResetError):
                 raise died(worker) from None
-            outstanding.append(worker)
+            queued[worker] += 1
+            pending.append([worker, None])
 
-        outstanding: collections.deque[int] = collections.deque()
-        for index, task in enumerate(tasks):
-            send(index % workers, task)
-            if len(outstanding) >= workers * in_flight_per_worker:
-                yield result_of(outstanding.popleft())
+        def compute_here(call: Callable[..., Any], *arguments: Any) -> None:
+            try:
+                pending.append([_LOCAL, ("result", call(*arguments))])
+            except Exception as error:  # raised when its turn comes, like a worker's
+                pending.append([_LOCAL, ("error", error)])
+
+        def ready() -> bool:
+            worker, reply = pending[0]
+            return reply is not None or receivers[worker].poll()
+
+        def take() -> Any:
+            worker, reply = pending.popleft()
+            if reply is None:
+                try:
+                    reply = receivers[worker].recv()
+                except EOFError:
+                    raise died(worker) from None
+                queued[worker] -= 1
+            kind, value = reply
+            if kind == "error":
+                raise value
+            return value
+
+        for task in tasks:
+            worker = min(range(len(senders)), key=queued.__getitem__)
+            if queued[worker] < in_flight_per_worker:
+                send(worker, task)
+            else:
+                compute_here(function, task)
+            while pending and (ready() or len(pending) > 2 * workers * in_flight_per_worker):
+                yield take()
         if finalizer is not None:
-            for worker in range(workers):
+            for worker in range(len(senders)):
                 send(worker, _Finalize())
-        while outstanding:
-            yield result_of(outstanding.popleft())
+            compute_here(finalizer)
+        while pending:
+            yield take()
         for sender in senders:
             sender.send(None)
         for process in processes:

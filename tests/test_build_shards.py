@@ -3,6 +3,7 @@ units and input kinds, the One Billion Word layout, the holdout split, bad input
 
 from __future__ import annotations
 
+import collections
 import gzip
 import hashlib
 import io
@@ -134,12 +135,20 @@ def test_worker_processes_return_results_in_order_and_report_errors_and_deaths()
     # Builtins as the work: spawned workers find them without importing any test module.
     tasks = [-5, 3, -1, 8, -13, 2, -7]
     assert list(ordered_map(abs, tasks, workers=3, initializer=int)) == [abs(t) for t in tasks]
+    # The caller works too: a task that finds the spawned workers busy is computed here, in order all the same.
+    from tests.worker_tasks import slow_pid
+
+    results = list(ordered_map(slow_pid, range(40), workers=3, initializer=int))
+    assert [task for task, _ in results] == list(range(40))
+    processes = collections.Counter(pid for _, pid in results)
+    assert len(processes) == 3 and processes[os.getpid()] > 0
     results = ordered_map(int, ["1", "2", "x", "4"], workers=2, initializer=int)
     assert next(results) == 1 and next(results) == 2
     with pytest.raises(ValueError, match="invalid literal for int"):
-        next(results)
+        next(results)  # "x" was computed here (the one spawned worker held "1" and "2"); raised in its turn
+    # A task goes to an idle spawned worker first: this one dies, and says so.
     with pytest.raises(WorkerError, match=r"died without a result \(exit code 3\)"):
-        list(ordered_map(os._exit, [3, 3], workers=2, initializer=int))
+        list(ordered_map(os._exit, [3], workers=2, initializer=int))
 
 
 def test_tokenising_workers_import_neither_torch_nor_webdataset():
