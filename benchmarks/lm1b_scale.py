@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -49,19 +50,22 @@ DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 
 class Measured:
-    """Wall time, the peak of the summed resident memory of a process tree, and its CPU time."""
+    """Wall time, the peak of the summed resident memory of a process tree (sampled every 50 ms), and the CPU
+    time of all its processes."""
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path,
-                 stop_when: Callable[[], bool] | None = None):
+                 stop_when: Callable[[], bool] | None = None, memory_limit: int | None = None):
         """Run ``command``; with ``stop_when``, SIGTERM the processes started with --local_rank (training
-        ranks) once it holds: they checkpoint and exit at the end of their step."""
+        ranks) once it holds: they checkpoint and exit at the end of their step. With ``memory_limit`` (bytes),
+        kill every process of the command once they hold more in all (``killed_at_rss`` records it)."""
+        self.killed_at_rss: int | None = None
         self.command = command
+        children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True)
         root = psutil.Process(process.pid)
         self.peak_rss = 0
-        cpu: dict[int, float] = {}
         done = threading.Event()
         stopped = False
 
@@ -84,11 +88,16 @@ class Measured:
                 for member in members:
                     try:
                         total += member.memory_info().rss
-                        times = member.cpu_times()
-                        cpu[member.pid] = times.user + times.system
                     except psutil.NoSuchProcess:
                         pass
                 self.peak_rss = max(self.peak_rss, total)
+                if memory_limit is not None and total > memory_limit and self.killed_at_rss is None:
+                    self.killed_at_rss = total
+                    for member in reversed(members):
+                        try:
+                            member.kill()
+                        except psutil.NoSuchProcess:
+                            pass
                 done.wait(0.05)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -97,15 +106,22 @@ class Measured:
         done.set()
         sampler.join()
         self.seconds = time.perf_counter() - started
-        self.cpu_seconds = sum(cpu.values())
-        if process.returncode != 0:
+        # Every process of the command was waited for (workers by their parent, ranks by the launcher), so the
+        # CPU time of all of them is in this process's children's usage.
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu_seconds = (children.ru_utime + children.ru_stime
+                            - children_before.ru_utime - children_before.ru_stime)
+        if process.returncode != 0 and self.killed_at_rss is None:
             raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{self.stderr[-3000:]}")
 
     def figures(self, megabytes: float | None = None, tokens: int | None = None) -> dict:
         out = {"seconds": round(self.seconds, 1), "peak_rss_mib": round(self.peak_rss / 2**20),
+               "cpu_seconds": round(self.cpu_seconds, 1),
                "cpu_percent": round(100 * self.cpu_seconds / max(self.seconds, 1e-9))}
         if megabytes is not None:
             out["mb_per_s"] = round(megabytes / self.seconds, 2)
+            # What one core does when it is not shared: robust to other jobs on the machine.
+            out["mb_per_cpu_second"] = round(megabytes / max(self.cpu_seconds, 1e-9), 2)
         if tokens is not None:
             out["tokens_per_s"] = round(tokens / self.seconds)
         return out
@@ -214,11 +230,19 @@ def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
     def enough_steps() -> bool:
         return metrics.is_file() and metrics.read_text().count('"kind": "train"') >= args.train_steps
 
+    limit = None if args.memory_limit is None else int(args.memory_limit * 2**30)
     try:
-        run = Measured(command, environment(args.repo), args.repo, stop_when=enough_steps)
+        run = Measured(command, environment(args.repo), args.repo, stop_when=enough_steps, memory_limit=limit)
     finally:
         for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{args.port}*"):
             path.unlink(missing_ok=True)
+    if run.killed_at_rss is not None:
+        log = [line for line in (run.stdout + run.stderr).splitlines() if "[rank" in line or "Time to load" in line]
+        return {"config": args.train_config, "overrides": args.train_overrides,
+                "killed_at_rss_mib_all_processes": round(run.killed_at_rss / 2**20),
+                "memory_limit_gib": args.memory_limit, "seconds_until_killed": round(run.seconds, 1),
+                "steps_done": metrics.read_text().count('"kind": "train"') if metrics.is_file() else 0,
+                "last_log_lines": log[-4:]}
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if r.get("kind") == "train"][:args.train_steps]
     later = steps[1:] or steps  # the first step includes the warm-up of every kernel
@@ -258,6 +282,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--train-overrides", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--train-only", type=Path, metavar="SHARDS",
+                        help="only the training stage, on these shards (e.g. lm1b_large with ZeRO-3 and offload)")
+    parser.add_argument("--memory-limit", type=float, metavar="GiB",
+                        help="kill the training stage once its processes hold this much memory in all")
     parser.add_argument("--port", type=int, default=29671)
     parser.add_argument("--clean", action="store_true", help="remove the work dir's corpus and outputs at the end")
     args = parser.parse_args(argv)
@@ -267,6 +295,10 @@ def main(argv: list[str] | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     results: dict = {"benchmark": "lm1b_scale", "scale": args.scale, "repo": str(args.repo),
                      "cpu_count": os.cpu_count(), "load_average_start": os.getloadavg()[0]}
+    if args.train_only is not None:
+        results["training"] = training_stage(args, args.train_only.resolve(), work)
+        print(json.dumps(results))
+        return results
     try:
         root, results["corpus"] = corpus_stage(args, work)
         megabytes = (results["corpus"]["train_bytes"]) / 1e6

@@ -207,6 +207,7 @@ def _tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]
     """Documents of a chunk -> token arrays per split. ``task[1]`` gives, per split fed by the chunk, the index
     of its first document still to tokenise (None: the split already holds all of them)."""
     chunk, streams = task
+    chunk = corpus.resolve(chunk)
     settings, tokenizer, dtype = _worker
     if (isinstance(tokenizer, WordTokenizer) and settings.doc_unit == "line" and not chunk.jsonl
             and len(streams) == 1 and streams[0][1] == 0):
@@ -562,6 +563,11 @@ class _Builder:
             packers[split] = BlockPacker(writers[split], settings.tokens_per_block,
                                          positions.get(split, StreamPosition()))
 
+        # This process tokenises too, with the builder's tokenizer. A spawned worker costs seconds to start (a
+        # million-word vocabulary to load): a small source (One Billion Word's valid and test files) is
+        # tokenised here alone.
+        workers = self.workers if sum(f.size for f in files) >= SMALL_SOURCE_CHUNKS * settings.chunk_bytes else 1
+
         def tasks() -> Iterator[tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]]]:
             for chunk in corpus.read_chunks(files, settings.doc_unit, settings.chunk_bytes, read_from):
                 index = chunk.start.chunk
@@ -573,7 +579,7 @@ class _Builder:
                         firsts.append((split, None))
                     else:
                         firsts.append((split, position.document if position.chunk == index else 0))
-                yield chunk, tuple(firsts)
+                yield corpus.portable(chunk) if workers > 1 else chunk, tuple(firsts)
 
         plain = all(not f.name.endswith(".gz") for f in files)
         bar = tqdm(total=sum(f.size for f in files) if plain else None,
@@ -584,10 +590,6 @@ class _Builder:
                                           settings.strict, settings.holdout)
         totals = source_state["statistics"]
         counted = {split: [0, 0] for split in splits}  # documents, tokens (of this run, for the progress bar)
-        # This process tokenises too, with the builder's tokenizer. A spawned worker costs seconds to start (a
-        # million-word vocabulary to load): a small source (One Billion Word's valid and test files) is
-        # tokenised here alone.
-        workers = self.workers if sum(f.size for f in files) >= SMALL_SOURCE_CHUNKS * settings.chunk_bytes else 1
         results = ordered_map(_tokenize_chunk, tasks(), workers, _start_worker, (worker_settings,),
                               local_initargs=(worker_settings, self.tokenizer))
         try:

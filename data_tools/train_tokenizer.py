@@ -94,6 +94,8 @@ class _Reading:
         plain = all(not f.name.endswith(".gz") for f in self.files)
         settings = _CountSettings(self.doc_unit, self.jsonl_field, self.strict)
         chunks = corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES)
+        if workers > 1:
+            chunks = map(corpus.portable, chunks)
         totals: list[_WordCounts] = []
         results = ordered_map(_count_chunk, chunks, workers, _start_counting, (settings,), finalizer=_counted)
         try:
@@ -178,6 +180,7 @@ def _start_counting(settings: _CountSettings) -> None:
 def _count_chunk(chunk: corpus.Chunk) -> dict[str, int]:
     """Count a chunk's words into this process's totals; returns the chunk's statistics."""
     settings, counts = _counts
+    chunk = corpus.resolve(chunk)
     scan = None
     if settings.doc_unit == "line" and not chunk.jsonl:
         scan = word_scan.scan_lines(chunk.data)

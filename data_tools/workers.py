@@ -80,6 +80,21 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
             return WorkerError(f"worker process {processes[worker].pid} died without a result "
                                f"(exit code {processes[worker].exitcode})")
 
+        # A thread per worker takes its replies off the pipe as they come: a worker never waits for this
+        # process to finish a task of its own before it can send a result and go on.
+        replies = [queue.SimpleQueue() for _ in receivers]
+
+        def collect(worker: int) -> None:
+            while True:
+                try:
+                    replies[worker].put(receivers[worker].recv())
+                except (EOFError, OSError):
+                    replies[worker].put(None)
+                    return
+
+        for worker in range(len(receivers)):
+            threading.Thread(target=collect, args=(worker,), daemon=True).start()
+
         # Pending results in task order: [worker, reply]; the reply of a spawned worker's task is None until
         # received (a worker answers its tasks in the order it got them, so the oldest pending task of worker w
         # is the one its next reply belongs to).
@@ -102,15 +117,14 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
 
         def ready() -> bool:
             worker, reply = pending[0]
-            return reply is not None or receivers[worker].poll()
+            return reply is not None or not replies[worker].empty()
 
         def take() -> Any:
             worker, reply = pending.popleft()
             if reply is None:
-                try:
-                    reply = receivers[worker].recv()
-                except EOFError:
-                    raise died(worker) from None
+                reply = replies[worker].get()
+                if reply is None:
+                    raise died(worker)
                 queued[worker] -= 1
             kind, value = reply
             if kind == "error":

@@ -509,3 +509,21 @@ def test_word_tokenizer_numpy_and_str_paths_give_one_stream(ptb_word_tokenizer, 
     assert split.characters == sum(len(d[0]) + 1 for d in documents)
     statistics = read_manifest(outputs[1]).build["statistics"]["train"]
     assert statistics["empty_documents"] == len(decoded) - len(documents) == 5 and statistics["replaced_bytes"] == 1
+
+
+def test_chunks_travel_to_workers_without_their_bytes_and_are_checked_when_read_again(tmp_path):
+    text = write_lines(tmp_path / "a.txt", [f"line {i} of the text" for i in range(2000)])
+    packed = tmp_path / "b.txt.gz"
+    packed.write_bytes(gzip.compress(text.read_bytes()))
+    plain_chunks = list(corpus.read_chunks(corpus.input_files([str(text)]), "line", 4096))
+    travelling = [corpus.portable(chunk) for chunk in plain_chunks]
+    assert all(chunk.data is None for chunk in travelling) and len(plain_chunks) > 5
+    assert [corpus.resolve(chunk).data for chunk in travelling] == [chunk.data for chunk in plain_chunks]
+    gz_chunk = next(corpus.read_chunks(corpus.input_files([str(packed)]), "line", 4096))
+    assert corpus.portable(gz_chunk) is gz_chunk  # offsets of decompressed bytes: it travels with its bytes
+    data = bytearray(text.read_bytes())
+    data[travelling[2].start.offset + 3] ^= 1  # one bit flipped, same size
+    text.write_bytes(bytes(data))
+    with pytest.raises(corpus.InputError, match=r"a\.txt, bytes \d+-\d+: the file changed while it was being read"):
+        corpus.resolve(travelling[2])
+    assert corpus.resolve(travelling[1]).data == plain_chunks[1].data
