@@ -1,8 +1,10 @@
-"""Forward + backward throughput and peak memory of the model, fused vs reference attention, side by side.
+"""Forward + backward throughput and peak memory of the model, fused vs reference attention, side by side; or
+our training step against HuggingFace's TransfoXL on the same weights and batches.
 
     python benchmarks/model_step.py                       # tiny and ptb_small on this machine's CPU
     python benchmarks/model_step.py --configs ptb_small --batch 32 --repeats 5
     python benchmarks/model_step.py --device cuda --configs lm1b_base --batch 28 --dtype bf16
+    python benchmarks/model_step.py --compare-hf          # ours / HuggingFace 4.37.2, fp32, one thread
 
 Each measurement runs in a fresh process (so peak memory is that variant's alone), the variants alternate within
 each repeat (so machine noise hits them alike), and the summary quotes medians and the fused/reference ratio.
@@ -59,6 +61,85 @@ def measure(config_name: str, impl: str, batch: int, steps: int, warmup: int, de
     return result
 
 
+# The PTB-sized model of the speed comparison with HuggingFace (issue 12): 6 layers, d_model 256, 8 heads x 32,
+# d_inner 1024, a 10k vocabulary with cutoffs [2000, 5000], tgt_len = mem_len = 64.
+COMPARE_MODEL = dict(n_token=10000, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024, div_val=1,
+                     cutoffs=[2000, 5000], tgt_len=64, mem_len=64, dropout=0.1, dropatt=0.0)
+
+
+def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, dropout: float) -> dict:
+    """Training steps (forward, backward, zeroed gradients) of our model and of HuggingFace's TransfoXL with the
+    same weights on the same batches, alternating within one process, ``threads`` CPU threads, fp32.
+
+    HuggingFace shifts the labels inside its forward and scores tgt_len - 1 positions per row; ours scores
+    tgt_len. Throughput counts each model's own scored tokens, which favours HuggingFace by 1/tgt_len.
+    With one thread the clock is this thread's CPU time (``time.thread_time``): on a shared machine it leaves
+    out the time the thread waits for a core, which wall-clock time would charge to whichever model ran then."""
+    import warnings
+
+    import torch
+    from transformers import TransfoXLConfig, TransfoXLLMHeadModel
+
+    from txl_dist.convert.hf import to_hf_config, to_hf_state_dict
+    from txl_dist.model import ModelConfig, TransformerXLLM
+
+    torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    config = ModelConfig(**{**COMPARE_MODEL, "dropout": dropout}).validate()
+    torch.manual_seed(0)
+    ours = TransformerXLLM(config).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = TransfoXLLMHeadModel(TransfoXLConfig(**to_hf_config(config))).train()
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), config), strict=True)
+    segments = warmup + steps
+    data = torch.randint(0, config.n_token, (batch, repeats * segments * config.tgt_len + 1),
+                         generator=torch.Generator().manual_seed(1))
+
+    def windows(repeat: int):
+        for index in range(segments):
+            start = (repeat * segments + index) * config.tgt_len
+            yield index, data[:, start:start + config.tgt_len], data[:, start + 1:start + config.tgt_len + 1]
+
+    def run_ours(repeat: int) -> float:
+        mems = None
+        for index, inputs, targets in windows(repeat):
+            if index == warmup:
+                start = clock()
+            loss, mems = ours(inputs, targets, mems)
+            loss.mean().backward()
+            ours.zero_grad(set_to_none=True)
+        return batch * config.tgt_len * steps / (clock() - start)
+
+    def run_hf(repeat: int) -> float:
+        mems = None
+        for index, inputs, targets in windows(repeat):
+            if index == warmup:
+                start = clock()
+            labels = torch.cat([inputs[:, :1], targets], dim=1)[:, :-1]  # HF scores labels[:, t + 1] at t
+            out = hf(input_ids=inputs, labels=labels, mems=mems)
+            out.losses.mean().backward()
+            mems = out.mems
+            hf.zero_grad(set_to_none=True)
+        return batch * (config.tgt_len - 1) * steps / (clock() - start)
+
+    ours_runs, hf_runs = [], []
+    for repeat in range(repeats):
+        ours_runs.append(run_ours(repeat))
+        hf_runs.append(run_hf(repeat))
+        print(f"repeat {repeat + 1}/{repeats}: ours {ours_runs[-1]:8.0f} tokens/s   HuggingFace {hf_runs[-1]:8.0f} "
+              f"tokens/s   ratio {ours_runs[-1] / hf_runs[-1]:.3f}", flush=True)
+    ratios = [o / h for o, h in zip(ours_runs, hf_runs)]
+    figures = {"model": {**COMPARE_MODEL, "dropout": dropout}, "batch": batch, "threads": threads, "steps": steps,
+               "clock": clock.__name__,
+               "repeats": repeats, "ours_tokens_per_s": statistics.median(ours_runs),
+               "hf_tokens_per_s": statistics.median(hf_runs), "ours_over_hf": statistics.median(ratios),
+               "ratios": ratios}
+    print(f"ours / HuggingFace TransfoXL training step: {figures['ours_over_hf']:.3f} (median of {repeats} "
+          f"alternating repeats; {figures['ours_tokens_per_s']:.0f} against {figures['hf_tokens_per_s']:.0f} tokens/s)")
+    return figures
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="tiny,ptb_small", help="comma-separated model presets")
@@ -69,8 +150,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="our training step against HuggingFace's TransfoXL (transformers 4.37.2) on the "
+                             "PTB-sized model, same weights and batches, fp32 on the CPU")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for --compare-hf")
+    parser.add_argument("--dropout", type=float, default=0.1, help="dropout for --compare-hf")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.compare_hf:
+        figures = compare_hf(args.batch, args.steps, args.warmup, args.repeats, args.threads, args.dropout)
+        print(json.dumps(figures))
+        return figures
 
     if args.worker:
         print(json.dumps(measure(*args.worker, args.batch, args.steps, args.warmup, args.device, args.dtype)))

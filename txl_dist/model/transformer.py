@@ -12,14 +12,16 @@ import dataclasses
 import torch
 from torch import nn
 
-from txl_dist.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+from txl_dist.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, TargetPlan
 from txl_dist.model.attention import (
     RelPartialLearnableMultiHeadAttn,
-    attention_mask,
+    cached_attention_mask,
+    may_mask_whole_rows,
     relative_positions,
     sinusoid_encoding,
 )
 from txl_dist.model.config import ModelConfig
+from txl_dist.model.dropout import Dropout
 
 _MEM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,10 +30,12 @@ class PositionwiseFF(nn.Module):
     def __init__(self, d_model: int, d_inner: int, dropout: float, pre_lnorm: bool, layer_norm_eps: float):
         super().__init__()
         self.pre_lnorm = pre_lnorm
-        # Index 0 and 3 are the two linear maps; the name and layout follow the authors' code.
+        # Index 0 and 3 are the two linear maps; the name and layout follow the authors' code. The ReLU is not
+        # in place: in place on the (viewed) output of the first map, autograd would rebuild that output in the
+        # backward pass (CopySlices), which costs more than the allocation it saves.
         self.CoreNet = nn.Sequential(
-            nn.Linear(d_model, d_inner), nn.ReLU(inplace=True), nn.Dropout(dropout),
-            nn.Linear(d_inner, d_model), nn.Dropout(dropout),
+            nn.Linear(d_model, d_inner), nn.ReLU(), Dropout(dropout),
+            nn.Linear(d_inner, d_model), Dropout(dropout),
         )
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
 
@@ -51,8 +55,13 @@ class DecoderLayer(nn.Module):
         self.pos_ff = PositionwiseFF(config.d_model, config.d_inner, config.dropout, config.pre_lnorm,
                                      config.layer_norm_eps)
 
-    def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias):
-        return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias))
+    def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=True):
+        return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=may_mask_rows))
+
+    def forward_cached(self, x, r_head, mask, past, r_w_bias, r_r_bias, may_mask_rows=True):
+        out, new_kv = self.dec_attn.forward_cached(x, r_head, mask, past, r_w_bias, r_r_bias,
+                                                   may_mask_rows=may_mask_rows)
+        return self.pos_ff(out), new_kv
 
 
 class TransformerXLLM(nn.Module):
@@ -64,7 +73,7 @@ class TransformerXLLM(nn.Module):
         c = self.config
         d_embed = c.d_embed_resolved
         self.word_emb = AdaptiveEmbedding(c.n_token, d_embed, c.d_model, c.cutoffs, c.div_val)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = Dropout(c.dropout)
         if not c.untie_r:  # u and v shared by all layers, as in the authors' PyTorch code
             self.r_w_bias = nn.Parameter(torch.empty(c.n_head, c.d_head))
             self.r_r_bias = nn.Parameter(torch.empty(c.n_head, c.d_head))
@@ -147,14 +156,16 @@ class TransformerXLLM(nn.Module):
         qlen, bsz = inp.shape
         mlen = 0 if mems is None else self._check_mems(mems, bsz)
         word_emb = self.word_emb(inp)
-        mask = attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        mask = cached_attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        may_mask_rows = may_mask_whole_rows(c.mem_len, c.same_length)
         core_out = self.drop(word_emb)
         pos_emb = sinusoid_encoding(relative_positions(mlen + qlen, c.clamp_len, inp.device), c.d_model,
                                     dtype=torch.promote_types(core_out.dtype, torch.float32))
         pos_emb = self.drop(pos_emb.to(core_out.dtype))
         hids = [core_out]
         for i, layer in enumerate(self.layers):
-            core_out = layer(core_out, pos_emb, mask, None if mems is None else mems[i], self.r_w_bias, self.r_r_bias)
+            core_out = layer(core_out, pos_emb, mask, None if mems is None else mems[i], self.r_w_bias,
+                             self.r_r_bias, may_mask_rows)
             hids.append(core_out)
         new_mems = self._update_mems(hids, mems, qlen)
         return self.drop(core_out), new_mems
@@ -173,10 +184,18 @@ class TransformerXLLM(nn.Module):
             new_mems.append(new.detach().to(dtype or hid.dtype))
         return new_mems
 
+    def plan_targets(self, targets: torch.Tensor, device: torch.device | str | None = None) -> TargetPlan:
+        """The adaptive softmax's plan for ``targets`` [B, L] (see `ProjectedAdaptiveLogSoftmax.plan`), with its
+        row indices on ``device``. Made from targets on the host, it lets `forward` on an accelerator run without
+        waiting for the device."""
+        return self.crit.plan(targets.t().reshape(-1), device)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                mems: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                mems: list[torch.Tensor] | None = None, target_plan: TargetPlan | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, L] (and targets [B, L]) -> (per-token loss [B, L], new mems), or without targets
-        (log-probabilities [B, L, n_token], new mems). Losses and log-probabilities are float32."""
+        (log-probabilities [B, L, n_token], new mems). Losses and log-probabilities are float32.
+        ``target_plan`` = `plan_targets` of the targets, made on the host (optional)."""
         hidden, new_mems = self.hidden_states(tokens, mems)
         qlen, bsz, d_model = hidden.shape
         flat = hidden.reshape(qlen * bsz, d_model)
@@ -184,5 +203,5 @@ class TransformerXLLM(nn.Module):
             return self.crit.log_prob(flat).view(qlen, bsz, -1).transpose(0, 1), new_mems
         if targets.shape != tokens.shape:
             raise ValueError(f"targets: expected shape {list(tokens.shape)}, got {list(targets.shape)}")
-        loss = self.crit(flat, targets.t().reshape(-1)).view(qlen, bsz).t()
+        loss = self.crit(flat, targets.t().reshape(-1), target_plan).view(qlen, bsz).t()
         return loss, new_mems
