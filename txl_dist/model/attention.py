@@ -19,9 +19,10 @@ normalisation are float32 at least. The 1/sqrt(d_head) scale is applied to q + u
 (never to the larger score tensor), which also keeps fp16 scores far from overflow. Masked positions get a large
 finite value, so no row turns into NaN; a query that may attend to nothing gets a zero vector.
 
-Only the current segment is projected to queries; keys and values cover [memory ; segment]. For incremental
-decoding `forward_cached` takes the keys and values of the memory from a cache instead of projecting the
-memory again, and returns those of the new positions.
+Only the current segment is projected to queries; keys and values cover [memory ; segment]. The steps are
+separate methods (`project`, `attend`, `residual`) so that incremental decoding
+(`TransformerXLLM.hidden_states_cached`) can take the memory's keys and values from a cache instead of
+projecting the memory again.
 """
 
 from __future__ import annotations
@@ -192,30 +193,17 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         attn_vec = self.attend(q, k, val, self.project_positions(r), r_w_bias, r_r_bias, mask, may_mask_rows)
         return self.residual(w, attn_vec)
 
-    def forward_cached(self, w: torch.Tensor, r_head: torch.Tensor, mask: torch.Tensor,
-                       past: tuple[torch.Tensor, torch.Tensor] | None, r_w_bias: torch.Tensor | None = None,
-                       r_r_bias: torch.Tensor | None = None, *, may_mask_rows: bool = True
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Incremental decoding: ``past`` holds the keys and values of the memory ([H, B, mlen, D] each) and
-        ``r_head`` the projected positions [klen + 1, H, D] (as `project_positions` gives them). Returns the
-        output [qlen, B, d_model] and the keys and values of memory and segment together [H, B, klen, D]; equal
-        to `forward` with the memory the cache was made from."""
-        q, k, val = self.project(w, None)
-        if past is not None and past[0].shape[2] > 0:
-            k, val = torch.cat([past[0], k], dim=2), torch.cat([past[1], val], dim=2)
-        attn_vec = self.attend(q, k, val, r_head, r_w_bias, r_r_bias, mask, may_mask_rows)
-        return self.residual(w, attn_vec), (k, val)
-
     def residual(self, w: torch.Tensor, attn_vec: torch.Tensor) -> torch.Tensor:
         """attn_vec [qlen, B, H*D] -> the sub-layer's output: output projection, dropout, residual, layer norm."""
         attn_out = self.drop(self.o_net(attn_vec))
         return w + attn_out if self.pre_lnorm else self.layer_norm(w + attn_out)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, r_head: torch.Tensor,
-               r_w_bias: torch.Tensor | None, r_r_bias: torch.Tensor | None, mask: torch.Tensor,
+               r_w_bias: torch.Tensor | None, r_r_bias: torch.Tensor | None, mask: torch.Tensor | None,
                may_mask_rows: bool = True) -> torch.Tensor:
-        """q [H, B, qlen, D], k and val [H, B, klen, D] (contiguous), r_head [klen + 1, H, D] (zero row first),
-        mask [qlen, klen] -> attention vectors [qlen, B, H*D] in the compute dtype (that of q).
+        """q [H, B, qlen, D], k and val [H, B, klen, D] (any layout in which heads and batch merge),
+        r_head [klen + 1, H, D] (zero row first), mask [qlen, klen] or None when no key is masked
+        -> attention vectors [qlen, B, H*D] in the compute dtype (that of q).
 
         Heads are the outer dimension: the attention matmuls run on contiguous [H*B, len, D] tensors (several
         times faster than on strided views of time-major tensors) and the position term needs no transposition."""
@@ -224,35 +212,44 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         n_head, bsz, qlen, d_head = q.shape
         klen = k.shape[2]
         dtype = q.dtype
-        # Scaled once here, on the smallest tensors. [H*B, qlen, D]
-        q_u = torch.add(q, u.to(dtype)[:, None, None, :]).mul_(self.scale).reshape(n_head * bsz, qlen, d_head)
-        q_v = torch.add(q, v.to(dtype)[:, None, None, :]).mul_(self.scale).reshape(n_head, bsz * qlen, d_head)
-        k_b = k.view(n_head * bsz, klen, d_head)
-        v_b = val.view(n_head * bsz, klen, d_head)
+        # q + u and q + v in one operation, scaled once here, on the smallest tensors: [2, H, B, qlen, D].
+        biases = torch.stack([u, v]).to(dtype).view(2, n_head, 1, 1, d_head)
+        q_uv = torch.add(q.unsqueeze(0), biases).mul_(self.scale)
+        q_u = q_uv[0].reshape(n_head * bsz, qlen, d_head)
+        q_v = q_uv[1].reshape(n_head, bsz * qlen, d_head)
+        k_b = k.reshape(n_head * bsz, klen, d_head)  # views (also of a cache's buffer: heads and batch merge)
+        v_b = val.reshape(n_head * bsz, klen, d_head)
         # (b) + (d) by distance, per head over all (batch, query) rows: [H, B*qlen, klen + 1]; then shifted onto
         # keys: [H*B, qlen, klen], a view.
         by_distance = torch.bmm(q_v, r_head.to(dtype).permute(1, 2, 0))
-        position = RelShift.apply(by_distance.view(n_head * bsz, qlen, klen + 1))
+        padded = by_distance.view(n_head * bsz, qlen, klen + 1)
+        position = RelShift.apply(padded) if torch.is_grad_enabled() else rel_shift_padded(padded)
         # Masked keys get a large negative additive bias: unlike masked_fill, its backward pass costs nothing
         # (the softmax already gives those positions zero gradient).
-        mask_bias = torch.zeros((), dtype=dtype, device=q.device).expand(qlen, klen).masked_fill(mask, mask_value(dtype))
+        mask_bias = None
+        if mask is not None:
+            mask_bias = torch.zeros((), dtype=dtype, device=q.device).expand(qlen, klen).masked_fill(
+                mask, mask_value(dtype))
 
         impl = self.attn_impl
         if impl == "auto":
             impl = "fused" if q.is_cuda else "reference"
         if impl == "fused":
+            bias = position if mask_bias is None else position + mask_bias
             out = F.scaled_dot_product_attention(
                 q_u.view(n_head, bsz, qlen, d_head), k_b.view(n_head, bsz, klen, d_head),
-                v_b.view(n_head, bsz, klen, d_head), attn_mask=(position + mask_bias).view(n_head, bsz, qlen, klen),
+                v_b.view(n_head, bsz, klen, d_head), attn_mask=bias.view(n_head, bsz, qlen, klen),
                 dropout_p=self.dropatt_p if self.training else 0.0, scale=1.0,
             ).view(n_head * bsz, qlen, d_head)
         else:
-            scores = torch.baddbmm(position, q_u, k_b.transpose(1, 2)).add_(mask_bias)  # (a)+(c) + (b)+(d)
+            scores = torch.baddbmm(position, q_u, k_b.transpose(1, 2))  # (a)+(c) + (b)+(d): [H*B, qlen, klen]
+            if mask_bias is not None:
+                scores = scores.add_(mask_bias)
             prob = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
             out = torch.bmm(self.dropatt(prob).to(dtype), v_b)
         # [H*B, qlen, D] -> [qlen, B, H*D]
         attn_vec = out.view(n_head, bsz, qlen, d_head).permute(2, 1, 0, 3)
-        if may_mask_rows:
+        if may_mask_rows and mask is not None:
             # A query that may attend to no key at all gets a zero vector instead of an average of masked values.
             attn_vec = attn_vec * (~mask.all(dim=-1)).to(dtype)[:, None, None, None]
         return attn_vec.reshape(qlen, bsz, n_head * d_head)

@@ -58,10 +58,81 @@ class DecoderLayer(nn.Module):
     def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=True):
         return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=may_mask_rows))
 
-    def forward_cached(self, x, r_head, mask, past, r_w_bias, r_r_bias, may_mask_rows=True):
-        out, new_kv = self.dec_attn.forward_cached(x, r_head, mask, past, r_w_bias, r_r_bias,
-                                                   may_mask_rows=may_mask_rows)
-        return self.pos_ff(out), new_kv
+
+class KVCache:
+    """What `TransformerXLLM.hidden_states_cached` carries between calls: per layer the keys and values of the
+    memory, and the position encodings projected by every layer's r_net.
+
+    Keys and values live in preallocated buffers [H, B, capacity, D] per layer; a call writes the new positions
+    after the memory and attends over a view of [memory ; new], so the memory is neither projected nor copied
+    again. When the buffer is full the memory (at most mem_len positions) moves to its front, once every
+    capacity - mem_len positions."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.end = 0  # buffer index after the newest position
+        self.mlen = 0  # positions of memory before ``end``
+        self._position_table: tuple[tuple, list[torch.Tensor]] | None = None
+        self._position_heads: tuple[int, list[torch.Tensor]] | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.keys[0].shape[1] if self.keys else None
+
+    def reserve(self, model: "TransformerXLLM", bsz: int, qlen: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Room for qlen more positions after the memory."""
+        c = model.config
+        capacity = self.keys[0].shape[2] if self.keys else 0
+        if self.end + qlen <= capacity:
+            return
+        needed = 2 * (c.mem_len + max(qlen, c.tgt_len))
+        if capacity < self.mlen + qlen or not self.keys:
+            capacity = max(needed, capacity)
+        shape = (c.n_head, bsz, capacity, c.d_head)
+        for store in (self.keys, self.values):
+            for i in range(c.n_layer):
+                fresh = torch.empty(shape, dtype=dtype, device=device)
+                if i < len(store):
+                    fresh[:, :, :self.mlen] = store[i][:, :, self.end - self.mlen:self.end]
+                    store[i] = fresh
+                else:
+                    store.append(fresh)
+        self.end = self.mlen
+
+    def extend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new positions' keys and values [H, B, qlen, D] after the memory; views [H, B, mlen + qlen, D]
+        of memory and new positions."""
+        qlen = k_new.shape[2]
+        keys, values = self.keys[layer], self.values[layer]
+        keys.narrow(2, self.end, qlen).copy_(k_new)
+        values.narrow(2, self.end, qlen).copy_(v_new)
+        start = self.end - self.mlen
+        return keys.narrow(2, start, self.mlen + qlen), values.narrow(2, start, self.mlen + qlen)
+
+    def advance(self, qlen: int, mem_len: int) -> None:
+        """After every layer has extended: the new positions join the memory, which keeps the newest mem_len."""
+        self.end += qlen
+        self.mlen = min(mem_len, self.mlen + qlen)
+
+    def position_heads(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per layer [klen + 1, H, D]: a zero row, then r_net of the encodings of distances klen-1 .. 0."""
+        if self._position_heads is not None and self._position_heads[0] == klen:
+            return self._position_heads[1]
+        c = model.config
+        device = next(model.parameters()).device
+        key = (c.clamp_len, dtype, device)
+        table = self._position_table
+        if table is None or table[0] != key or table[1][0].shape[0] < klen:
+            longest = max(klen, c.mem_len + c.tgt_len)
+            pos_emb = sinusoid_encoding(relative_positions(longest, c.clamp_len, device), c.d_model,
+                                        dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+            # Distances longest-1 .. 0 per layer, [longest, H, D]; a key length klen takes the last klen rows.
+            table = self._position_table = (key, [layer.dec_attn.project_positions(pos_emb)[1:]
+                                                  for layer in model.layers])
+        heads = [torch.cat([rows.new_zeros(1, *rows.shape[1:]), rows[rows.shape[0] - klen:]]) for rows in table[1]]
+        self._position_heads = (klen, heads)
+        return heads
 
 
 class TransformerXLLM(nn.Module):
@@ -169,6 +240,47 @@ class TransformerXLLM(nn.Module):
             hids.append(core_out)
         new_mems = self._update_mems(hids, mems, qlen)
         return self.drop(core_out), new_mems
+
+    # ---- incremental decoding with a key/value cache ------------------------------------------------------------
+
+    @torch.no_grad()
+    def hidden_states_cached(self, tokens: torch.Tensor, cache: KVCache | None = None
+                             ) -> tuple[torch.Tensor, KVCache]:
+        """Like `hidden_states`, for inference: tokens [B, L] after everything ``cache`` has seen -> (final hidden
+        states [L, B, d_model], the cache, updated in place, for the next call).
+
+        The cache holds, per layer, the keys and values of the memory and the projected position encodings, so
+        a new token projects only itself: the memory is never projected again. It covers exactly the positions
+        the memory would hold (the newest mem_len), so the outputs equal those of `hidden_states` with the
+        memory. Dropout is off (call it in eval mode)."""
+        c = self.config
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected [batch, length], got shape {list(tokens.shape)}")
+        inp = tokens.t()  # [L, B]
+        qlen, bsz = inp.shape
+        cache = KVCache() if cache is None else cache
+        if cache.batch_size not in (None, bsz):
+            raise ValueError(f"tokens: batch {bsz}, but the cache holds batch {cache.batch_size}")
+        core_out = self.drop(self.word_emb(inp))
+        cache.reserve(self, bsz, qlen, core_out.dtype, inp.device)
+        mlen = cache.mlen
+        # A single new token sees every key, unless same_length drops the oldest once the memory is full.
+        masks_nothing = qlen == 1 and not (c.same_length and mlen >= c.mem_len)
+        mask = None if masks_nothing else cached_attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        may_mask_rows = may_mask_whole_rows(c.mem_len, c.same_length)
+        r_heads = cache.position_heads(self, mlen + qlen, core_out.dtype)
+        store = _MEM_DTYPES.get(c.mem_dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.dec_attn
+            q, k_new, v_new = attn.project(core_out, None)
+            k, v = cache.extend(i, k_new, v_new)
+            attn_vec = attn.attend(q, k, v, r_heads[i], self.r_w_bias, self.r_r_bias, mask, may_mask_rows)
+            if store is not None and store != core_out.dtype:
+                # The memory keeps this layer's input in mem_dtype and is projected from there: so is the cache.
+                cache.extend(i, *attn.project(core_out.to(store).to(core_out.dtype), None)[1:])
+            core_out = layer.pos_ff(attn.residual(core_out, attn_vec))
+        cache.advance(qlen, c.mem_len)
+        return self.drop(core_out), cache
 
     @torch.no_grad()
     def _update_mems(self, hids: list[torch.Tensor], mems: list[torch.Tensor] | None, qlen: int) -> list[torch.Tensor]:
