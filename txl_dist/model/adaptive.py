@@ -84,6 +84,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         self.bounds = _bounds(n_token, cutoffs)
         self.shortlist_size = self.bounds[0][1]
         self.n_clusters = len(cutoffs)
+        # The cluster boundaries as tensors: on the host for planning, and as a (non-persistent) buffer that
+        # follows the module to its device, since building one there per step would wait for the device.
+        self._cutoffs_host = torch.tensor(list(cutoffs), dtype=torch.long)
+        self.register_buffer("cutoff_ends", self._cutoffs_host.clone(), persistent=False)
         if self.n_clusters > 0:
             self.cluster_weight = nn.Parameter(torch.empty(self.n_clusters, d_embed))
             self.cluster_bias = nn.Parameter(torch.empty(self.n_clusters))
@@ -120,6 +124,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             hidden = F.linear(hidden, proj.t())
         return F.linear(hidden, weight, bias)
 
+    @torch.compiler.disable  # host work on data-dependent sizes: never traced into a compiled graph
     def plan(self, target: torch.Tensor, device: torch.device | None = None) -> TargetPlan:
         """Which positions of ``target`` [N] fall in each tail cluster, for `forward`.
 
@@ -136,7 +141,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return TargetPlan(rows=list(order.split(counts))[1:])
 
     def _cutoffs_on(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor([end for _, end in self.bounds[:-1]], device=device)
+        if device.type == "cpu":
+            return self._cutoffs_host
+        return self.cutoff_ends if self.cutoff_ends.device == device else self.cutoff_ends.to(device)
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor, plan: TargetPlan | None = None) -> torch.Tensor:
         """hidden [N, d_proj], target [N] -> nll [N] (float32, in the order of the inputs).
@@ -150,15 +157,18 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             return -head_logprob.gather(1, target.unsqueeze(1)).squeeze(1)
         if plan is None:
             plan = self.plan(target)
-        head_target = torch.where(target < self.shortlist_size, target, torch.zeros_like(target))
-        nll = -head_logprob.gather(1, head_target.unsqueeze(1)).squeeze(1)
+        # One gather from the head for every row: the target's log-probability for head words, its cluster's
+        # for tail words (a single gradient scatter into the head's [N, head] log-probabilities).
+        cluster_column = self.shortlist_size - 1 + torch.bucketize(target, self._cutoffs_on(target.device),
+                                                                   right=True)
+        head_column = torch.where(target < self.shortlist_size, target, cluster_column)
+        nll = -head_logprob.gather(1, head_column.unsqueeze(1)).squeeze(1)
         for i in range(1, self.n_clusters + 1):
             rows = plan.rows[i - 1]
             tail_logprob = F.log_softmax(self._cluster_logits(hidden.index_select(0, rows), i, *weights[i]).float(),
                                          dim=-1)
             local = (target.index_select(0, rows) - self.bounds[i][0]).unsqueeze(1)
-            cluster_logprob = head_logprob[:, self.shortlist_size + i - 1].index_select(0, rows)
-            nll = nll.index_copy(0, rows, -(cluster_logprob + tail_logprob.gather(1, local).squeeze(1)))
+            nll = nll.index_add(0, rows, -tail_logprob.gather(1, local).squeeze(1))
         return nll
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from txl_dist.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, TargetPlan
 from txl_dist.model.attention import (
     RelPartialLearnableMultiHeadAttn,
+    attention_mask,
     cached_attention_mask,
     may_mask_whole_rows,
     relative_positions,
@@ -217,9 +218,21 @@ class TransformerXLLM(nn.Module):
                                  f"got {list(mem.shape)}")
         return mlen
 
+    def compile_body(self, **options) -> None:
+        """Run `hidden_states` (embedding, layers, memory: nearly all the work) through ``torch.compile`` from
+        now on. The adaptive softmax stays eager: its row selections have host-planned, data-dependent sizes,
+        and a graph broken inside the loss lost the gradient of the hidden states in torch 2.13. Parameters and
+        state-dict keys are unchanged."""
+        self._compiled_hidden_states = torch.compile(self._hidden_states, **options)
+
     def hidden_states(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, L] -> (final hidden states [L, B, d_model], new mems)."""
+        compiled = self.__dict__.get("_compiled_hidden_states")
+        return (compiled or self._hidden_states)(tokens, mems)
+
+    def _hidden_states(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected [batch, length], got shape {list(tokens.shape)}")
@@ -227,7 +240,8 @@ class TransformerXLLM(nn.Module):
         qlen, bsz = inp.shape
         mlen = 0 if mems is None else self._check_mems(mems, bsz)
         word_emb = self.word_emb(inp)
-        mask = cached_attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        build_mask = attention_mask if torch.compiler.is_compiling() else cached_attention_mask
+        mask = build_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
         may_mask_rows = may_mask_whole_rows(c.mem_len, c.same_length)
         core_out = self.drop(word_emb)
         pos_emb = sinusoid_encoding(relative_positions(mlen + qlen, c.clamp_len, inp.device), c.d_model,

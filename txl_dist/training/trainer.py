@@ -33,7 +33,7 @@ import torch.distributed as dist
 from txl_dist.config import RunConfig, with_manifest_vocab
 from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
 from txl_dist.data.format import read_manifest
-from txl_dist.evaluation import EvalResult, evaluate, segment_settings
+from txl_dist.evaluation import EvalResult, evaluate, segment_settings, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.training.checkpoint import (
     CLIENT_KEY,
@@ -146,6 +146,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = TransformerXLLM(cfg.model)
         self.num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
+        if cfg.model.compile:
+            model.compile_body()  # the module itself stays: no "_orig_mod." keys in checkpoints
         torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
 
         ds_config = build_deepspeed_config(
@@ -310,6 +312,14 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
+    def _forward(self, batch, mems: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One micro-batch through the engine, queued without waiting for the device: the batch is copied from
+        pinned host memory with non_blocking, and the adaptive softmax's target plan (which rows go to which
+        cluster, the only data-dependent shapes of the step) is made from the host copy of the targets."""
+        plan = self.engine.module.plan_targets(batch.targets, self.device)
+        return self.engine(to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems,
+                           target_plan=plan)
+
     def _stop_agreed(self, stop: GracefulStop) -> bool:
         flag = torch.tensor([1.0 if stop.requested else 0.0])
         if self._flag_group is None:
@@ -345,8 +355,7 @@ class Trainer:
                     batch = next(batches)
                     if batch.reset_mems:
                         self.mems[slot] = None
-                    loss, self.mems[slot] = self.engine(batch.inputs.to(self.device), batch.targets.to(self.device),
-                                                        self.mems[slot])
+                    loss, self.mems[slot] = self._forward(batch, self.mems[slot])
                     loss = loss.mean()
                     self.engine.backward(loss)
                     self.engine.step()
