@@ -12,7 +12,7 @@ STAMP := $(VENV)/.txl_dist-installed
 # CPU runs: DeepSpeed's CPU accelerator, one OpenMP thread per rank (ZeRO-3 is ~5x slower without it).
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
-.PHONY: venv warm test demo clean-demo clean
+.PHONY: venv warm test demo clean-demo clean gpu-check
 
 venv: $(STAMP)
 
@@ -47,6 +47,15 @@ demo: warm
 	$(BIN)/python launchers/convert.py zero-to-export $(DEMO)/run $(DEMO)/export --overwrite
 	$(BIN)/python launchers/generate.py $(DEMO)/export --prompt "the company said" --max-new-tokens 40 --seed 1
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)/run/tensorboard"
+
+# One check of the CUDA paths on one NVIDIA GPU, under 8 minutes, ending with one JSON line (figures also in
+# gpu_check/): CUDA-only tests, fused vs reference attention, host syncs per step, lm1b_base throughput and
+# memory, 1-GPU training runs, generation. Uses .venv when it exists (on a GPU machine build it with your CUDA
+# torch: make venv TORCH_SPEC=), else python3 with torch, deepspeed and webdataset importable. Without CUDA it
+# says so and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --out gpu_check
 
 clean-demo:
 	rm -rf $(DEMO)

@@ -5,6 +5,11 @@ our training step against HuggingFace's TransfoXL on the same weights and batche
     python benchmarks/model_step.py --configs ptb_small --batch 32 --repeats 5
     python benchmarks/model_step.py --device cuda --configs lm1b_base --batch 28 --dtype bf16
     python benchmarks/model_step.py --compare-hf          # ours / HuggingFace 4.37.2, fp32, one thread
+    python benchmarks/model_step.py --configs ptb_small --impls reference,reference+compile   # torch.compile
+
+An attention implementation followed by "+compile" runs with model.compile (TorchInductor on the layers); its
+first steps, which compile, are in the warm-up (--warmup, at least 4 then: two segment shapes, forward and
+backward), and the compile time is reported apart.
 
 Each measurement runs in a fresh process (so peak memory is that variant's alone), the variants alternate within
 each repeat (so machine noise hits them alike), and the summary quotes medians and the fused/reference ratio.
@@ -28,29 +33,41 @@ def measure(config_name: str, impl: str, batch: int, steps: int, warmup: int, de
     from txl_dist.model import TransformerXLLM, preset
 
     torch.manual_seed(0)
-    config = preset(config_name, attn_impl=impl, dropout=0.0, dropatt=0.0)
+    compiled = impl.endswith("+compile")
+    impl = impl.removesuffix("+compile")
+    config = preset(config_name, attn_impl=impl, dropout=0.0, dropatt=0.0, compile=compiled)
     model = TransformerXLLM(config).to(device)
+    if compiled:
+        model.compile_body()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    clock = time.thread_time if device == "cpu" else time.perf_counter
     autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    data = torch.randint(0, config.n_token, (batch, (warmup + steps) * config.tgt_len + 1), device=device)
+    data = torch.randint(0, config.n_token, (batch, (warmup + steps) * config.tgt_len + 1))
+    data_host, data = data, data.to(device)
     rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     mems = None
+    warm_start = time.perf_counter()
     for step in range(warmup + steps):
         if step == warmup:
             if device == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            warmup_seconds = time.perf_counter() - warm_start
+            start = clock()
         window = slice(step * config.tgt_len, (step + 1) * config.tgt_len)
         inputs, targets = data[:, window], data[:, window.start + 1:window.stop + 1]
+        plan = model.plan_targets(data_host[:, window.start + 1:window.stop + 1], device)
         with torch.autocast(device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss, mems = model(inputs, targets, mems)
+            loss, mems = model(inputs, targets, mems, target_plan=plan)
         loss.mean().backward()
         model.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     result = {
+        "warmup_seconds": warmup_seconds,
         "tokens_per_s": batch * config.tgt_len * steps / seconds,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step_rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / 1024,
@@ -188,18 +205,21 @@ def main(argv: list[str] | None = None) -> dict:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
             "step_rss_growth_mb": statistics.median(r["step_rss_growth_mb"] for r in results),
+            "warmup_seconds": statistics.median(r["warmup_seconds"] for r in results),
             "parameters": results[0]["parameters"],
         }
         if "peak_cuda_mb" in results[0]:
             row["peak_cuda_mb"] = statistics.median(r["peak_cuda_mb"] for r in results)
         figures["results"].setdefault(config, {})[impl] = row
         print(f"{config:10s} {impl:9s} {row['tokens_per_s']:18.0f} {row['peak_rss_mb']:12.0f} {row['parameters']:10d}")
-    if "reference" in impls and "fused" in impls:
-        for config in configs:
-            per_repeat = [f["tokens_per_s"] / r["tokens_per_s"]
-                          for f, r in zip(runs[(config, "fused")], runs[(config, "reference")])]
-            figures["results"][config]["fused_over_reference"] = statistics.median(per_repeat)
-            print(f"{config}: fused / reference throughput = {statistics.median(per_repeat):.3f} (median of per-repeat ratios)")
+    baseline = impls[0]
+    for config in configs:
+        for impl in impls[1:]:
+            per_repeat = [v["tokens_per_s"] / b["tokens_per_s"]
+                          for v, b in zip(runs[(config, impl)], runs[(config, baseline)])]
+            figures["results"][config][f"{impl}_over_{baseline}"] = statistics.median(per_repeat)
+            print(f"{config}: {impl} / {baseline} throughput = {statistics.median(per_repeat):.3f} "
+                  f"(median of per-repeat ratios)")
     print(json.dumps(figures))
     return figures
 

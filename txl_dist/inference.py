@@ -228,6 +228,60 @@ def score_ids(model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context
 # Text in, text out (the tokenizer of an export: ``model, tokenizer = txl_dist.load_pretrained(EXPORT)``).
 
 
+class TextStream:
+    """Turns generated ids into text as they come: `push` returns the text that token adds (possibly ""), and
+    `finish` what is still held back. Joined, the pieces equal ``tokenizer.decode_document(ids)``.
+
+    A token's text is decoded after a few tokens of its line as context (sentencepiece marks word starts on the
+    piece itself, so a piece alone would decode without its space), which keeps each step's work constant
+    however long the line. Separators (eos/eod) become line breaks once more text follows, as in
+    `decode_document`.
+    """
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.separators = {tokenizer.eos_id, tokenizer.eod_id}
+        self.line: list[int] = []
+        self.pending_breaks = 0
+
+    def push(self, token_id: int) -> str:
+        if token_id in self.separators:
+            self.pending_breaks += 1
+            self.line = []
+            return ""
+        breaks = "\n" * self.pending_breaks
+        self.pending_breaks = 0
+        context = self.line[-self.CONTEXT:]
+        before = self.tokenizer.decode(context) if context else ""
+        after = self.tokenizer.decode(context + [token_id])
+        self.line.append(token_id)
+        return breaks + (after[len(before):] if after.startswith(before) else after)
+
+    def finish(self) -> str:
+        """Separators at the end: n of them close n - 1 empty lines (decode_document's convention)."""
+        tail = "\n" * max(0, self.pending_breaks - 1)
+        self.pending_breaks = 0
+        return tail
+
+
+def iter_generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens: int = 50, *,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                  greedy: bool = False) -> Iterator[str]:
+    """The text that follows ``prompt``, piece by piece as tokens are decoded (see `generate`)."""
+    prompt_ids = [tokenizer.eod_id] + tokenizer.encode(prompt)
+    stream = TextStream(tokenizer)
+    for token in iter_generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, seed=seed, greedy=greedy):
+        piece = stream.push(token)
+        if piece:
+            yield piece
+    tail = stream.finish()
+    if tail:
+        yield tail
+
+
 def generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens: int = 50, *,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              greedy: bool = False) -> str:
@@ -236,17 +290,21 @@ def generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens
     The prompt is read as the start of a document: it follows the document separator, as every document of the
     training stream does. Separators in the output come back as line breaks (`decode_document`).
     """
-    prompt_ids = [tokenizer.eod_id] + tokenizer.encode(prompt)
-    new_ids = generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, greedy=greedy)
-    return tokenizer.decode_document(new_ids)
+    return "".join(iter_generate(model, tokenizer, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, greedy=greedy))
 
 
 def score(model: TransformerXLLM, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16
           ) -> list[dict[str, float | int]]:
     """Per text: ``logprob`` (nats, of its tokens and the closing separator, given the opening one), ``tokens``
-    (how many were scored) and ``ppl`` = exp(-logprob / tokens). See `score_ids`."""
+    (how many were scored), ``ppl`` = exp(-logprob / tokens) and ``unknown``: how many of its tokens are the
+    unknown token. Text the vocabulary does not know scores as the unknown token, which a model usually finds
+    likely: such perplexities are not comparable with those of known text. See `score_ids`."""
     import math
 
-    scored = score_ids(model, [tokenizer.encode(text) for text in texts], tokenizer.eod_id, batch_size=batch_size)
-    return [{"logprob": logprob, "tokens": n, "ppl": math.exp(-logprob / n)} for logprob, n in scored]
+    encoded = [tokenizer.encode(text) for text in texts]
+    scored = score_ids(model, encoded, tokenizer.eod_id, batch_size=batch_size)
+    unk = getattr(tokenizer, "unk_id", None)
+    return [{"logprob": logprob, "tokens": n, "ppl": math.exp(-logprob / n),
+             "unknown": sum(token == unk for token in ids) if unk is not None else 0}
+            for (logprob, n), ids in zip(scored, encoded)]
