@@ -104,25 +104,27 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 self.out_layers.append(nn.Linear(d_emb_i, end - start))
 
     def _cluster_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(weight, bias) of every cluster, the head's followed by one row per tail cluster. With div_val == 1 the
-        clusters are pieces of one matrix, taken by one split (whose backward writes the gradient once, where
-        per-cluster slices would each add a zero-filled copy of the whole matrix)."""
+        """(weight, bias) of every cluster. With div_val == 1 the clusters are pieces of one matrix, taken by one
+        split (whose backward writes the gradient once, where per-cluster slices would each add a zero-filled
+        copy of the whole matrix)."""
         if self.div_val == 1:
             sizes = [end - start for start, end in self.bounds]
-            pairs = list(zip(self.out_layers[0].weight.split(sizes), self.out_layers[0].bias.split(sizes)))
-        else:
-            pairs = [(layer.weight, layer.bias) for layer in self.out_layers]
-        if self.n_clusters > 0:
-            weight, bias = pairs[0]
-            pairs[0] = (torch.cat([weight, self.cluster_weight], dim=0), torch.cat([bias, self.cluster_bias], dim=0))
-        return pairs
+            return list(zip(self.out_layers[0].weight.split(sizes), self.out_layers[0].bias.split(sizes)))
+        return [(layer.weight, layer.bias) for layer in self.out_layers]
 
     def _cluster_logits(self, hidden: torch.Tensor, i: int, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Logits of cluster i's words (for i == 0: head words, then one logit per tail cluster)."""
+        """Logits of cluster i's words; for i == 0 the head words', then one logit per tail cluster."""
         proj = self.out_projs[i]
         if proj is not None:
             hidden = F.linear(hidden, proj.t())
-        return F.linear(hidden, weight, bias)
+        if i > 0 or self.n_clusters == 0:
+            return F.linear(hidden, weight, bias)
+        if hidden.shape[0] >= weight.shape[0]:
+            # Many rows (training): one matmul against [head words ; cluster rows].
+            return F.linear(hidden, torch.cat([weight, self.cluster_weight]), torch.cat([bias, self.cluster_bias]))
+        # Few rows (decoding): two matmuls and a small concatenation of logits, no copy of the head's weights.
+        return torch.cat([F.linear(hidden, weight, bias), F.linear(hidden, self.cluster_weight, self.cluster_bias)],
+                         dim=-1)
 
     @torch.compiler.disable  # host work on data-dependent sizes: never traced into a compiled graph
     def plan(self, target: torch.Tensor, device: torch.device | None = None) -> TargetPlan:
