@@ -10,7 +10,7 @@ protobuf: the SentencePiece model is read with the small wire-format reader belo
 that is, a text is read as the start of a document (after the separator that precedes every document in the
 training stream, as `txl_dist.generate` reads a prompt), and a line break is the end-of-sentence token. The
 leading eod is the post-processor's special token: ``add_special_tokens=False`` leaves it out. Decoding turns the
-separators back into line breaks.
+separators back into line breaks (as `Tokenizer.decode_document` does; one at the very start or end is dropped).
 
 - ``word``: a WordLevel model over ``vocab.txt``; text is split on the characters Python's ``str.split()`` splits
   on; a line break becomes the eos word (so the word ``<eos>`` written in the text is eos too, as in txl_dist).
@@ -146,6 +146,11 @@ def _python_whitespace_class() -> str:
     return "[" + "".join("\\" + c if c in "\\]^-[" else c for c in chars) + "]"
 
 
+# A separator before the first line (the document start) or after the last is not a line break of the text
+# (txl_dist's decode_document).
+_STRIP_OUTER_SEPARATORS = {"type": "Strip", "content": "\n", "start": 1, "stop": 1}
+
+
 def _replace(pattern: str, content: str, regex: bool = False) -> dict[str, Any]:
     return {"type": "Replace", "pattern": {"Regex" if regex else "String": pattern}, "content": content}
 
@@ -167,7 +172,7 @@ def _template(bos: str, bos_id: int) -> dict[str, Any]:
     }
 
 
-def _document(tokenizer_json: dict[str, Any], eod: str) -> dict[str, Any]:
+def _document(eod: str) -> dict[str, Any]:
     """tokenizer_config.json: the eod token as bos, eos and pad (a document's start and end, and the padding of
     left-padded batches)."""
     return {
@@ -198,7 +203,7 @@ def _word_tokenizer(tokenizer: WordTokenizer) -> tuple[dict[str, Any], str]:
         # Words joined by single spaces, separators as line breaks without spaces around them.
         "decoder": {"type": "Sequence", "decoders": separators + [
             {"type": "WordPiece", "prefix": " ", "cleanup": False}, {"type": "Fuse"},
-            _replace(" ?\n ?", "\n", regex=True)]},
+            _replace(" ?\n ?", "\n", regex=True), _STRIP_OUTER_SEPARATORS]},
         "model": {"type": "WordLevel", "vocab": {word: i for i, word in enumerate(words)}, "unk_token": unk},
     }
     return data, eod
@@ -285,6 +290,9 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
                   if p["type"] == _USER_DEFINED and i not in (tokenizer.eos_id, tokenizer.eod_id)]
 
     decoders = [_replace("\u2581", " ")]
+    unk_id = next((i for i, p in enumerate(pieces) if p["type"] == _UNKNOWN), None)
+    if unk_id is not None and names[unk_id] != model["unk_surface"]:
+        decoders.append(_replace(f"^{_regex_escape(names[unk_id])}$", model["unk_surface"], regex=True))
     if not eod_is_eos:
         decoders.append(_replace(f"^{_regex_escape(eod)}$", "\n", regex=True))
     for i, p in enumerate(pieces):
@@ -293,6 +301,7 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     decoders.append({"type": "Fuse"})
     if model["add_dummy_prefix"]:
         decoders += [_replace("\n ", "\n"), {"type": "Strip", "content": " ", "start": 1, "stop": 0}]
+    decoders.append(_STRIP_OUTER_SEPARATORS)
     data = {
         "version": "1.0",
         "truncation": None,
@@ -316,4 +325,4 @@ def fast_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
     else:
         raise FastTokenizerError(f"{tokenizer.directory}: tokenizer kind {tokenizer.kind!r} has no fast-tokenizer "
                                  f"form (supported: word, sentencepiece)")
-    return {"tokenizer.json": data, "tokenizer_config.json": _document(data, eod)}
+    return {"tokenizer.json": data, "tokenizer_config.json": _document(eod)}
