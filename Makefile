@@ -45,7 +45,7 @@ warm: venv
 	$(CPU_ENV) $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
 test: warm hf-venv
-	$(CPU_ENV) TXL_HF_PYTHON=$(HF_VENV)/bin/python $(BIN)/python -m pytest -q tests
+	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q tests
 
 # The main job on an embedded corpus: the Penn Treebank of the `treebank` package -> a word tokenizer and shards
 # -> a small Transformer-XL trained on 2 CPU ranks through the deepspeed launcher -> test perplexity, an export

@@ -25,7 +25,8 @@ from txl_dist.tokenizer import load_tokenizer, write_tokenizer_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "hub_worker.py"
-HF_PYTHON = Path(os.environ.get("TXL_HF_PYTHON", ROOT / ".venv-hf" / "bin" / "python"))
+# Absolute but not resolved: a virtual environment's python is a link that must stay inside the environment.
+HF_PYTHON = Path(os.path.abspath(os.environ.get("TXL_HF_PYTHON", ROOT / ".venv-hf" / "bin" / "python")))
 PINNED_TRANSFORMERS = "5.24.0"
 
 # div_val 1 and 4; tied and untied projections; shared and per-layer position biases (untie_r).

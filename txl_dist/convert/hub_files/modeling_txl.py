@@ -431,8 +431,8 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("inputs_embeds is not supported: Transformer-XL embeds token ids with its adaptive "
                              "embedding; pass input_ids")
-        if input_ids is None or input_ids.dim() != 2:
-            raise ValueError(f"input_ids: expected a [batch, length] tensor of token ids, got "
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids: expected a [batch, length >= 1] tensor of token ids, got "
                              f"{None if input_ids is None else list(input_ids.shape)}")
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, TransformerXLMemory):
@@ -461,6 +461,7 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         # Projected keys and values of the memory are reused only without autograd: in training the memory's
         # projections must get their gradients as in the authors' code.
         reuse = not torch.is_grad_enabled()
+        # Per block: the input of every layer and the last output (all of them only for output_hidden_states).
         layer_inputs_out: list[list[torch.Tensor]] = [[] for _ in range(c.n_layer + 1)]
         for start in range(0, length, segment):
             end = min(start + segment, length)
@@ -485,7 +486,8 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
                     mem_keys, mem_values = keys[i], values[i]
                 else:
                     mem_keys, mem_values = layer.dec_attn.project(hidden[i])[1:] if mlen else (keys[i], values[i])
-                layer_inputs_out[i].append(x)
+                if output_hidden_states:
+                    layer_inputs_out[i].append(x)
                 new_hidden = torch.cat([hidden[i], x.detach()], dim=1)[:, -keep:] if keep else hidden[i][:, :0]
                 x, key, value = layer(x, pos_emb, visible, mem_keys, mem_values, self.r_w_bias, self.r_r_bias)
                 if keep:
@@ -496,7 +498,7 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
             hidden[c.n_layer] = torch.cat([hidden[c.n_layer], x.detach()], dim=1)[:, -keep:] if keep else hidden[c.n_layer][:, :0]
             mem_attended = torch.cat([mem_attended, attended[:, start:end]], dim=1)[:, -keep:] if keep else mem_attended[:, :0]
 
-        outputs = [torch.cat(parts, dim=1) for parts in layer_inputs_out]
+        outputs = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in layer_inputs_out if parts]
         last = self.drop(outputs[-1])
         new_memory = None
         if use_cache:
