@@ -13,7 +13,7 @@ STAMP := $(VENV)/.txl_dist-installed
 # last release with TransfoXL, for the peer tests).
 HF_VENV ?= .venv-hf
 HF_SPEC := transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 huggingface-hub==2.4.0
-HF_STAMP := $(HF_VENV)/.installed-transformers-5.24.0
+HF_STAMP := $(HF_VENV)/.installed-$(subst ==,-,$(firstword $(HF_SPEC)))
 
 # CPU runs: DeepSpeed's CPU accelerator, one OpenMP thread per rank (ZeRO-3 is ~5x slower without it).
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1

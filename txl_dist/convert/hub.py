@@ -77,7 +77,6 @@ def hub_config(config: ModelConfig, tokenizer_identity: dict[str, Any] | None) -
     has_projections = config.div_val > 1 or config.d_embed_resolved != config.d_model
     data["tie_word_embeddings"] = bool(config.tie_weight or (has_projections and any(config.tie_projs_resolved)))
     data["use_cache"] = True
-    data["dtype"] = "float32"
     if tokenizer_identity is not None:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             data[name] = tokenizer_identity["eod_id"]
@@ -119,6 +118,8 @@ def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     tokenizer_files = fast_tokenizer_files(tokenizer) if tokenizer is not None else {}
     weights = hub_weights(load_model(export_dir).state_dict(), config)
     texts = {"config.json": hub_config(config, identity)}
+    # The dtype the weights are stored in (transformers loads them so by default).
+    texts["config.json"]["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     if tokenizer is not None:
         eod = tokenizer.eod_id
         texts["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
