@@ -8,6 +8,10 @@
     python launchers/convert.py export-to-hf exports/lm1b_base hf/lm1b_base
     python launchers/convert.py hf-to-export hf/lm1b_base exports/lm1b_base_from_hf
 
+    # current transformers (5.x): AutoModelForCausalLM.from_pretrained("hub/lm1b_base", trust_remote_code=True)
+    # and AutoTokenizer.from_pretrained("hub/lm1b_base"); generate() carries the memory as the cache
+    python launchers/convert.py export-to-hub exports/lm1b_base hub/lm1b_base
+
     # the authors' state dict (their eval.py after model.load_state_dict), and back with a config.json
     python launchers/convert.py export-to-original exports/lm1b_base lm1b_base.pt
     python launchers/convert.py original-to-export model_state.pt exports/lm1b_base/config.json exports/from_original
@@ -48,6 +52,14 @@ def export_to_hf(args: argparse.Namespace) -> str:
 
     out = write_hf_folder(args.export, args.output, overwrite=args.overwrite)
     return f"{args.export} -> {out} (transformers 4.37.2: TransfoXLLMHeadModel.from_pretrained({str(out)!r}))"
+
+
+def export_to_hub(args: argparse.Namespace) -> str:
+    from txl_dist.convert.hub import write_hub_folder
+
+    out = write_hub_folder(args.export, args.output, overwrite=args.overwrite)
+    return (f"{args.export} -> {out} (transformers 5: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+            f"trust_remote_code=True), AutoTokenizer.from_pretrained({str(out)!r}))")
 
 
 def hf_to_export(args: argparse.Namespace) -> str:
@@ -101,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("output", help="the export folder to write")
     sub.add_argument("--tokenizer", help="tokenizer folder (default: the one the run recorded, found by fingerprint)")
     sub = command("export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder")
+    sub.add_argument("export")
+    sub.add_argument("output")
+    sub = command("export-to-hub", export_to_hub,
+                  "an export folder -> a folder for current transformers (remote code, fast tokenizer)")
     sub.add_argument("export")
     sub.add_argument("output")
     sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder")
