@@ -86,7 +86,7 @@ COMPARE_MODEL = dict(n_token=10000, n_layer=6, d_model=256, n_head=8, d_head=32,
 
 def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, dropout: float) -> dict:
     """Training steps (forward, backward, zeroed gradients) of our model and of HuggingFace's TransfoXL with the
-    same weights on the same batches, alternating within one process, ``threads`` CPU threads, fp32.
+    same weights on the same batches, alternating step by step within one process, ``threads`` CPU threads, fp32.
 
     HuggingFace shifts the labels inside its forward and scores tgt_len - 1 positions per row; ours scores
     tgt_len. Throughput counts each model's own scored tokens, which favours HuggingFace by 1/tgt_len.
@@ -113,42 +113,41 @@ def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, 
     data = torch.randint(0, config.n_token, (batch, repeats * segments * config.tgt_len + 1),
                          generator=torch.Generator().manual_seed(1))
 
-    def windows(repeat: int):
-        for index in range(segments):
-            start = (repeat * segments + index) * config.tgt_len
-            yield index, data[:, start:start + config.tgt_len], data[:, start + 1:start + config.tgt_len + 1]
+    def ours_step(inputs, targets, mems):
+        loss, mems = ours(inputs, targets, mems)
+        loss.mean().backward()
+        ours.zero_grad(set_to_none=True)
+        return mems
 
-    def run_ours(repeat: int) -> float:
-        mems = None
-        for index, inputs, targets in windows(repeat):
-            if index == warmup:
-                start = clock()
-            loss, mems = ours(inputs, targets, mems)
-            loss.mean().backward()
-            ours.zero_grad(set_to_none=True)
-        return batch * config.tgt_len * steps / (clock() - start)
+    def hf_step(inputs, targets, mems):
+        labels = torch.cat([inputs[:, :1], targets], dim=1)[:, :-1]  # HF scores labels[:, t + 1] at t
+        out = hf(input_ids=inputs, labels=labels, mems=mems)
+        out.losses.mean().backward()
+        hf.zero_grad(set_to_none=True)
+        return out.mems
 
-    def run_hf(repeat: int) -> float:
-        mems = None
-        for index, inputs, targets in windows(repeat):
-            if index == warmup:
-                start = clock()
-            labels = torch.cat([inputs[:, :1], targets], dim=1)[:, :-1]  # HF scores labels[:, t + 1] at t
-            out = hf(input_ids=inputs, labels=labels, mems=mems)
-            out.losses.mean().backward()
-            mems = out.mems
-            hf.zero_grad(set_to_none=True)
-        return batch * (config.tgt_len - 1) * steps / (clock() - start)
-
+    # The two models take turns step by step (each with its own memory), so that a burst of load on the machine
+    # falls on both; a repeat's throughput counts its own timed steps.
     ours_runs, hf_runs = [], []
     for repeat in range(repeats):
-        ours_runs.append(run_ours(repeat))
-        hf_runs.append(run_hf(repeat))
+        mems = {"ours": None, "hf": None}
+        seconds = {"ours": 0.0, "hf": 0.0}
+        for index in range(segments):
+            start_token = (repeat * segments + index) * config.tgt_len
+            inputs = data[:, start_token:start_token + config.tgt_len]
+            targets = data[:, start_token + 1:start_token + config.tgt_len + 1]
+            for name, step in (("ours", ours_step), ("hf", hf_step)):
+                started = clock()
+                mems[name] = step(inputs, targets, mems[name])
+                if index >= warmup:
+                    seconds[name] += clock() - started
+        ours_runs.append(batch * config.tgt_len * steps / seconds["ours"])
+        hf_runs.append(batch * (config.tgt_len - 1) * steps / seconds["hf"])
         print(f"repeat {repeat + 1}/{repeats}: ours {ours_runs[-1]:8.0f} tokens/s   HuggingFace {hf_runs[-1]:8.0f} "
               f"tokens/s   ratio {ours_runs[-1] / hf_runs[-1]:.3f}", flush=True)
     ratios = [o / h for o, h in zip(ours_runs, hf_runs)]
     figures = {"model": {**COMPARE_MODEL, "dropout": dropout}, "batch": batch, "threads": threads, "steps": steps,
-               "clock": clock.__name__,
+               "clock": clock.__name__, "alternation": "step by step",
                "repeats": repeats, "ours_tokens_per_s": statistics.median(ours_runs),
                "hf_tokens_per_s": statistics.median(hf_runs), "ours_over_hf": statistics.median(ratios),
                "ratios": ratios}

@@ -214,9 +214,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         dtype = q.dtype
         # q + u and q + v in one operation, scaled once here, on the smallest tensors: [2, H, B, qlen, D].
         biases = torch.stack([u, v]).to(dtype).view(2, n_head, 1, 1, d_head)
-        q_uv = torch.add(q.unsqueeze(0), biases).mul_(self.scale)
-        q_u = q_uv[0].reshape(n_head * bsz, qlen, d_head)
-        q_v = q_uv[1].reshape(n_head, bsz * qlen, d_head)
+        q_u, q_v = torch.add(q.unsqueeze(0), biases).mul_(self.scale).unbind(0)  # unbind: one-pass backward
+        q_u = q_u.reshape(n_head * bsz, qlen, d_head)
+        q_v = q_v.reshape(n_head, bsz * qlen, d_head)
         k_b = k.reshape(n_head * bsz, klen, d_head)  # views (also of a cache's buffer: heads and batch merge)
         v_b = val.reshape(n_head * bsz, klen, d_head)
         # (b) + (d) by distance, per head over all (batch, query) rows: [H, B*qlen, klen + 1]; then shifted onto
