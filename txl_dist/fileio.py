@@ -49,7 +49,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
             # Removed by name: an interrupt can arrive after the file was created and before `fd` was set.
             _remove_quietly(tmp)
             if isinstance(error, OSError):
-                raise _naming(error, path) from error
+                raise with_path(error, path, replace=True) from error
             raise
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -60,7 +60,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     except BaseException as error:
         _remove_quietly(tmp)
         if isinstance(error, OSError):
-            raise _naming(error, path) from error
+            raise with_path(error, path, replace=True) from error
         raise
     return path
 
@@ -70,13 +70,6 @@ def _remove_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
     except OSError:  # a read-only file system refuses even that
         pass
-
-
-def _naming(error: OSError, path: Path) -> OSError:
-    """The same failure naming the file the caller asked for, not our temporary."""
-    if error.errno is None:
-        return error
-    return OSError(error.errno, error.strerror, str(path))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -165,9 +158,11 @@ _CAUSES = {
 }
 
 
-def with_path(error: OSError, path: str | os.PathLike) -> OSError:
-    """``error`` naming ``path`` (a write() that fails names no file); unchanged when it already names one."""
-    if error.filename is not None or error.errno is None:
+def with_path(error: OSError, path: str | os.PathLike, *, replace: bool = False) -> OSError:
+    """``error`` naming ``path``: a write() that fails names no file, and a failure on a temporary should name
+    the output it was for (``replace``). Unchanged when it names a file already (unless ``replace``) or has no
+    errno."""
+    if error.errno is None or (error.filename is not None and not replace):
         return error
     named = OSError(error.errno, error.strerror, str(path))  # OSError(...) picks the errno's subclass
     named.__cause__ = error
