@@ -22,14 +22,14 @@ from txl_dist.fileio import with_path
 
 class _HashingFile:
     """A write-only file that hashes and counts what passes through it. A failing write (no space left, ...)
-    raises OSError naming the file: write() itself names none."""
+    raises OSError naming ``name`` (the shard being written; write() itself names no file)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, name: Path):
+        self.path = name
         try:
             self._handle = open(path, "wb")
         except OSError as error:
-            raise with_path(error, path) from error
+            raise with_path(error, name, replace=True) from error
         self.sha256 = hashlib.sha256()
         self.size = 0
 
@@ -39,13 +39,13 @@ class _HashingFile:
         try:
             return self._handle.write(data)
         except OSError as error:
-            raise with_path(error, self.path) from error
+            raise with_path(error, self.path, replace=True) from error
 
     def flush(self) -> None:
         try:
             self._handle.flush()
         except OSError as error:
-            raise with_path(error, self.path) from error
+            raise with_path(error, self.path, replace=True) from error
 
     def close(self) -> None:
         if self._handle.closed:
@@ -54,7 +54,7 @@ class _HashingFile:
             self._handle.flush()
             os.fsync(self._handle.fileno())
         except OSError as error:
-            raise with_path(error, self.path) from error
+            raise with_path(error, self.path, replace=True) from error
         finally:
             try:
                 self._handle.close()
@@ -132,7 +132,7 @@ class ShardWriter:
     def _start_shard(self) -> None:
         name = shard_name(self.split, self._next_index)
         tmp = self._partial_path(self._next_index)
-        handle = _HashingFile(tmp)
+        handle = _HashingFile(tmp, self.directory / name)
         writer = wds.TarWriter(handle, encoder=False, mtime=TAR_MTIME, user="txl", group="txl", mode=0o444)
         self._open = {
             "name": name, "tmp": tmp, "handle": handle, "writer": writer, "keys": [], "block_tokens": [],

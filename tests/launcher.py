@@ -77,7 +77,8 @@ def wait_for_step(output_dir: Path, step: int, process: subprocess.Popen, timeou
         if logged and max(logged) >= step:
             return max(logged)
         if process.poll() is not None:
-            pytest.fail(f"the run ended (status {process.returncode}) before step {step}:\n{process.stdout.read()}")
+            output = process.stdout.read() if process.stdout is not None else "(see its log)"
+            pytest.fail(f"the run ended (status {process.returncode}) before step {step}:\n{output}")
         time.sleep(0.05)
     pytest.fail(f"no step {step} within {timeout} s")
 
