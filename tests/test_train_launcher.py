@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,20 +234,49 @@ def test_half_precision_training_on_gpus(precision, ptb_word_shards, tmp_path):
         assert logged[30]["skipped_steps"] == 0 and logged[30].get("loss_scale") is None
     assert "max_allocated_mb" in logged[30]
     assert logged[30]["loss"] < logged[1]["loss"] - 0.5
+    if precision == "fp16":
+        # The fp16 optimizer state (DeepSpeed's loss scaler objects) reads back weights-only, in training and in
+        # a conversion.
+        resumed = subprocess.run([c.replace("train.max_steps=30", "train.max_steps=32") for c in command],
+                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0 and "at step 30 (exact" in resumed.stderr, tail(resumed)
+        converted = subprocess.run([sys.executable, "launchers/convert.py", "zero-to-export", str(output),
+                                    str(tmp_path / "export")], cwd=REPO, env=env, capture_output=True, text=True)
+        assert converted.returncode == 0, tail(converted)
 
 
-def test_resume_refuses_another_architecture_and_an_unwanted_fresh_start(first_half, ptb_word_shards, tmp_path):
+def test_mismatches_stop_every_rank_with_one_message(first_half, ptb_word_shards, tmp_path):
+    """Another architecture, an unwanted fresh start, another tokenizer (every rank finds it) and a damaged shard
+    (only rank 1 reads it): each run stops with one line, printed once, and no traceback."""
+    from data_tools import train_tokenizer
+
     output = tmp_path / "changed"
     shutil.copytree(first_half, output)
     result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=30", "model.d_inner=48")),
                  check=False)
     assert result.returncode != 0
-    assert "was trained with another architecture: d_inner: checkpoint 32, config 48" in tail(result)
+    _one_error(tail(result, 300), "was trained with another architecture: d_inner: checkpoint 32, config 48")
     result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=30",
                                               "checkpoint.resume=false")), check=False)
     assert result.returncode != 0
-    assert "checkpoint.resume=false, but" in tail(result) and "holds checkpoints" in tail(result)
+    _one_error(tail(result, 300), "checkpoint.resume=false, but")
     assert latest(output) == "step00000020"
+
+    (tmp_path / "other.txt").write_text("a few other words\n")
+    assert train_tokenizer.main(["--kind", "word", "--input", str(tmp_path / "other.txt"), "--output",
+                                 str(tmp_path / "other_tokenizer"), "--no-progress"]) == 0
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, tmp_path / "other", "train.max_steps=4",
+                                              f"data.tokenizer={tmp_path / 'other_tokenizer'}")), check=False)
+    assert result.returncode != 0
+    _one_error(tail(result, 300), "fingerprint")
+
+    shards = tmp_path / "shards"
+    shutil.copytree(ptb_word_shards, shards)
+    _overwrite_middle(shards / "train-000005.tar", size=64)  # rank 1's third stream starts in it
+    result = run(launcher_command(TRAIN, args(shards, tmp_path / "damaged_shard", "train.max_steps=4")), check=False)
+    assert result.returncode != 0
+    _one_error(tail(result, 300), f"train.py: error on rank 1 (")
+    assert "train-000005.tar" in tail(result, 300)
 
 
 # ---- run integrity (issue 10) --------------------------------------------------------------------------------
@@ -314,7 +344,7 @@ def test_no_orphaned_ranks_one_run_per_directory_and_stale_locks(reference, ptb_
     # SIGTERM to the deepspeed runner alone: it dies, its launch process lives on, and the ranks notice, write a
     # checkpoint at the current step and exit.
     first = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400")))
-    wait_for_step(output, 3, first)
+    wait_for_step(output, 3, first, timeout=300)
     ranks = rank_processes(first)
     first.send_signal(signal.SIGTERM)
     first.wait(timeout=30)
@@ -332,7 +362,7 @@ def test_no_orphaned_ranks_one_run_per_directory_and_stale_locks(reference, ptb_
                                                               "checkpoint.keep_last=2")),
                                  cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
                                  stdout=third_log, stderr=subprocess.STDOUT)
-    wait_for_step(output, stopped_at + 1, third)
+    wait_for_step(output, stopped_at + 1, third, timeout=300)
     holder = json.loads((output / "run.lock").read_text())
     second = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400")), check=False)
     assert second.returncode != 0
@@ -394,8 +424,6 @@ class _Crafted:
 
 
 def test_a_crafted_pickle_in_a_checkpoint_is_never_run(reference, ptb_word_shards, tmp_path):
-    import sys
-
     from txl_dist.fileio import file_checksum
 
     output = tmp_path / "crafted"

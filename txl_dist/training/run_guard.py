@@ -46,8 +46,10 @@ STORE_EVERY = 4
 """Look at the failure store every this many watch periods (one second)."""
 GRACE_S = 3.0
 """After another rank's failure: how long this rank's own code may take to exit before the watchdog ends it."""
-FAILURE_KEY = "txl_dist/failure"
-SEEN_KEY = "txl_dist/failure_seen"
+# torchrun's agent keeps its store across the restarts of a job's workers: the keys are per attempt.
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+FAILURE_KEY = f"txl_dist/{_ATTEMPT}/failure"
+SEEN_KEY = f"txl_dist/{_ATTEMPT}/failure_seen"
 
 # Errors whose message says everything: printed as one line, without a traceback. Anything else is a bug (ours or
 # a library's) and keeps its traceback.
@@ -66,6 +68,13 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"
     return str(error)
+
+
+def _print(message: str) -> None:
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # the reader of our output is gone: the exit status still tells
+        pass
 
 
 def _process_identity(pid: int) -> tuple[int, float, list[str]] | None:
@@ -242,7 +251,7 @@ class RunGuard:
             if not one_line:
                 message = "".join(traceback.format_exception(error)).rstrip() + "\n" + message
             if self._report(message):
-                print(message, file=sys.stderr, flush=True)
+                _print(message)
                 self._wait_for_the_others()
             else:
                 self._acknowledge()
@@ -319,8 +328,7 @@ class RunGuard:
                 # Rank 0 is gone with the store. A normal end can race with this look, hence the delay.
                 self._store_errors_since = self._store_errors_since or now
                 if now - self._store_errors_since > 10.0:
-                    print(f"train.py: rank {self.rank} ({socket.gethostname()}): lost contact with rank 0; stopping",
-                          file=sys.stderr, flush=True)
+                    _print(f"train.py: rank {self.rank} ({socket.gethostname()}): lost contact with rank 0; stopping")
                     self.run_cleanups()
                     self._exit(1)
                 return
