@@ -381,3 +381,47 @@ def test_slurm_script_passes_cpus_and_requeues_at_the_time_limit_only(signal_nam
     assert "--cpus-per-task=64" in step and "OMP_NUM_THREADS=8 " in step, step  # 64 CPUs, 8 ranks a node
     assert any("--overlap" in call and "pkill -TERM -f" in call for call in calls), calls
     assert ("scontrol requeue 4242" in calls) is requeued, calls
+
+
+# ---- no orphaned ranks: what a rank watches ----------------------------------------------------------------------
+
+_RANK = """
+import sys, time
+from txl_dist.training.run_guard import RunGuard
+guard = RunGuard(install_signals=False)
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while guard.reason is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+open(sys.argv[1], "w").write(str(guard.reason))
+"""
+# Stands in for DeepSpeed's per-node launcher: its command line names it, as the ranks look for.
+_LAUNCH = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]])"
+
+
+@pytest.mark.parametrize("gone", ["reader", "launcher"])
+def test_a_rank_asks_to_stop_when_its_launcher_or_the_reader_of_its_output_is_gone(gone, tmp_path):
+    """The SIGTERM-to-the-runner case runs for real in test_train_launcher.py; these are the other two ways a
+    rank learns that its job is gone: its parent (launch) dies, or its output pipe loses its reader (an ssh
+    connection of pdsh)."""
+    import signal
+
+    reason_file = tmp_path / "reason"
+    launch = subprocess.Popen([sys.executable, "-c", _LAUNCH, _RANK, str(reason_file), "deepspeed.launcher.launch"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert launch.stdout.readline() == b"ready\n"
+    if gone == "reader":
+        launch.stdout.close()
+    else:
+        launch.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not reason_file.exists():
+        assert time.monotonic() < deadline, "the rank did not notice"
+        time.sleep(0.05)
+    reason = reason_file.read_text()
+    launch.wait(timeout=20)
+    if gone == "reader":
+        assert reason == "the reader of its output (the launcher or its ssh connection) is gone"
+    else:
+        assert reason == f"DeepSpeed's per-node launcher (PID {launch.pid}) exited"
