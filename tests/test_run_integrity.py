@@ -274,7 +274,8 @@ def _read_only(mount: Path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
 
 
-def test_a_full_disk_stops_build_shards_with_one_line_and_no_partial_shard(small_tmpfs, ptb_word_tokenizer, capsys):
+def test_a_full_disk_stops_build_shards_and_convert_with_one_line_and_nothing_partial(small_tmpfs, ptb_word_tokenizer,
+                                                                                    export_dir, capsys):
     from data_tools import build_shards
 
     output = small_tmpfs / "shards"
@@ -286,6 +287,18 @@ def test_a_full_disk_stops_build_shards_with_one_line_and_no_partial_shard(small
     assert err.rstrip().endswith(".tar: no space left on device"), err
     left = sorted(p.name for p in output.iterdir())
     assert "manifest.json" not in left and not [name for name in left if "partial" in name or ".tmp" in name], left
+    # The same disk, filled to the last byte, under a conversion.
+    from launchers import convert
+
+    with open(small_tmpfs / "filler", "wb", buffering=0) as filler:
+        try:
+            while filler.write(b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+    assert convert.main(["export-to-hf", str(export_dir), str(small_tmpfs / "hf")]) == 2
+    assert capsys.readouterr().err == f"convert.py export-to-hf: error: {small_tmpfs / 'hf'}: no space left on device\n"
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "shards"]
 
 
 def test_read_only_outputs_fail_with_one_line(small_tmpfs, export_dir, ptb_word_tokenizer, tmp_path, capsys):
@@ -425,3 +438,26 @@ def test_a_rank_asks_to_stop_when_its_launcher_or_the_reader_of_its_output_is_go
         assert reason == "the reader of its output (the launcher or its ssh connection) is gone"
     else:
         assert reason == f"DeepSpeed's per-node launcher (PID {launch.pid}) exited"
+
+
+@pytest.mark.launcher
+def test_a_full_disk_during_a_checkpoint_stops_every_rank_with_one_line(small_tmpfs, ptb_word_shards):
+    """Training into a 2 MB filesystem: the second checkpoint does not fit. One rank's write fails; every rank
+    stops, the message is printed once (no traceback, no gloo error), the half-written checkpoint is removed, the
+    complete one and the lock's release are what is left."""
+    from tests.launcher import launcher_command, run, tail
+
+    output = small_tmpfs / "run"
+    result = run(launcher_command("launchers/train.py", [
+        "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}", f"train.output_dir={output}",
+        "train.max_steps=8", "eval.every=0", "log.every=1", "checkpoint.every=2", "checkpoint.keep_last=0"]),
+        check=False)
+    text = tail(result, 300)
+    assert result.returncode != 0
+    errors = [line for line in text.splitlines() if line.startswith("train.py: error")]
+    assert len(errors) == 1 and errors[0].endswith(": no space left on device"), text[-3000:]
+    assert f"{output}/checkpoints/step000000" in errors[0]
+    assert "Traceback" not in text and "Connection closed" not in text
+    steps = sorted(p.name for p in (output / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert steps and all((output / "checkpoints" / tag / "COMPLETE.json").is_file() for tag in steps), steps
+    assert not (output / "run.lock").exists()

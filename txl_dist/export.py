@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -287,8 +288,8 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
     except OSError as error:
         raise with_path(error, out_dir, replace=True) from error
     try:
-        save_file(weights, str(staging / WEIGHTS_FILE),
-                  metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
+        save_safetensors(weights, staging / WEIGHTS_FILE,
+                         metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
         if tokenizer_dir is not None:
             (staging / TOKENIZER_DIR).mkdir()
             for name in tokenizer_files + [TOKENIZER_JSON]:
@@ -306,6 +307,17 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
             raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
         raise
     return out_dir
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, whose I/O failures (no space left, ...) become the OSError they are."""
+    try:
+        save_file(dict(tensors), str(path), metadata=metadata)
+    except SafetensorError as error:
+        code = re.search(r"os error (\d+)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from error
 
 
 def load_model(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides: Any

@@ -101,18 +101,24 @@ class FileChecksum:
 
 class ChecksumWriter:
     """A binary write-only file object that counts and CRC-32s the bytes passing through to ``handle``, so that a
-    file's checksum costs no second read (``torch.save`` writes through it)."""
+    file's checksum costs no second read (``torch.save`` writes through it). The first OSError of a write is kept
+    in ``error``: torch's writer swallows it and raises a RuntimeError that does not say what happened."""
 
     def __init__(self, handle: BinaryIO):
         self._handle = handle
         self._crc = 0
         self.bytes = 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         view = memoryview(data)
         self._crc = zlib.crc32(view, self._crc)  # releases the GIL on large buffers
         self.bytes += view.nbytes
-        return self._handle.write(view)
+        try:
+            return self._handle.write(view)
+        except OSError as error:
+            self.error = self.error or error
+            raise
 
     def flush(self) -> None:
         self._handle.flush()
@@ -140,7 +146,12 @@ def atomic_write_checksummed(path: str | os.PathLike, write: Callable[[BinaryIO]
 
     def counted(handle: BinaryIO) -> None:
         writer = ChecksumWriter(handle)
-        write(writer)
+        try:
+            write(writer)
+        except Exception as error:
+            if writer.error is not None and writer.error is not error:
+                raise writer.error from error  # no space, ...: what the caller's message should say
+            raise
         result.append(writer.checksum)
 
     atomic_write(path, counted)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from txl_dist.convert.keymap import KeyMap
 from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
@@ -152,7 +152,7 @@ def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *
 
     ``out_dir`` may not be, contain or lie inside ``export_dir``; ``overwrite`` replaces only an empty folder or
     one txl_dist wrote (`txl_dist.fileio.check_output_path`)."""
-    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, unique_weights
+    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, save_safetensors, unique_weights
 
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
@@ -170,7 +170,7 @@ def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     except OSError as error:
         raise with_path(error, out_dir, replace=True) from error
     try:
-        save_file(weights, str(staging / HF_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(weights, staging / HF_WEIGHTS, metadata={"format": "pt"})
         if (export_dir / TOKENIZER_DIR).is_dir():
             shutil.copytree(export_dir / TOKENIZER_DIR, staging / TOKENIZER_DIR)
         mark_output(staging, "txl_dist.convert.hf.write_hf_folder")
