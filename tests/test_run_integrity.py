@@ -461,3 +461,14 @@ def test_a_full_disk_during_a_checkpoint_stops_every_rank_with_one_line(small_tm
     steps = sorted(p.name for p in (output / "checkpoints").iterdir() if p.name.startswith("step"))
     assert steps and all((output / "checkpoints" / tag / "COMPLETE.json").is_file() for tag in steps), steps
     assert not (output / "run.lock").exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_starts(ptb_word_shards, tmp_path, capsys):
+    from txl_dist.training.cli import parse_run_args
+
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(SystemExit) as stopped:
+        parse_run_args(["--config", str(REPO / "configs" / "tiny_cpu.yaml"), f"data.shards={ptb_word_shards}",
+                        f"train.output_dir={tmp_path / 'run'}"], world_size=2, device="cpu")
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.endswith(f"train.output_dir='{tmp_path / 'run'}': a file, not a directory\n")
