@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--tokenizer", help="tokenizer folder (default: the one the run recorded, found by fingerprint)")
     sub.add_argument("--no-verify", action="store_true",
                      help="read the checkpoint without checking its files against its COMPLETE.json")
-    sub = command("export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder", inputs=("export",))
+    sub = command("export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder",
+                  inputs=("export",))
     sub.add_argument("export")
     sub.add_argument("output")
     sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",))
