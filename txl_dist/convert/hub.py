@@ -31,9 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
 from txl_dist.convert.keymap import KeyMap
+from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
 from txl_dist.model.config import ModelConfig
 
 HUB_FILES = Path(__file__).with_name("hub_files")
@@ -92,27 +91,13 @@ def hub_weights(state: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
             KEY_MAP.forward(unique_weights(state, config)).items()}
 
 
-def refuse_output_in_input(source: Path, output: Path) -> None:
-    """Raise ValueError when the output folder is the source folder, lies inside it or contains it: replacing or
-    writing it would destroy the source."""
-    source_resolved, output_resolved = source.resolve(), output.resolve()
-    if output_resolved == source_resolved:
-        raise ValueError(f"{output}: the output is the input export folder; choose another output")
-    if source_resolved in output_resolved.parents:
-        raise ValueError(f"{output}: the output lies inside the input export folder {source}; choose another output")
-    if output_resolved in source_resolved.parents:
-        raise ValueError(f"{output}: the output contains the input export folder {source}; choose another output")
-
-
 def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
     from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
-    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file
+    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, save_safetensors
 
-    export_dir, out_dir = Path(export_dir), Path(out_dir)
-    refuse_output_in_input(export_dir, out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir}: already exists (pass --overwrite to replace it)")
+    export_dir = Path(export_dir)
+    out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
     config, identity = read_config_file(export_dir / CONFIG_FILE)
     tokenizer = load_export_tokenizer(export_dir)
     tokenizer_files = fast_tokenizer_files(tokenizer) if tokenizer is not None else {}
@@ -125,22 +110,22 @@ def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         texts["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
     texts.update(tokenizer_files)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        ensure_directory(out_dir.parent)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    except OSError as error:
+        raise with_path(error, out_dir, replace=True) from error
+    try:
+        save_safetensors(weights, staging / WEIGHTS_FILE, metadata={"format": "pt"})
         for name in MODELING_FILES:
             shutil.copyfile(HUB_FILES / name, staging / name)
         for name, content in texts.items():
             (staging / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            replaced = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-            os.replace(out_dir, replaced / out_dir.name)
-            os.replace(staging, out_dir)
-            shutil.rmtree(replaced)
-        else:
-            os.replace(staging, out_dir)
-    except BaseException:
+        mark_output(staging, "txl_dist.convert.hub.write_hub_folder")
+        publish_directory(staging, out_dir)
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
+            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
         raise
     return out_dir
