@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (the main job on an embedded corpus) and `make test` (the test suite).
-# Both create the virtual environment in .venv and install what they need.
+# Both create the virtual environment in .venv and install what they need, and .venv-hf: current transformers,
+# where the folders of `convert.py export-to-hub` are loaded (tests/test_hub_export.py, the demo's last step).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,11 +9,16 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.txl_dist-installed
+# Current transformers, pinned, in an environment of its own without txl_dist (the test extra keeps 4.37.2, the
+# last release with TransfoXL, for the peer tests).
+HF_VENV ?= .venv-hf
+HF_SPEC := transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 huggingface-hub==2.4.0
+HF_STAMP := $(HF_VENV)/.installed-$(subst ==,-,$(firstword $(HF_SPEC)))
 
 # CPU runs: DeepSpeed's CPU accelerator, one OpenMP thread per rank (ZeRO-3 is ~5x slower without it).
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
-.PHONY: venv warm test demo clean-demo clean
+.PHONY: venv hf-venv warm test demo clean-demo clean gpu-check
 
 venv: $(STAMP)
 
@@ -24,20 +30,36 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
+hf-venv: $(HF_STAMP)
+
+$(HF_STAMP):
+	test -x $(HF_VENV)/bin/python || $(PYTHON) -m venv $(HF_VENV)
+	# torch first and pinned, as above; then transformers and its tokenizer and weight readers, pinned.
+	if [ -n "$(TORCH_SPEC)" ]; then $(HF_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(HF_VENV)/bin/python -m pip install -q $(HF_SPEC)
+	touch $@
+
 # DeepSpeed compiles its shared-memory communication op on first use (30-45 s, cached in
 # ~/.cache/torch_extensions); build it once here so no test pays for it.
 warm: venv
 	$(CPU_ENV) $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
-test: warm
-	$(CPU_ENV) $(BIN)/python -m pytest -q tests
+test: warm hf-venv
+	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q tests
 
 # The main job on an embedded corpus: the Penn Treebank of the `treebank` package -> a word tokenizer and shards
 # -> a small Transformer-XL trained on 2 CPU ranks through the deepspeed launcher -> test perplexity, an export
-# folder and a generated sample. Rerunning resumes (or finds the run finished); `make clean-demo` starts over.
+# folder and a generated sample -> a folder for current transformers, sampled there with the README's three lines.
+# Rerunning resumes (or finds the run finished); `make clean-demo` starts over.
 DEMO ?= demo
 DEMO_TRAIN ?=
-demo: warm
+define HUB_SNIPPET
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model, tokenizer = AutoModelForCausalLM.from_pretrained("$(DEMO)/hub", trust_remote_code=True), AutoTokenizer.from_pretrained("$(DEMO)/hub", trust_remote_code=True)
+print(tokenizer.decode(model.generate(**tokenizer("the company said", return_tensors="pt"), max_new_tokens=40, do_sample=True, top_p=0.9)[0]))
+endef
+export HUB_SNIPPET
+demo: warm hf-venv
 	$(BIN)/python -m data_tools.train_tokenizer --kind word --format ptb --output $(DEMO)/tokenizer --overwrite --no-progress
 	$(BIN)/python -m data_tools.build_shards --tokenizer $(DEMO)/tokenizer --output $(DEMO)/shards --format ptb \
 		--workers 2 --overwrite --no-progress
@@ -46,10 +68,21 @@ demo: warm
 	$(BIN)/python launchers/evaluate.py $(DEMO)/run --split test --output $(DEMO)/test.json
 	$(BIN)/python launchers/convert.py zero-to-export $(DEMO)/run $(DEMO)/export --overwrite
 	$(BIN)/python launchers/generate.py $(DEMO)/export --prompt "the company said" --max-new-tokens 40 --seed 1
+	$(BIN)/python launchers/convert.py export-to-hub $(DEMO)/export $(DEMO)/hub --overwrite
+	$(HF_VENV)/bin/python -I -c "$$HUB_SNIPPET"
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)/run/tensorboard"
+
+# One check of the CUDA paths on one NVIDIA GPU, under 8 minutes, ending with one JSON line (figures also in
+# gpu_check/): CUDA-only tests, fused vs reference attention, host syncs per step, lm1b_base throughput and
+# memory, 1-GPU training runs, generation. Uses .venv when it exists (on a GPU machine build it with your CUDA
+# torch: make venv TORCH_SPEC=), else python3 with torch, deepspeed and webdataset importable. Without CUDA it
+# says so and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --out gpu_check
 
 clean-demo:
 	rm -rf $(DEMO)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(HF_VENV) .pytest_cache build *.egg-info

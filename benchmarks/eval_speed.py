@@ -11,17 +11,18 @@ predicted token and scores only its last position. Both are timed after warm-up;
 each repeat so machine noise hits them alike; the summary quotes medians and the median of per-repeat ratios.
 The paper reports up to 1,874x at L = 3,800 on GPUs; small models at short L on a CPU give less.
 
-Generation: greedy decoding of --new-tokens after a --prompt-tokens prompt, one forward of one token per new
-token with the memory (mem_len covering the whole context) vs recomputing the whole prefix per token. The gain
-is bounded: the memory holds hidden states, so every step still projects keys and values (and the position
-term) over the whole memory; only the feed-forward and output work shrinks to one position.
+Generation: greedy decoding of --new-tokens after a --prompt-tokens prompt (mem_len covering the whole
+context), three ways: one forward of one token per new token with the per-layer key/value cache (the default of
+txl_dist.inference), the same with the memory of hidden states only (every step projects keys and values over
+the whole memory again), and recomputing the whole prefix per token. All three give the same tokens (checked).
+On CPUs with one thread the clock is the thread's CPU time (``time.thread_time``), which leaves out the time
+the process waits for a core on a shared machine.
 The last line of output is one JSON object with the figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -37,47 +38,64 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _clock(device: torch.device):
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
 @torch.no_grad()
 def eval_with_memory(model: TransformerXLLM, data: torch.Tensor, segment: int, warmup: int) -> float:
     """Tokens scored per second: segments of ``segment`` tokens, each with the memory of the previous ones.
     ``data`` [B, n] holds warmup + timed segments (+1 for the last target)."""
     n_segments = (data.shape[1] - 1) // segment
+    clock = _clock(data.device)
     mems = None
     for index in range(n_segments):
         if index == warmup:
             _sync(data.device)
-            start = time.perf_counter()
+            start = clock()
         window = slice(index * segment, (index + 1) * segment)
         loss, mems = model(data[:, window], data[:, window.start + 1:window.stop + 1], mems)
     _sync(data.device)
-    return data.shape[0] * segment * (n_segments - warmup) / (time.perf_counter() - start)
+    return data.shape[0] * segment * (n_segments - warmup) / (clock() - start)
 
 
 @torch.no_grad()
 def eval_sliding_window(model: TransformerXLLM, data: torch.Tensor, length: int, predictions: int, warmup: int) -> float:
     """Tokens scored per second by a vanilla Transformer: for each predicted token, one forward over the window
     of the ``length`` tokens before it, scoring only the window's last position."""
+    clock = _clock(data.device)
     for index in range(warmup + predictions):
         if index == warmup:
             _sync(data.device)
-            start = time.perf_counter()
+            start = clock()
         window = data[:, index:index + length]
         hidden, _ = model.hidden_states(window)  # [length, B, d_model], no memory
         model.crit(hidden[-1], data[:, index + length])
     _sync(data.device)
-    return data.shape[0] * predictions / (time.perf_counter() - start)
+    return data.shape[0] * predictions / (clock() - start)
+
+
+GENERATORS = {
+    "kv_cache": lambda model, prompt, n: generate_ids(model, prompt, n, greedy=True),
+    "memory_only": lambda model, prompt, n: generate_ids(model, prompt, n, greedy=True, kv_cache=False),
+    "recompute": lambda model, prompt, n: generate_ids_recompute(model, prompt, n, greedy=True),
+}
 
 
 def generation_speed(model: TransformerXLLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
-    """New tokens per second, greedy, with the memory and with full recomputation of the prefix."""
-    figures = {}
-    for name, decode in (("with_memory", generate_ids), ("recompute", generate_ids_recompute)):
-        decode(model, prompt, 2, greedy=True)  # warm-up
-        _sync(next(model.parameters()).device)
-        start = time.perf_counter()
-        decode(model, prompt, new_tokens, greedy=True)
-        _sync(next(model.parameters()).device)
-        figures[name] = new_tokens / (time.perf_counter() - start)
+    """New tokens per second, greedy: key/value cache, memory only, full recomputation of the prefix."""
+    device = next(model.parameters()).device
+    clock = _clock(device)
+    figures, outputs = {}, {}
+    for name, decode in GENERATORS.items():
+        decode(model, prompt, 2)  # warm-up
+        _sync(device)
+        start = clock()
+        outputs[name] = decode(model, prompt, new_tokens)
+        _sync(device)
+        figures[name] = new_tokens / (clock() - start)
+    if len({tuple(ids) for ids in outputs.values()}) != 1:
+        raise RuntimeError(f"the three decoders disagree: {outputs}")
     return figures
 
 
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(0)
 
     runs: dict[int, dict[str, list[float]]] = {length: {"memory": [], "sliding": []} for length in lengths}
-    generation: dict[str, list[float]] = {"with_memory": [], "recompute": []}
+    generation: dict[str, list[float]] = {name: [] for name in GENERATORS}
     for repeat in range(args.repeats):
         for length in lengths:
             segment = length // 4
@@ -124,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
         prompt = torch.randint(0, base.n_token, (args.prompt_tokens,), generator=generator).tolist()
         for name, value in generation_speed(model, prompt, args.new_tokens).items():
             generation[name].append(value)
-        print(f"repeat {repeat + 1}/{args.repeats} generation  memory {generation['with_memory'][-1]:8.1f} "
-              f"tokens/s   recompute {generation['recompute'][-1]:8.1f} tokens/s", flush=True)
+        print(f"repeat {repeat + 1}/{args.repeats} generation  kv cache {generation['kv_cache'][-1]:8.1f}   memory only "
+              f"{generation['memory_only'][-1]:8.1f}   recompute {generation['recompute'][-1]:8.1f} tokens/s", flush=True)
 
     figures: dict = {"preset": args.preset, "device": str(device), "batch": args.batch, "repeats": args.repeats,
                      "threads": torch.get_num_threads(), "parameters": model.num_parameters(), "evaluation": {},
@@ -139,16 +157,20 @@ def main(argv: list[str] | None = None) -> dict:
         figures["evaluation"][str(length)] = row
         print(f"{length:5d} {row['tgt_len']:7d} {row['mem_len']:7d} {row['memory_tokens_per_s']:13.1f} "
               f"{row['sliding_tokens_per_s']:14.1f} {row['speedup']:8.1f}x")
+    kv, memory, recompute = generation["kv_cache"], generation["memory_only"], generation["recompute"]
     figures["generation"] = {
-        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "memory_tokens_per_s": statistics.median(generation["with_memory"]),
-        "recompute_tokens_per_s": statistics.median(generation["recompute"]),
-        "speedup": statistics.median(m / r for m, r in zip(generation["with_memory"], generation["recompute"])),
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "clock": _clock(device).__name__,
+        "kv_cache_tokens_per_s": statistics.median(kv), "memory_only_tokens_per_s": statistics.median(memory),
+        "recompute_tokens_per_s": statistics.median(recompute),
+        "kv_cache_over_recompute": statistics.median(a / b for a, b in zip(kv, recompute)),
+        "kv_cache_over_memory_only": statistics.median(a / b for a, b in zip(kv, memory)),
+        "memory_only_over_recompute": statistics.median(a / b for a, b in zip(memory, recompute)),
     }
     g = figures["generation"]
-    print(f"generation ({args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy): memory "
-          f"{g['memory_tokens_per_s']:.1f} tokens/s, full recomputation {g['recompute_tokens_per_s']:.1f} tokens/s, "
-          f"speed-up {g['speedup']:.1f}x")
+    print(f"generation ({args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy): key/value cache "
+          f"{g['kv_cache_tokens_per_s']:.1f}, memory only {g['memory_only_tokens_per_s']:.1f}, full recomputation "
+          f"{g['recompute_tokens_per_s']:.1f} tokens/s; cache / recompute {g['kv_cache_over_recompute']:.1f}x, "
+          f"cache / memory only {g['kv_cache_over_memory_only']:.1f}x")
     print(json.dumps(figures))
     return figures
 

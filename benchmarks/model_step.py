@@ -1,8 +1,15 @@
-"""Forward + backward throughput and peak memory of the model, fused vs reference attention, side by side.
+"""Forward + backward throughput and peak memory of the model, fused vs reference attention, side by side; or
+our training step against HuggingFace's TransfoXL on the same weights and batches.
 
     python benchmarks/model_step.py                       # tiny and ptb_small on this machine's CPU
     python benchmarks/model_step.py --configs ptb_small --batch 32 --repeats 5
     python benchmarks/model_step.py --device cuda --configs lm1b_base --batch 28 --dtype bf16
+    python benchmarks/model_step.py --compare-hf          # ours / HuggingFace 4.37.2, fp32, one thread
+    python benchmarks/model_step.py --configs ptb_small --impls reference,reference+compile   # torch.compile
+
+An attention implementation followed by "+compile" runs with model.compile (TorchInductor on the layers); its
+first steps, which compile, are in the warm-up (--warmup, at least 4 then: two segment shapes, forward and
+backward), and the compile time is reported apart.
 
 Each measurement runs in a fresh process (so peak memory is that variant's alone), the variants alternate within
 each repeat (so machine noise hits them alike), and the summary quotes medians and the fused/reference ratio.
@@ -26,29 +33,41 @@ def measure(config_name: str, impl: str, batch: int, steps: int, warmup: int, de
     from txl_dist.model import TransformerXLLM, preset
 
     torch.manual_seed(0)
-    config = preset(config_name, attn_impl=impl, dropout=0.0, dropatt=0.0)
+    compiled = impl.endswith("+compile")
+    impl = impl.removesuffix("+compile")
+    config = preset(config_name, attn_impl=impl, dropout=0.0, dropatt=0.0, compile=compiled)
     model = TransformerXLLM(config).to(device)
+    if compiled:
+        model.compile_body()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    clock = time.thread_time if device == "cpu" else time.perf_counter
     autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    data = torch.randint(0, config.n_token, (batch, (warmup + steps) * config.tgt_len + 1), device=device)
+    data = torch.randint(0, config.n_token, (batch, (warmup + steps) * config.tgt_len + 1))
+    data_host, data = data, data.to(device)
     rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     mems = None
+    warm_start = time.perf_counter()
     for step in range(warmup + steps):
         if step == warmup:
             if device == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            warmup_seconds = time.perf_counter() - warm_start
+            start = clock()
         window = slice(step * config.tgt_len, (step + 1) * config.tgt_len)
         inputs, targets = data[:, window], data[:, window.start + 1:window.stop + 1]
+        plan = model.plan_targets(data_host[:, window.start + 1:window.stop + 1], device)
         with torch.autocast(device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss, mems = model(inputs, targets, mems)
+            loss, mems = model(inputs, targets, mems, target_plan=plan)
         loss.mean().backward()
         model.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     result = {
+        "warmup_seconds": warmup_seconds,
         "tokens_per_s": batch * config.tgt_len * steps / seconds,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step_rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / 1024,
@@ -57,6 +76,84 @@ def measure(config_name: str, impl: str, batch: int, steps: int, warmup: int, de
     if device == "cuda":
         result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return result
+
+
+# The PTB-sized model of the speed comparison with HuggingFace (issue 12): 6 layers, d_model 256, 8 heads x 32,
+# d_inner 1024, a 10k vocabulary with cutoffs [2000, 5000], tgt_len = mem_len = 64.
+COMPARE_MODEL = dict(n_token=10000, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024, div_val=1,
+                     cutoffs=[2000, 5000], tgt_len=64, mem_len=64, dropout=0.1, dropatt=0.0)
+
+
+def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, dropout: float) -> dict:
+    """Training steps (forward, backward, zeroed gradients) of our model and of HuggingFace's TransfoXL with the
+    same weights on the same batches, alternating step by step within one process, ``threads`` CPU threads, fp32.
+
+    HuggingFace shifts the labels inside its forward and scores tgt_len - 1 positions per row; ours scores
+    tgt_len. Throughput counts each model's own scored tokens, which favours HuggingFace by 1/tgt_len.
+    With one thread the clock is this thread's CPU time (``time.thread_time``): on a shared machine it leaves
+    out the time the thread waits for a core, which wall-clock time would charge to whichever model ran then."""
+    import warnings
+
+    import torch
+    from transformers import TransfoXLConfig, TransfoXLLMHeadModel
+
+    from txl_dist.convert.hf import to_hf_config, to_hf_state_dict
+    from txl_dist.model import ModelConfig, TransformerXLLM
+
+    torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    config = ModelConfig(**{**COMPARE_MODEL, "dropout": dropout}).validate()
+    torch.manual_seed(0)
+    ours = TransformerXLLM(config).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = TransfoXLLMHeadModel(TransfoXLConfig(**to_hf_config(config))).train()
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), config), strict=True)
+    segments = warmup + steps
+    data = torch.randint(0, config.n_token, (batch, repeats * segments * config.tgt_len + 1),
+                         generator=torch.Generator().manual_seed(1))
+
+    def ours_step(inputs, targets, mems):
+        loss, mems = ours(inputs, targets, mems)
+        loss.mean().backward()
+        ours.zero_grad(set_to_none=True)
+        return mems
+
+    def hf_step(inputs, targets, mems):
+        labels = torch.cat([inputs[:, :1], targets], dim=1)[:, :-1]  # HF scores labels[:, t + 1] at t
+        out = hf(input_ids=inputs, labels=labels, mems=mems)
+        out.losses.mean().backward()
+        hf.zero_grad(set_to_none=True)
+        return out.mems
+
+    # The two models take turns step by step (each with its own memory), so that a burst of load on the machine
+    # falls on both; a repeat's throughput counts its own timed steps.
+    ours_runs, hf_runs = [], []
+    for repeat in range(repeats):
+        mems = {"ours": None, "hf": None}
+        seconds = {"ours": 0.0, "hf": 0.0}
+        for index in range(segments):
+            start_token = (repeat * segments + index) * config.tgt_len
+            inputs = data[:, start_token:start_token + config.tgt_len]
+            targets = data[:, start_token + 1:start_token + config.tgt_len + 1]
+            for name, step in (("ours", ours_step), ("hf", hf_step)):
+                started = clock()
+                mems[name] = step(inputs, targets, mems[name])
+                if index >= warmup:
+                    seconds[name] += clock() - started
+        ours_runs.append(batch * config.tgt_len * steps / seconds["ours"])
+        hf_runs.append(batch * (config.tgt_len - 1) * steps / seconds["hf"])
+        print(f"repeat {repeat + 1}/{repeats}: ours {ours_runs[-1]:8.0f} tokens/s   HuggingFace {hf_runs[-1]:8.0f} "
+              f"tokens/s   ratio {ours_runs[-1] / hf_runs[-1]:.3f}", flush=True)
+    ratios = [o / h for o, h in zip(ours_runs, hf_runs)]
+    figures = {"model": {**COMPARE_MODEL, "dropout": dropout}, "batch": batch, "threads": threads, "steps": steps,
+               "clock": clock.__name__, "alternation": "step by step",
+               "repeats": repeats, "ours_tokens_per_s": statistics.median(ours_runs),
+               "hf_tokens_per_s": statistics.median(hf_runs), "ours_over_hf": statistics.median(ratios),
+               "ratios": ratios}
+    print(f"ours / HuggingFace TransfoXL training step: {figures['ours_over_hf']:.3f} (median of {repeats} "
+          f"alternating repeats; {figures['ours_tokens_per_s']:.0f} against {figures['hf_tokens_per_s']:.0f} tokens/s)")
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,8 +166,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="our training step against HuggingFace's TransfoXL (transformers 4.37.2) on the "
+                             "PTB-sized model, same weights and batches, fp32 on the CPU")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for --compare-hf")
+    parser.add_argument("--dropout", type=float, default=0.1, help="dropout for --compare-hf")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.compare_hf:
+        figures = compare_hf(args.batch, args.steps, args.warmup, args.repeats, args.threads, args.dropout)
+        print(json.dumps(figures))
+        return figures
 
     if args.worker:
         print(json.dumps(measure(*args.worker, args.batch, args.steps, args.warmup, args.device, args.dtype)))
@@ -97,18 +204,21 @@ def main(argv: list[str] | None = None) -> dict:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
             "step_rss_growth_mb": statistics.median(r["step_rss_growth_mb"] for r in results),
+            "warmup_seconds": statistics.median(r["warmup_seconds"] for r in results),
             "parameters": results[0]["parameters"],
         }
         if "peak_cuda_mb" in results[0]:
             row["peak_cuda_mb"] = statistics.median(r["peak_cuda_mb"] for r in results)
         figures["results"].setdefault(config, {})[impl] = row
         print(f"{config:10s} {impl:9s} {row['tokens_per_s']:18.0f} {row['peak_rss_mb']:12.0f} {row['parameters']:10d}")
-    if "reference" in impls and "fused" in impls:
-        for config in configs:
-            per_repeat = [f["tokens_per_s"] / r["tokens_per_s"]
-                          for f, r in zip(runs[(config, "fused")], runs[(config, "reference")])]
-            figures["results"][config]["fused_over_reference"] = statistics.median(per_repeat)
-            print(f"{config}: fused / reference throughput = {statistics.median(per_repeat):.3f} (median of per-repeat ratios)")
+    baseline = impls[0]
+    for config in configs:
+        for impl in impls[1:]:
+            per_repeat = [v["tokens_per_s"] / b["tokens_per_s"]
+                          for v, b in zip(runs[(config, impl)], runs[(config, baseline)])]
+            figures["results"][config][f"{impl}_over_{baseline}"] = statistics.median(per_repeat)
+            print(f"{config}: {impl} / {baseline} throughput = {statistics.median(per_repeat):.3f} "
+                  f"(median of per-repeat ratios)")
     print(json.dumps(figures))
     return figures
 

@@ -39,7 +39,9 @@ Resume. After each finished shard the builder journals, in ``OUT/.build_state.js
 shards written so far and where in the input each split continues. ``--resume`` checks each journaled shard's
 sha256, re-reads the input from the earliest place any split continues from (documents that a split already
 holds are read again but not tokenised) and writes the remaining shards. ``manifest.json`` is written only when
-every split is complete.
+every split is complete, and not at all when a split has no document (an empty input is an error unless
+``--allow-empty``). A write failure (no space, read-only output) is one line naming the file; the partial shard is
+removed and the finished ones stay for ``--resume``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from data_tools.workers import WorkerError, ordered_map
 from txl_dist.data.format import (
     MANIFEST_NAME, Manifest, ManifestError, ShardEntry, SplitEntry, TokenizerIdentity, token_dtype, write_manifest,
 )
-from txl_dist.fileio import atomic_write_text, sha256_file
+from txl_dist.fileio import atomic_write_text, describe_os_error, sha256_file
 from txl_dist.tokenizer import Tokenizer, TokenizerError, WordTokenizer, load_tokenizer
 from txl_dist.word_scan import scan_lines
 
@@ -452,7 +454,7 @@ class _Builder:
         self.record = settings.record(self.tokenizer)
         self.bytes_read = 0
 
-    def run(self, resume: bool, overwrite: bool) -> BuildSummary:
+    def run(self, resume: bool, overwrite: bool, allow_empty: bool = False) -> BuildSummary:
         # Imported here: webdataset imports torch, which spawned tokenising workers (importing this module) need not.
         from data_tools.shard_writer import ShardWriter
 
@@ -468,6 +470,10 @@ class _Builder:
         finally:
             gc.unfreeze()
         manifest = self._manifest(journal)
+        empty = [name for name, split in manifest.splits.items() if split.documents == 0]
+        if empty and not allow_empty:
+            raise BuildError(f"split {empty[0]!r} has no documents (its inputs are empty or blank): no manifest "
+                             f"written; check the inputs, or pass --allow-empty to write empty splits")
         write_manifest(self.output, manifest)
         journal.path.unlink()
         statistics = [journal.state["sources"][s]["statistics"] for s in self.settings.sources]
@@ -635,9 +641,9 @@ class _Builder:
 
 
 def build_shards(settings: BuildSettings, output: str | Path, *, workers: int = 1, resume: bool = False,
-                 overwrite: bool = False, progress: bool = True) -> BuildSummary:
+                 overwrite: bool = False, progress: bool = True, allow_empty: bool = False) -> BuildSummary:
     """Build (or with ``resume`` finish) the shards of ``settings`` in ``output``; see the module docstring."""
-    return _Builder(settings, Path(output), workers, progress).run(resume, overwrite)
+    return _Builder(settings, Path(output), workers, progress).run(resume, overwrite, allow_empty)
 
 
 # ---- command line -------------------------------------------------------------------------------------------
@@ -685,6 +691,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="bytes of text per unit of work sent to a worker")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted build in --output")
     parser.add_argument("--overwrite", action="store_true", help="replace the shards of a previous build in --output")
+    parser.add_argument("--allow-empty", action="store_true",
+                        help="write the manifest even when a split has no document (otherwise an error)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -719,9 +727,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         summary = build_shards(settings, args.output, workers=args.workers, resume=args.resume,
-                               overwrite=args.overwrite, progress=args.progress)
+                               overwrite=args.overwrite, progress=args.progress, allow_empty=args.allow_empty)
     except (BuildError, InputError, TokenizerError, ManifestError, WorkerError) as error:
         print(f"build_shards: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # no space, read-only output, a file where a folder should be
+        print(f"build_shards: error: {describe_os_error(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"build_shards: interrupted; the finished shards are kept: rerun with --resume", file=sys.stderr)

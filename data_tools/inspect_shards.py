@@ -127,12 +127,20 @@ def verify_shards(directory: str | Path, progress: bool = False) -> list[str]:
     return problems
 
 
+def _readable_blocks(path: Path) -> Iterator[tuple[str, int, np.ndarray, np.ndarray]]:
+    """`read_blocks`, with a damaged or missing shard raised as ManifestError naming it."""
+    try:
+        yield from read_blocks(path)
+    except (tarfile.TarError, EOFError, OSError) as error:
+        raise ManifestError(f"{path}: truncated or damaged shard ({error}); --verify checks every shard") from None
+
+
 def first_documents(directory: str | Path, manifest: Manifest, split: str, count: int) -> list[np.ndarray]:
     """The ids of the first ``count`` documents of a split (separators included)."""
     documents: list[np.ndarray] = []
     current: list[np.ndarray] = []
     for entry in manifest.splits[split].shards:
-        for _, _, tokens, doc_offsets in read_blocks(Path(directory) / entry.path):
+        for _, _, tokens, doc_offsets in _readable_blocks(Path(directory) / entry.path):
             bounds = [0, *doc_offsets.tolist(), len(tokens)]
             for start, end, begins in zip(bounds[:-1], bounds[1:], [False] + [True] * len(doc_offsets)):
                 if begins and current:

@@ -17,30 +17,49 @@ import numpy as np
 import webdataset as wds
 
 from txl_dist.data.format import DOC_OFFSETS_EXT, TAR_MTIME, TOKENS_EXT, ShardEntry, block_key, encode_block, shard_name
+from txl_dist.fileio import with_path
 
 
 class _HashingFile:
-    """A write-only file that hashes and counts what passes through it."""
+    """A write-only file that hashes and counts what passes through it. A failing write (no space left, ...)
+    raises OSError naming ``name`` (the shard being written; write() itself names no file)."""
 
-    def __init__(self, path: Path):
-        self._handle = open(path, "wb")
+    def __init__(self, path: Path, name: Path):
+        self.path = name
+        try:
+            self._handle = open(path, "wb")
+        except OSError as error:
+            raise with_path(error, name, replace=True) from error
         self.sha256 = hashlib.sha256()
         self.size = 0
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return self._handle.write(data)
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            raise with_path(error, self.path, replace=True) from error
 
     def flush(self) -> None:
-        self._handle.flush()
+        try:
+            self._handle.flush()
+        except OSError as error:
+            raise with_path(error, self.path, replace=True) from error
 
     def close(self) -> None:
         if self._handle.closed:
             return
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
+        try:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+        except OSError as error:
+            raise with_path(error, self.path, replace=True) from error
+        finally:
+            try:
+                self._handle.close()
+            except OSError:  # the buffer it could not write; the error above says why
+                pass
 
 
 def member_offsets(path: str | os.PathLike) -> dict[str, int]:
@@ -113,7 +132,7 @@ class ShardWriter:
     def _start_shard(self) -> None:
         name = shard_name(self.split, self._next_index)
         tmp = self._partial_path(self._next_index)
-        handle = _HashingFile(tmp)
+        handle = _HashingFile(tmp, self.directory / name)
         writer = wds.TarWriter(handle, encoder=False, mtime=TAR_MTIME, user="txl", group="txl", mode=0o444)
         self._open = {
             "name": name, "tmp": tmp, "handle": handle, "writer": writer, "keys": [], "block_tokens": [],
@@ -168,8 +187,11 @@ class ShardWriter:
         shard, self._open = self._open, None
         self._partial_path(self._next_index).unlink(missing_ok=True)
         if shard is not None:
-            shard["writer"].close()
-            shard["handle"].close()
+            try:
+                shard["writer"].close()
+                shard["handle"].close()
+            except OSError:  # the same full or failing disk as the error being raised: that one says it
+                pass
 
     def _partial_path(self, index: int) -> Path:
         return self.directory / f".{shard_name(self.split, index)}.partial"

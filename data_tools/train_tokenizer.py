@@ -13,7 +13,9 @@
         --input 1-billion-word-language-modeling-benchmark-r13output --output tok_lm1b/ --workers 8
 
 The output directory holds the tokenizer's file (``spm.model`` or ``vocab.txt``) and ``tokenizer.json``; load it
-with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read.
+with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read. An input without a
+document (empty or blank files) is an error, before anything is written, unless --allow-empty (a word vocabulary of
+the special symbols only). A write failure (read-only or full output) is one line naming the file.
 
 Words are counted by ``--workers`` processes, each over the chunks it is given (with numpy for plain
 one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary
@@ -41,6 +43,7 @@ from data_tools import corpus
 from data_tools.corpus import InputError, InputFile
 from data_tools.workers import WorkerError, ordered_map
 from txl_dist import word_scan
+from txl_dist.fileio import atomic_write, describe_os_error
 from txl_dist.tokenizer import (
     KINDS, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer, TokenizerError, write_tokenizer_json,
     write_word_vocab,
@@ -61,9 +64,10 @@ class TrainError(ValueError):
 class _Reading:
     """The documents of the inputs, line by line, with a progress bar and counts for the record."""
 
-    def __init__(self, files: list[InputFile], doc_unit: str, jsonl_field: str, strict: bool, progress: bool):
+    def __init__(self, files: list[InputFile], doc_unit: str, jsonl_field: str, strict: bool, progress: bool,
+                 allow_empty: bool = False):
         self.files, self.doc_unit, self.jsonl_field, self.strict = files, doc_unit, jsonl_field, strict
-        self.progress = progress
+        self.progress, self.allow_empty = progress, allow_empty
         self.statistics = {"documents": 0, "lines": 0, "empty_documents": 0, "replaced_bytes": 0, "bytes": 0}
 
     def line_batches(self) -> Iterator[list[str]]:
@@ -82,6 +86,7 @@ class _Reading:
                 statistics["bytes"] += len(chunk.data)
                 bar.update(len(chunk.data))
                 yield lines
+        self._check_not_empty()
 
     def record(self) -> dict[str, Any]:
         return {"inputs": [f.describe() for f in self.files], "doc_per": self.doc_unit, "statistics": self.statistics}
@@ -112,7 +117,17 @@ class _Reading:
             raise TrainError(f"counting stopped: {error}") from error
         finally:
             results.close()
+        self._check_not_empty()
         return _WordCounts.combine(totals)
+
+    def _check_not_empty(self) -> None:
+        if self.statistics["documents"] == 0 and not self.allow_empty:
+            # Raised from the end of the reading, before the tokenizer's files are written.
+            names = ", ".join(str(f.name) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+            raise TrainError(f"no document in the input {names} ({len(self.files)} files, "
+                             f"{self.statistics['bytes']:,} bytes, {self.statistics['empty_documents']:,} blank "
+                             f"documents): check --input, or pass --allow-empty for a tokenizer of the special "
+                             f"symbols only")
 
 
 # ---- word counting in worker processes (spawned: they import this module, so keep its imports light) --------
@@ -360,7 +375,7 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
         )
     except RuntimeError as error:
         raise TrainError(f"sentencepiece could not train ({error})") from error
-    (output / SENTENCEPIECE_MODEL).write_bytes(model.getvalue())
+    atomic_write(output / SENTENCEPIECE_MODEL, lambda handle: handle.write(model.getvalue()))
     processor = sentencepiece.SentencePieceProcessor(model_file=str(output / SENTENCEPIECE_MODEL))
     eos_id, unk_id = processor.eos_id(), processor.unk_id()
     eod_id = processor.piece_to_id(eod_symbol) if eod_symbol is not None else eos_id
@@ -415,6 +430,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
     parser.add_argument("--output", required=True, type=Path, help="the tokenizer directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
+    parser.add_argument("--allow-empty", action="store_true",
+                        help="accept an input without any document (otherwise an error)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--workers", type=int, default=1,
                         help="--kind word: processes counting words, this one included (the vocabulary is the "
@@ -458,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"trains with --threads")
         files = _training_files(args)
         _prepare_output(args.output, args.overwrite)
-        reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress)
+        reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress,
+                           args.allow_empty)
         if args.kind == "word":
             tokenizer = train_word(reading, args.output, args.min_count, args.max_size, args.specials, args.eos,
                                    args.eod, args.unk, args.workers)
@@ -468,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             args.eod_symbol, args.seed, args.threads, args.max_sentence_length)
     except (TrainError, InputError, TokenizerError) as error:
         print(f"train_tokenizer: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # a read-only or full output, a file where the folder should be
+        print(f"train_tokenizer: error: {describe_os_error(error)}", file=sys.stderr)
         return 1
     statistics = reading.statistics
     print(f"train_tokenizer: {tokenizer.kind} tokenizer of {tokenizer.vocab_size:,} entries in {args.output} "

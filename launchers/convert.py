@@ -8,13 +8,23 @@
     python launchers/convert.py export-to-hf exports/lm1b_base hf/lm1b_base
     python launchers/convert.py hf-to-export hf/lm1b_base exports/lm1b_base_from_hf
 
+    # current transformers (5.x): AutoModelForCausalLM.from_pretrained("hub/lm1b_base", trust_remote_code=True)
+    # and AutoTokenizer.from_pretrained("hub/lm1b_base"); generate() carries the memory as the cache
+    python launchers/convert.py export-to-hub exports/lm1b_base hub/lm1b_base
+
     # the authors' state dict (their eval.py after model.load_state_dict), and back with a config.json
     python launchers/convert.py export-to-original exports/lm1b_base lm1b_base.pt
     python launchers/convert.py original-to-export model_state.pt exports/lm1b_base/config.json exports/from_original
 
 An export folder holds config.json (the authors' argument names), model.safetensors, tokenizer/ and training.json;
-`txl_dist.load_pretrained(EXPORT)`, launchers/evaluate.py and launchers/generate.py read it. Outputs are written
-under a temporary name and renamed when complete; an existing output is refused without --overwrite.
+`txl_dist.load_pretrained(EXPORT)`, launchers/evaluate.py and launchers/generate.py read it. A training checkpoint
+is verified against its COMPLETE.json before it is read (--no-verify skips that, and says so), and read
+weights-only: a crafted pickle is refused, not run.
+
+Outputs never destroy an input: an output that is an input, contains one or lies inside one is refused before any
+work. Outputs are written under a temporary name and renamed when complete; an existing output is refused without
+--overwrite, and --overwrite replaces only an empty folder or one that txl_dist wrote (it leaves a
+.txl_dist-output file in each).
 """
 
 from __future__ import annotations
@@ -23,12 +33,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from txl_dist.fileio import check_output_path, describe_os_error
+
 
 def zero_to_export(args: argparse.Namespace) -> str:
     from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
     from txl_dist.export import write_export
 
-    checkpoint = read_training_checkpoint(args.checkpoint)
+    if args.no_verify:
+        print(f"convert.py zero-to-export: warning: --no-verify: {args.checkpoint} is read without checking its files "
+              f"against COMPLETE.json", file=sys.stderr)
+    checkpoint = read_training_checkpoint(args.checkpoint, verify=not args.no_verify)
     tokenizer_dir = find_tokenizer(checkpoint, args.tokenizer)
     weights = consolidate_weights(checkpoint)
     client = checkpoint.client
@@ -50,6 +65,14 @@ def export_to_hf(args: argparse.Namespace) -> str:
     return f"{args.export} -> {out} (transformers 4.37.2: TransfoXLLMHeadModel.from_pretrained({str(out)!r}))"
 
 
+def export_to_hub(args: argparse.Namespace) -> str:
+    from txl_dist.convert.hub import write_hub_folder
+
+    out = write_hub_folder(args.export, args.output, overwrite=args.overwrite)
+    return (f"{args.export} -> {out} (transformers 5: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+            f"trust_remote_code=True), AutoTokenizer.from_pretrained({str(out)!r}))")
+
+
 def hf_to_export(args: argparse.Namespace) -> str:
     from txl_dist.convert.hf import read_hf_folder
     from txl_dist.export import write_export
@@ -67,8 +90,6 @@ def export_to_original(args: argparse.Namespace) -> str:
 
     model = load_model(args.export)
     out = Path(args.output)
-    if out.exists() and not args.overwrite:
-        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
     save_original(to_original_state_dict(model.state_dict(), model.config), out)
     return f"{args.export} -> {out} (a state dict; the matching arguments are in {Path(args.export) / 'config.json'})"
 
@@ -90,27 +111,42 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, function, help_text: str) -> argparse.ArgumentParser:
+    def command(name: str, function, help_text: str, inputs: tuple[str, ...],
+                output_is_file: bool = False) -> argparse.ArgumentParser:
+        """A subcommand; ``inputs`` names its arguments that are paths it reads (`guard_output` keeps the output
+        away from them)."""
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(function=function)
-        sub.add_argument("--overwrite", action="store_true", help="replace an existing output")
+        sub.set_defaults(function=function, inputs=inputs, output_is_file=output_is_file)
+        sub.add_argument("--overwrite", action="store_true",
+                         help="replace an existing output (only an empty folder or one txl_dist wrote)")
         return sub
 
-    sub = command("zero-to-export", zero_to_export, "a DeepSpeed training checkpoint -> an export folder")
+    sub = command("zero-to-export", zero_to_export, "a DeepSpeed training checkpoint -> an export folder",
+                  inputs=("checkpoint", "tokenizer"))
     sub.add_argument("checkpoint", help="run folder, its checkpoints/ folder, or one checkpoint folder")
     sub.add_argument("output", help="the export folder to write")
     sub.add_argument("--tokenizer", help="tokenizer folder (default: the one the run recorded, found by fingerprint)")
-    sub = command("export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder")
+    sub.add_argument("--no-verify", action="store_true",
+                     help="read the checkpoint without checking its files against its COMPLETE.json")
+    sub = command("export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder",
+                  inputs=("export",))
     sub.add_argument("export")
     sub.add_argument("output")
-    sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder")
+    sub = command("export-to-hub", export_to_hub,
+                  "an export folder -> a folder for current transformers (remote code, fast tokenizer)",
+                  inputs=("export",))
+    sub.add_argument("export")
+    sub.add_argument("output")
+    sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",))
     sub.add_argument("hf")
     sub.add_argument("output")
-    sub = command("export-to-original", export_to_original, "an export folder -> the authors' state dict (.pt)")
+    sub = command("export-to-original", export_to_original, "an export folder -> the authors' state dict (.pt)",
+                  inputs=("export",), output_is_file=True)
     sub.add_argument("export")
     sub.add_argument("output", help="the .pt file to write")
     sub = command("original-to-export", original_to_export,
-                  "the authors' state dict + a config.json of their argument names -> an export folder")
+                  "the authors' state dict + a config.json of their argument names -> an export folder",
+                  inputs=("original", "config", "tokenizer"))
     sub.add_argument("original", help="a state dict saved from the authors' MemTransformerLM (.pt)")
     sub.add_argument("config", help="config.json with the authors' argument names (n_token, n_layer, ...)")
     sub.add_argument("output")
@@ -118,11 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def guard_output(args: argparse.Namespace) -> None:
+    """Before any work, for every subcommand: refuse an output that is, contains or lies inside one of its inputs,
+    and an existing one unless --overwrite may replace it (`txl_dist.fileio.check_output_path`)."""
+    inputs = [getattr(args, name) for name in args.inputs if getattr(args, name, None) is not None]
+    check_output_path(args.output, inputs, overwrite=args.overwrite, directory=not args.output_is_file)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        guard_output(args)
         print(args.function(args))
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as error:
+    except OSError as error:  # a read-only or full output, a missing input: the path and the cause
+        print(f"convert.py {args.command}: error: {describe_os_error(error)}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError) as error:
         print(f"convert.py {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

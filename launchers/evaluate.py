@@ -9,7 +9,7 @@
     torchrun --nproc_per_node 8 launchers/evaluate.py exports/lm1b_base --split test --shards /data/lm1b/shards
 
 The model comes from an export folder or a DeepSpeed checkpoint (any ZeRO stage and number of ranks, gathered
-on the CPU). The shards default to the ones the model was trained on. Prints a summary and writes JSON
+on the CPU; verified against its COMPLETE.json first, unless --no-verify, and read weights-only). The shards default to the ones the model was trained on. Prints a summary and writes JSON
 (--output; by default ``eval_{split}.json`` in an export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss, per-token and per-word
 perplexity (words: the whitespace-separated units of the text, with each document separator counted as one),
 and bits per character when the tokens are characters.
@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every query sees mem_len keys (default: the model's)")
     parser.add_argument("--batch-size", type=int, default=16, help="streams over all ranks (default: 16)")
     parser.add_argument("--tokenizer", help="tokenizer folder, for a checkpoint whose own cannot be found")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read a checkpoint without checking its files against its COMPLETE.json")
     parser.add_argument("--output", help="where to write the JSON result")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -63,7 +65,38 @@ def _distributed() -> tuple[int, int, Any]:
     return 0, 1, device
 
 
-def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str | None, device
+class _SharedError(ValueError):
+    """An error every rank raises alike (rank 0 found it and told the others): printed by rank 0 only."""
+
+
+def _verify_once(path: Path, verify: bool) -> None:
+    """Rank 0 verifies the checkpoint and tells the other ranks (each reading every file would multiply the
+    reads); all raise the same error."""
+    import torch.distributed as dist
+
+    from txl_dist.convert.zero import CheckpointError, locate_checkpoint, require_verified
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = None
+    if rank == 0:
+        try:
+            tag_dir = locate_checkpoint(path)
+            if verify:
+                require_verified(tag_dir)
+            else:
+                print(f"evaluate.py: warning: --no-verify: {tag_dir} is read without checking its files against "
+                      f"COMPLETE.json", file=sys.stderr)
+        except CheckpointError as error:
+            problem = str(error)
+    if dist.is_initialized():
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise _SharedError(problem)
+
+
+def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str | None, device, verify: bool = True
           ) -> tuple[Any, Any, str | None, Path]:
     """(model, tokenizer or None, recorded shards or None, default output file)."""
     from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_model, load_export_tokenizer
@@ -78,7 +111,8 @@ def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str 
     from txl_dist.export import apply_eval_overrides, model_from_state_dict
     from txl_dist.tokenizer import load_tokenizer
 
-    checkpoint = read_training_checkpoint(path)
+    _verify_once(path, verify)
+    checkpoint = read_training_checkpoint(path, verify=False)  # verified just above
     config = apply_eval_overrides(checkpoint.run_config.model, overrides)
     weights = _consolidate_once(checkpoint, consolidate_weights, device)
     model = model_from_state_dict(weights, config, device=device, where=str(checkpoint.tag_dir))
@@ -122,7 +156,7 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
                                                   ("clamp_len", args.clamp_len), ("same_length", args.same_length))
                  if value is not None}
     model, tokenizer, recorded_shards, default_output = _load(Path(args.model), args.split, overrides, args.tokenizer,
-                                                               device)
+                                                               device, verify=not args.no_verify)
     shards = args.shards or recorded_shards
     if shards is None:
         raise ValueError(f"{args.model} does not record its shards: pass --shards DIR")
@@ -156,15 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch.distributed as dist
 
+    from txl_dist.fileio import atomic_write_text, describe_os_error
+
     try:
         summary = evaluate_split(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"evaluate.py: error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:
+        if not isinstance(error, _SharedError) or int(os.environ.get("RANK", "0")) == 0:
+            message = describe_os_error(error) if isinstance(error, OSError) else str(error)
+            print(f"evaluate.py: error: {message}", file=sys.stderr)
         return 2
     if dist.is_initialized():
         dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
     if summary:
-        Path(summary["output"]).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        try:
+            atomic_write_text(summary["output"], json.dumps(summary, indent=1) + "\n")
+        except OSError as error:
+            print(f"evaluate.py: error: {describe_os_error(error)} (the result was: {summary['split']} loss "
+                  f"{summary['loss']:.4f}, ppl {summary['ppl']:.2f})", file=sys.stderr)
+            return 2
         line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}, ppl {summary['ppl']:.2f}"
         if "word_ppl" in summary:
             line += f", word ppl {summary['word_ppl']:.2f}"

@@ -5,8 +5,10 @@
     python launchers/generate.py exports/lm1b_base --prompt "The" --top-p 0.9 --temperature 0.8 --mem-len 256
     python launchers/generate.py exports/ptb_small --score "the market fell" "fell the market"
 
-Decoding is incremental: after the prompt, one forward of one token per new token, the memory carrying the
-context (at most --mem-len positions, the model's by default).
+Decoding is incremental: after the prompt, one forward of one token per new token, each layer's keys and values
+of the context (at most --mem-len positions, the model's by default) kept in a cache. Text is printed as it is
+generated. Scores of texts with unknown words get a warning: the unknown token is often likely, so such a text
+can score better than real text.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from txl_dist.export import load_pretrained
-    from txl_dist.inference import generate, score
+    from txl_dist.inference import iter_generate, score
 
     overrides = {"mem_len": args.mem_len} if args.mem_len is not None else {}
     try:
@@ -45,12 +47,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.score:
             for text, result in zip(args.score, score(model, tokenizer, args.score)):
                 print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} tokens  ppl {result['ppl']:9.2f}  {text}")
+                if result["unknown"]:
+                    print(f"generate.py: warning: {result['unknown']} of the {result['tokens'] - 1} tokens of {text!r} "
+                          f"are the unknown token: its perplexity is not comparable with that of known text",
+                          file=sys.stderr)
             return 0
         for sample in range(args.num_samples):
             seed = None if args.seed is None else args.seed + sample
-            text = generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=seed, greedy=args.greedy)
-            print(f"{args.prompt}{text if text.startswith((' ', chr(10))) else ' ' + text}")
+            print(args.prompt, end="", flush=True)
+            pieces = iter_generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, seed=seed, greedy=args.greedy)
+            for index, piece in enumerate(pieces):
+                if index == 0 and not piece.startswith((" ", "\n")):
+                    piece = " " + piece
+                print(piece, end="", flush=True)
+            print(flush=True)
     except (ValueError, FileNotFoundError) as error:
         print(f"generate.py: error: {error}", file=sys.stderr)
         return 2

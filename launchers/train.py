@@ -13,8 +13,10 @@
     torchrun --nproc_per_node 2 launchers/train.py --config configs/tiny_cpu.yaml data.shards=... train.output_dir=...
     python launchers/train.py --config configs/tiny_cpu.yaml data.shards=... train.output_dir=...
 
-Rerunning the same command resumes from the newest complete checkpoint in train.output_dir. `--print-config`
-prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
+Rerunning the same command resumes from the newest checkpoint in train.output_dir that verifies. One run per
+output directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the
+process that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank
+stops every rank with one message. `--print-config` prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
 ``tensorboard --logdir {output_dir}/tensorboard``.
 """
 
@@ -50,6 +52,10 @@ def _configure_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
+    # First, before the heavy imports: signals, and the launcher chain this rank must not outlive.
+    from txl_dist.training.run_guard import RunGuard
+
+    guard = RunGuard()
     # DeepSpeed calls a torch.distributed function that torch has deprecated, once per collective kind.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     from txl_dist.training.cli import parse_run_args
@@ -57,14 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_run_args(argv)  # exits 2 with the offending key before any process group exists
     _single_process_environment()
     _configure_logging()
-    from txl_dist.training.trainer import Trainer
+    try:
+        from txl_dist.training.trainer import Trainer
 
+        summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config, guard=guard).run()
+    except BaseException as error:  # noqa: BLE001 -- every failure ends every rank, with one message
+        guard.fail(error)
     import torch.distributed as dist
 
-    summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config).run()
     dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"output: {summary['output_dir']}  (tensorboard --logdir {summary['output_dir']}/tensorboard)")
+        try:
+            print(f"output: {summary['output_dir']}  (tensorboard --logdir {summary['output_dir']}/tensorboard)")
+        except OSError:  # the launcher that read our output is gone
+            pass
     return 0
 
 

@@ -83,7 +83,13 @@ def fabricated_lm1b_dir(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers():
     """Every DeepSpeed run on the CPU accelerator leaves /dev/shm/deepspeed_allreduce_buffer_* files (66 MiB
-    each, named by port): remove them after each test so they do not pile up in memory."""
+    each, named ``..._{master address}_{master port}_{rank}``): remove this test's after it so they do not pile up
+    in memory. Only the ports this session handed out: removing another session's live buffer (a parallel run on a
+    shared machine) makes its ranks wait for each other forever in DeepSpeed's start-up."""
+    from tests.launcher import PORTS_USED
+
     yield
-    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
-        path.unlink(missing_ok=True)
+    for port in sorted(PORTS_USED):
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            path.unlink(missing_ok=True)
+    PORTS_USED.clear()

@@ -21,10 +21,17 @@ DEEPSPEED = str(_BESIDE) if _BESIDE.exists() else (shutil.which("deepspeed") or 
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+PORTS_USED: set[int] = set()
+"""The master ports handed out in this session: the names of DeepSpeed's shared-memory buffers carry them, and
+the test fixture removes only those buffers (not the live ones of other test sessions on the machine)."""
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        port = probe.getsockname()[1]
+    PORTS_USED.add(port)
+    return port
 
 
 def launcher_command(script: str, args: list[str], nprocs: int = 2, launcher_flags: list[str] | None = None) -> list[str]:
@@ -77,7 +84,8 @@ def wait_for_step(output_dir: Path, step: int, process: subprocess.Popen, timeou
         if logged and max(logged) >= step:
             return max(logged)
         if process.poll() is not None:
-            pytest.fail(f"the run ended (status {process.returncode}) before step {step}:\n{process.stdout.read()}")
+            output = process.stdout.read() if process.stdout is not None else "(see its log)"
+            pytest.fail(f"the run ended (status {process.returncode}) before step {step}:\n{output}")
         time.sleep(0.05)
     pytest.fail(f"no step {step} within {timeout} s")
 

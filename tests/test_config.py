@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -410,9 +409,9 @@ def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path):
     runs += [[str(tiny), str(variants / name)] for name in ("zero1.yaml", "zero2.yaml", "zero3.yaml", "bf16.yaml")]
     runs.append([str(REPO / "configs" / "ptb_small.yaml")])
     runs.append([str(tiny), str(write(tmp_path / "ds_adam.yaml", "optim: {implementation: deepspeed}\n"))])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tests.launcher import free_port
+
+    port = free_port()  # recorded, so that the fixture removes this run's shared-memory buffers
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", ENGINE_PROBE, json.dumps(runs)], env=env, cwd=REPO,

@@ -122,14 +122,30 @@ def test_evaluate_export_equals_checkpoint_and_two_ranks_equal_one(zero3_run, ex
 
 
 def test_generate_and_score_from_the_command_line(export):
+    """The launcher streams exactly the library's text for the seed, prints the library's scores, and warns
+    about unknown words."""
+    from txl_dist.export import load_pretrained
+    from txl_dist.inference import generate, score
+
+    model, tokenizer = load_pretrained(export)
+    expected = generate(model, tokenizer, "the company said", 12, seed=3)
     result = python("launchers/generate.py", str(export), "--prompt", "the company said", "--max-new-tokens", "12",
                     "--seed", "3")
-    assert result.stdout.startswith("the company said") and len(result.stdout.split()) >= 3 + 5
-    again = python("launchers/generate.py", str(export), "--prompt", "the company said", "--max-new-tokens", "12",
-                   "--seed", "3")
-    assert again.stdout == result.stdout
-    scored = python("launchers/generate.py", str(export), "--score", "the company said", "said company the")
-    assert len(scored.stdout.strip().splitlines()) == 2
+    assert len(expected.split()) >= 5
+    assert result.stdout == "the company said" + (expected if expected.startswith((" ", "\n")) else " " + expected) + "\n"
+    other_seed = python("launchers/generate.py", str(export), "--prompt", "the company said", "--max-new-tokens", "12",
+                        "--seed", "4")
+    assert other_seed.stdout != result.stdout
+    texts = ["the company said", "said company the", "zzqx blorf the"]
+    scored = python("launchers/generate.py", str(export), "--score", *texts)
+    lines = scored.stdout.strip().splitlines()
+    for line, text, want in zip(lines, texts, score(model, tokenizer, texts)):
+        logprob, _, tokens, *_ = line.split()
+        assert float(logprob) == pytest.approx(want["logprob"], abs=1e-3) and int(tokens) == want["tokens"]
+        assert line.endswith(text)
+    assert [want["unknown"] for want in score(model, tokenizer, texts)] == [0, 0, 2]
+    assert "warning: 2 of the 3 tokens of 'zzqx blorf the' are the unknown token" in scored.stderr
+    assert scored.stderr.count("warning") == 1
 
 
 def test_bad_inputs_are_clear_errors(export, zero3_run, ptb_sentencepiece_tokenizer, tmp_path):

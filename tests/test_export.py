@@ -22,6 +22,7 @@ from txl_dist.export import (
     read_export_config,
     write_export,
 )
+from txl_dist.fileio import OUTPUT_MARKER, OutputPathError
 from txl_dist.model import ModelConfig, TransformerXLLM, preset
 
 CASES = {
@@ -74,7 +75,7 @@ def _word_tokenizer(directory: Path, n_token: int, first_word: str = "w") -> Pat
 def test_export_round_trip_gives_the_same_model(case, tmp_path):
     model = _model(case)
     out = write_export(model, model.config, tmp_path / "export", training_info={"step": 12, "tokens_seen": 3456})
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training.json"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors", "training.json"]
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no staging folder left behind
     loaded = load_model(out)
     assert not loaded.training
@@ -186,7 +187,7 @@ def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):
     model = _model()
     out = write_export(model, model.config, tmp_path / "export")
     other = _model("untied")
-    with pytest.raises(FileExistsError, match="export: already exists"):
+    with pytest.raises(OutputPathError, match="export: already exists"):
         write_export(other, other.config, out)
     assert read_export_config(out) == _resolved(model.config)
     write_export(other, other.config, out, overwrite=True)

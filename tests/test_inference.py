@@ -154,3 +154,25 @@ def test_score_ids_equals_one_segment_scoring():
     # Batching (with padding) does not change a text's score.
     one_by_one = [score_ids(model, [ids], context_id=1)[0] for ids in texts]
     assert all(math.isclose(a[0], b[0], rel_tol=1e-5) and a[1] == b[1] for a, b in zip(scores, one_by_one))
+
+
+@pytest.mark.parametrize("kind", ["word", "sentencepiece"])
+def test_streamed_text_equals_the_decoded_document(kind, ptb_word_tokenizer, ptb_sentencepiece_tokenizer):
+    """Pieces pushed one token at a time join to decode_document's text, separators (line breaks, also
+    leading, repeated and trailing) included."""
+    from txl_dist.inference import TextStream
+    from txl_dist.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(ptb_word_tokenizer if kind == "word" else ptb_sentencepiece_tokenizer)
+    rng = torch.Generator().manual_seed(0)
+    separators = [tokenizer.eos_id, tokenizer.eod_id]
+    for trial in range(30):
+        ids = torch.randint(0, tokenizer.vocab_size, (int(torch.randint(1, 60, (1,), generator=rng)),),
+                            generator=rng).tolist()
+        for position in torch.randint(0, len(ids), (trial % 5,), generator=rng).tolist():
+            ids[position] = separators[position % 2]
+        if trial % 3 == 0:
+            ids = separators[:1] + ids + separators[:1] * (trial % 4)
+        stream = TextStream(tokenizer)
+        pieces = [stream.push(token) for token in ids] + [stream.finish()]
+        assert "".join(pieces) == tokenizer.decode_document(ids), ids

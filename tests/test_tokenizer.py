@@ -336,4 +336,4 @@ def test_sentencepiece_sample_stays_bounded_and_empty_input_is_one_error(tmp_pat
     assert train_tokenizer.main(["--kind", "sentencepiece", "--input", str(blank), "--output",
                                  str(tmp_path / "none"), "--no-progress"]) == 1
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and "holds no text to train on" in error[0] and "blank.txt" in error[0]
+    assert len(error) == 1 and "no document in the input" in error[0] and "blank.txt" in error[0]

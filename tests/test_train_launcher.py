@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,17 +238,236 @@ def test_half_precision_training_on_gpus(precision, ptb_word_shards, tmp_path):
         assert logged[30]["skipped_steps"] == 0 and logged[30].get("loss_scale") is None
     assert "max_allocated_mb" in logged[30]
     assert logged[30]["loss"] < logged[1]["loss"] - 0.5
+    if precision == "fp16":
+        # The fp16 optimizer state (DeepSpeed's loss scaler objects) reads back weights-only, in training and in
+        # a conversion.
+        resumed = subprocess.run([c.replace("train.max_steps=30", "train.max_steps=32") for c in command],
+                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0 and "at step 30 (exact" in resumed.stderr, tail(resumed)
+        converted = subprocess.run([sys.executable, "launchers/convert.py", "zero-to-export", str(output),
+                                    str(tmp_path / "export")], cwd=REPO, env=env, capture_output=True, text=True)
+        assert converted.returncode == 0, tail(converted)
 
 
-def test_resume_refuses_another_architecture_and_an_unwanted_fresh_start(first_half, ptb_word_shards, tmp_path):
+def test_mismatches_stop_every_rank_with_one_message(first_half, ptb_word_shards, tmp_path):
+    """Another architecture, an unwanted fresh start, another tokenizer (every rank finds it) and a damaged shard
+    (only rank 1 reads it): each run stops with one line, printed once, and no traceback."""
+    from data_tools import train_tokenizer
+
     output = tmp_path / "changed"
     shutil.copytree(first_half, output)
     result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=30", "model.d_inner=48")),
                  check=False)
     assert result.returncode != 0
-    assert "was trained with another architecture: d_inner: checkpoint 32, config 48" in tail(result)
+    _one_error(tail(result, 300), "was trained with another architecture: d_inner: checkpoint 32, config 48")
     result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=30",
                                               "checkpoint.resume=false")), check=False)
     assert result.returncode != 0
-    assert "checkpoint.resume=false, but" in tail(result) and "holds checkpoints" in tail(result)
+    _one_error(tail(result, 300), "checkpoint.resume=false, but")
     assert latest(output) == "step00000020"
+
+    (tmp_path / "other.txt").write_text("a few other words\n")
+    assert train_tokenizer.main(["--kind", "word", "--input", str(tmp_path / "other.txt"), "--output",
+                                 str(tmp_path / "other_tokenizer"), "--no-progress"]) == 0
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, tmp_path / "other", "train.max_steps=4",
+                                              f"data.tokenizer={tmp_path / 'other_tokenizer'}")), check=False)
+    assert result.returncode != 0
+    _one_error(tail(result, 300), "fingerprint")
+
+    shards = tmp_path / "shards"
+    shutil.copytree(ptb_word_shards, shards)
+    _overwrite_middle(shards / "train-000005.tar", size=64)  # rank 1's third stream starts in it
+    result = run(launcher_command(TRAIN, args(shards, tmp_path / "damaged_shard", "train.max_steps=4")), check=False)
+    assert result.returncode != 0
+    _one_error(tail(result, 300), f"train.py: error on rank 1 (")
+    assert "train-000005.tar" in tail(result, 300)
+
+
+# ---- run integrity (issue 10) --------------------------------------------------------------------------------
+
+
+def _overwrite_middle(path: Path, size: int = 4096) -> None:
+    """Damage a file in place, its size unchanged: 0xff bytes are NaN as floats."""
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size // 2)
+        handle.write(b"\xff" * size)
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _one_error(text: str, fragment: str) -> None:
+    """``fragment`` is in exactly one line, which is a train.py error, and no rank printed a traceback or a gloo
+    error."""
+    lines = [line for line in text.splitlines() if fragment in line]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error"), text[-3000:]
+    assert "Traceback" not in text and "gloo/transport" not in text and "Connection closed" not in text, text[-3000:]
+
+
+def test_damaged_checkpoints_are_skipped_and_never_rotate_the_good_one_out(reference, ptb_word_shards, tmp_path):
+    output = tmp_path / "damaged"
+    shutil.copytree(reference, output)
+    checkpoints = output / "checkpoints"
+    _overwrite_middle(checkpoints / "step00000040" / "mp_rank_00_model_states.pt")
+    _truncate(checkpoints / "step00000030" / "txl_rank_states" / "rank00001.pt")
+    _truncate(checkpoints / "step00000020" / "mp_rank_00_model_states.pt")
+    _overwrite_middle(checkpoints / "step00000020" / "txl_rank_states" / "rank00000.pt", size=512)
+    before = sorted(p.name for p in checkpoints.iterdir())
+
+    # Without verification the damaged newest checkpoint is resumed from: its NaN weights stop the run at once.
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=42",
+                                              "checkpoint.verify=false")), check=False)
+    text = tail(result, 400)
+    assert result.returncode != 0
+    assert "checkpoint.verify=false: resuming from" in text
+    _one_error(text, "the training loss is nan at step 41, the first step after resuming from")
+    assert sorted(p.name for p in checkpoints.iterdir()) == before and latest(output) == "step00000040"
+
+    # With verification: three damaged checkpoints skipped, each with its reasons, and the run resumes from
+    # step 10. With keep_last=2, saving step 12 must not count the damaged ones and delete step 10.
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=12", "checkpoint.every=2",
+                                              "checkpoint.keep_last=2")))
+    log = result.stderr
+    assert "step00000040/mp_rank_00_model_states.pt: CRC-32" in log and "(damaged)" in log
+    assert "step00000030/txl_rank_states/rank00001.pt: " in log and "(truncated or replaced)" in log
+    skipped_20 = next(line for line in log.splitlines() if "skipping checkpoint" in line and "step00000020," in line)
+    assert "mp_rank_00_model_states.pt" in skipped_20 and "rank00000.pt: CRC-32" in skipped_20
+    assert "at step 10 (exact" in log
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step")) == [
+        "step00000010", "step00000012", "step00000020", "step00000030", "step00000040"]
+    straight, resumed = records(reference), records(output)
+    for step in (11, 12):
+        assert resumed[step]["loss"] == straight[step]["loss"], step
+
+
+def test_no_orphaned_ranks_one_run_per_directory_and_stale_locks(reference, ptb_word_shards, tmp_path):
+    import psutil
+
+    output = tmp_path / "owned"
+    # SIGTERM to the deepspeed runner alone: it dies, its launch process lives on, and the ranks notice, write a
+    # checkpoint at the current step and exit.
+    first = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400")))
+    wait_for_step(output, 3, first, timeout=300)
+    ranks = rank_processes(first)
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=30)
+    gone, alive = psutil.wait_procs(ranks, timeout=60)
+    assert not alive, alive
+    out = first.stdout.read()
+    assert "the deepspeed runner (PID" in out and "stopping with a checkpoint" in out, out[-3000:]
+    stopped_at = max(records(output))
+    assert latest(output) == f"step{stopped_at:08d}" and stopped_at < STEPS - 4, stopped_at
+    assert not (output / "run.lock").exists()
+
+    # While a run holds the directory, a second one is refused at once, naming the holder.
+    with open(tmp_path / "third.log", "w") as third_log:
+        third = subprocess.Popen(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=100000",
+                                                              "checkpoint.keep_last=2")),
+                                 cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+                                 stdout=third_log, stderr=subprocess.STDOUT)
+    wait_for_step(output, stopped_at + 1, third, timeout=300)
+    holder = json.loads((output / "run.lock").read_text())
+    second = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400")), check=False)
+    assert second.returncode != 0
+    _one_error(tail(second, 200), f"is in use by another run (host {holder['host']}, PID {holder['pid']}, started")
+    assert third.poll() is None
+
+    # kill -9 of that whole run leaves its lock behind; the next run takes it over (the PID is dead) and resumes.
+    for process in [psutil.Process(third.pid), *psutil.Process(third.pid).children(recursive=True)]:
+        process.kill()
+    third.wait(timeout=30)
+    assert json.loads((output / "run.lock").read_text())["token"] == holder["token"]
+    resume_step = int(latest(output).removeprefix("step"))
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={resume_step + 2}")))
+    assert (f"taking over {output / 'run.lock'} from a run that is gone (host {holder['host']}, PID "
+            f"{holder['pid']}, started {holder['started']}): PID {holder['pid']} is no longer running") in result.stderr
+    assert f"at step {resume_step} (exact" in result.stderr
+    assert not (output / "run.lock").exists()
+    # The resume after the SIGTERM was exact: the first 40 steps equal the uninterrupted reference run's.
+    straight, resumed = records(reference), records(output)
+    for step in range(1, STEPS + 1):
+        assert resumed[step]["loss"] == straight[step]["loss"], step
+
+
+def test_nodes_that_see_different_output_directories_are_refused(ptb_word_shards, tmp_path):
+    """Two "nodes" on localhost started from different working directories, with a relative train.output_dir:
+    each sees its own folder, as nodes with local disks would. (With an absolute, shared directory the same
+    start runs: test_two_nodes_of_one_process_on_localhost.)"""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = str(free_port())
+    node_args = args(ptb_word_shards, Path("run"), "train.max_steps=6")
+    node_args[1] = str(REPO / node_args[1])  # the config; the output directory stays relative
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    nodes = []
+    for rank in (0, 1):
+        cwd = tmp_path / f"node{rank}"
+        cwd.mkdir()
+        command = launcher_command(str(REPO / TRAIN), node_args, launcher_flags=[
+            "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
+            "--master_port", port])
+        nodes.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert all(node.returncode != 0 for node in nodes)
+    _one_error(outs[0] + outs[1], "train.output_dir must be on a filesystem shared by all nodes: rank 1 on")
+    assert f"finds no run.lock in {tmp_path / 'node1' / 'run'}" in outs[1]
+    assert f"wrote this run's in {tmp_path / 'node0' / 'run'}" in outs[1]
+    assert not (tmp_path / "node1" / "run" / "checkpoints").exists()
+
+
+class _Crafted:
+    """What an attacker would put in a checkpoint: unpickling it runs a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_pickle_in_a_checkpoint_is_never_run(reference, ptb_word_shards, tmp_path):
+    from txl_dist.fileio import file_checksum
+
+    output = tmp_path / "crafted"
+    shutil.copytree(reference, output)
+    tag_dir = output / "checkpoints" / "step00000040"
+    optim = tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    marker = tmp_path / "PWNED"
+    state = torch.load(optim, weights_only=False)  # our own file, written by the reference run
+    state["optimizer_state_dict"]["payload"] = _Crafted(marker)
+    torch.save(state, optim)
+    # The attacker also fixes COMPLETE.json, so that the file verifies: the unpickler is what must refuse it.
+    complete = json.loads((tag_dir / "COMPLETE.json").read_text())
+    complete["files"][optim.name] = file_checksum(optim).to_json()
+    (tag_dir / "COMPLETE.json").write_text(json.dumps(complete))
+
+    refused = "refused to unpickle: it refers to posix.system"
+    for command in ([sys.executable, "launchers/evaluate.py", str(output), "--split", "valid", "--no-progress"],
+                    [sys.executable, "launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")]):
+        result = run(command, check=False)
+        assert result.returncode == 2 and refused in result.stderr, tail(result)
+        assert not marker.exists() and not (tmp_path / "export").exists()
+    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=42")), check=False)
+    assert result.returncode != 0
+    _one_error(tail(result, 300), refused)
+    assert not marker.exists()
+
+
+def test_inf_in_mems_is_reset_and_never_saved(ptb_word_shards, tmp_path):
+    """tests/scripts/train_with_inf_mems.py makes rank 0's first stream's new memory inf from step 3 on, as an
+    overflowing fp16 forward would."""
+    output = tmp_path / "inf"
+    run(launcher_command("tests/scripts/train_with_inf_mems.py",
+                         args(ptb_word_shards, output, "train.max_steps=6", "checkpoint.every=0")))
+    logged = records(output)
+    assert [logged[s]["mems_reset"] for s in (1, 2)] == [0, 0]
+    assert [logged[s]["mems_reset"] for s in (3, 6)] == [1, 4]  # one per poisoned micro-batch
+    assert all(torch.isfinite(torch.tensor(logged[s]["loss"])) for s in logged)
+    states = output / "checkpoints" / latest(output) / "txl_rank_states"
+    rank0 = torch.load(states / "rank00000.pt", weights_only=True)
+    rank1 = torch.load(states / "rank00001.pt", weights_only=True)
+    assert all(torch.isfinite(layer).all() for layer in rank0["mems"] + rank1["mems"])
+    assert all((layer[:, 0] == 0).all() and (layer[:, 1] != 0).any() for layer in rank0["mems"])
+    assert all((layer != 0).any(dim=(0, 2)).all() for layer in rank1["mems"])

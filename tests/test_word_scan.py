@@ -77,6 +77,11 @@ def test_packed_keys_are_distinct_for_distinct_words_and_counts_merge_exactly():
     for word in text.split():
         expected[word.encode()] = expected.get(word.encode(), 0) + 1
     assert counted == expected
+    # Parts that hold no word (blank chunks) merge to nothing, alone or beside words.
+    empty = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
+    assert [part.tolist() for part in merge_counts([empty[0], empty[0]], [empty[1], empty[1]])] == [[], []]
+    keys_only, counts_only = merge_counts([empty[0], first[0]], [empty[1], first[1]])
+    assert keys_only.tolist() == first[0].tolist() and counts_only.tolist() == first[1].tolist()
 
 
 def test_packed_vocabulary_looks_up_like_a_dict():

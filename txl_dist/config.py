@@ -352,7 +352,10 @@ class CheckpointConfig(_Section):
     keep_last: int = 2
     """Checkpoints kept (older ones are deleted once a newer one is complete); 0 keeps all."""
     resume: bool = True
-    """Continue from the latest complete checkpoint in train.output_dir when there is one."""
+    """Continue from the newest complete checkpoint in train.output_dir that verifies, when there is one."""
+    verify: bool = True
+    """Check every file of a checkpoint against the sizes and CRC-32s of its COMPLETE.json before resuming from it,
+    and skip those that fail. false trusts the newest complete checkpoint as it is (the log says so)."""
 
     def _check_ranges(self) -> None:
         self._at_least("every", 0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
 from txl_dist.model import ModelConfig, TransformerXLLM
 from txl_dist.tokenizer import fingerprint_files
 
@@ -251,11 +253,10 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
     ``OUT/tokenizer/``; ``tokenizer_identity``: the identity a checkpoint recorded, checked against that
     directory, or recorded alone when there is none. Either must agree with ``config.n_token``.
     ``training_info``: free-form JSON for ``training.json``. An existing ``out_dir`` is an error unless
-    ``overwrite``.
+    ``overwrite``, which replaces only an empty folder or one that txl_dist wrote
+    (`txl_dist.fileio.check_output_path`).
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    out_dir = check_output_path(out_dir, overwrite=overwrite)
     if isinstance(model_or_state_dict, nn.Module):
         model_config = getattr(model_or_state_dict, "config", None)
         if isinstance(model_config, ModelConfig) and model_config.architecture() != config.architecture():
@@ -281,11 +282,14 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
     config_text = json.dumps(config_to_json(config, identity), indent=1) + "\n"
     training_text = json.dumps(dict(training_info), indent=1) + "\n" if training_info is not None else None
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        save_file(weights, str(staging / WEIGHTS_FILE),
-                  metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
+        ensure_directory(out_dir.parent)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    except OSError as error:
+        raise with_path(error, out_dir, replace=True) from error
+    try:
+        save_safetensors(weights, staging / WEIGHTS_FILE,
+                         metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
         if tokenizer_dir is not None:
             (staging / TOKENIZER_DIR).mkdir()
             for name in tokenizer_files + [TOKENIZER_JSON]:
@@ -293,19 +297,27 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
             _tokenizer_files(staging / TOKENIZER_DIR)  # the copies hash to the recorded fingerprint
         if training_text is not None:
             (staging / TRAINING_FILE).write_text(training_text, encoding="utf-8")
+        mark_output(staging, "txl_dist.export.write_export")
         # Last: a folder with config.json and no weights never exists, even inside the staging folder.
         (staging / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-        if out_dir.exists():
-            replaced = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-            os.replace(out_dir, replaced / out_dir.name)
-            os.replace(staging, out_dir)
-            shutil.rmtree(replaced)
-        else:
-            os.replace(staging, out_dir)
-    except BaseException:
+        publish_directory(staging, out_dir)
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
+            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
         raise
     return out_dir
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, whose I/O failures (no space left, ...) become the OSError they are."""
+    try:
+        save_file(dict(tensors), str(path), metadata=metadata)
+    except SafetensorError as error:
+        code = re.search(r"os error (\d+)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from error
 
 
 def load_model(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides: Any

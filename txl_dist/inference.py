@@ -1,9 +1,11 @@
 """Generation and scoring on token ids, reusing Transformer-XL's memory.
 
-Generation feeds the prompt in segments of ``tgt_len`` tokens and then one forward of one token per new token:
-the memory (at most ``mem_len`` positions per layer) carries the context, nothing is recomputed. That is the
-paper's fast evaluation applied to decoding. `generate_ids_recompute` is the slow reference that runs the whole
-prefix again for every new token; with a memory that covers the whole context both give the same tokens.
+Generation feeds the prompt in segments of ``tgt_len`` tokens and then one forward of one token per new token.
+Each layer keeps the keys and values of its memory (at most ``mem_len`` positions) in a cache, so a new token
+projects only itself; the context is never recomputed nor projected again. ``kv_cache=False`` keeps the memory
+of hidden states instead (the paper's fast evaluation applied to decoding: every step projects the whole memory
+again); both give the same tokens. `generate_ids_recompute` is the slow reference that runs the whole prefix
+again for every new token; with a memory that covers the whole context all three give the same tokens.
 
 Sampling uses its own ``torch.Generator`` (seeded by ``seed``), never the global random state.
 """
@@ -94,15 +96,18 @@ def _prepare(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: 
 
 
 class IncrementalDecoder:
-    """Feeds tokens to a model one call at a time, keeping the memory between calls.
+    """Feeds tokens to a model one call at a time, keeping the key/value cache (or, with ``kv_cache=False``,
+    the memory of hidden states) between calls.
 
     ``feed(ids)`` runs ids through the model (in segments of ``tgt_len``) after everything fed before and returns
     the log-probabilities of the token that follows [V]. Put the model in eval mode first.
     """
 
-    def __init__(self, model: TransformerXLLM):
+    def __init__(self, model: TransformerXLLM, kv_cache: bool = True):
         self.model = model
         self.device = _device(model)
+        self.kv_cache = kv_cache
+        self.cache = None
         self.mems: list[torch.Tensor] | None = None
 
     @torch.no_grad()
@@ -113,34 +118,46 @@ class IncrementalDecoder:
         tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         segment = self.model.config.tgt_len
         for start in range(0, tokens.shape[1], segment):
-            hidden, self.mems = self.model.hidden_states(tokens[:, start:start + segment], self.mems)
+            if self.kv_cache:
+                hidden, self.cache = self.model.hidden_states_cached(tokens[:, start:start + segment], self.cache)
+            else:
+                hidden, self.mems = self.model.hidden_states(tokens[:, start:start + segment], self.mems)
         return self.model.crit.log_prob(hidden[-1])[0]  # hidden [L, 1, d_model]: the newest position
+
+
+def iter_generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                      greedy: bool = False, stop_ids: Collection[int] = (), kv_cache: bool = True) -> Iterator[int]:
+    """The new tokens (not the prompt) after ``prompt_ids``, one at a time as they are decoded (see
+    `generate_ids`)."""
+    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, greedy=greedy)
+    if max_new_tokens == 0:
+        return
+    with _inference(model):
+        decoder = IncrementalDecoder(model, kv_cache=kv_cache)
+        log_probs = decoder.feed(prompt_ids)
+        for count in range(1, max_new_tokens + 1):
+            token = choose(log_probs)
+            yield token
+            if token in stop_ids or count == max_new_tokens:
+                break
+            log_probs = decoder.feed([token])
 
 
 def generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 greedy: bool = False, stop_ids: Collection[int] = ()) -> list[int]:
-    """The new tokens (not the prompt) after ``prompt_ids``, decoded incrementally with the memory.
+                 greedy: bool = False, stop_ids: Collection[int] = (), kv_cache: bool = True) -> list[int]:
+    """The new tokens (not the prompt) after ``prompt_ids``, decoded incrementally.
 
-    The prompt goes in segments of ``model.config.tgt_len``; each new token then costs one forward of one token.
-    The model sees at most ``mem_len`` earlier positions (plus the current one) at every layer. Generation stops
-    after ``max_new_tokens`` tokens or after emitting one of ``stop_ids`` (which is included).
+    The prompt goes in segments of ``model.config.tgt_len``; each new token then costs one forward of one token,
+    with the key/value cache (``kv_cache=False``: with the memory of hidden states, which projects it again at
+    every step; same tokens, slower). The model sees at most ``mem_len`` earlier positions (plus the current one)
+    at every layer. Generation stops after ``max_new_tokens`` tokens or after emitting one of ``stop_ids`` (which
+    is included).
     """
-    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, greedy=greedy)
-    new_ids: list[int] = []
-    if max_new_tokens == 0:
-        return new_ids
-    with _inference(model):
-        decoder = IncrementalDecoder(model)
-        log_probs = decoder.feed(prompt_ids)
-        while True:
-            token = choose(log_probs)
-            new_ids.append(token)
-            if token in stop_ids or len(new_ids) == max_new_tokens:
-                break
-            log_probs = decoder.feed([token])
-    return new_ids
+    return list(iter_generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, seed=seed, greedy=greedy, stop_ids=stop_ids, kv_cache=kv_cache))
 
 
 def generate_ids_recompute(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
@@ -211,6 +228,60 @@ def score_ids(model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context
 # Text in, text out (the tokenizer of an export: ``model, tokenizer = txl_dist.load_pretrained(EXPORT)``).
 
 
+class TextStream:
+    """Turns generated ids into text as they come: `push` returns the text that token adds (possibly ""), and
+    `finish` what is still held back. Joined, the pieces equal ``tokenizer.decode_document(ids)``.
+
+    A token's text is decoded after a few tokens of its line as context (sentencepiece marks word starts on the
+    piece itself, so a piece alone would decode without its space), which keeps each step's work constant
+    however long the line. Separators (eos/eod) become line breaks once more text follows, as in
+    `decode_document`.
+    """
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.separators = {tokenizer.eos_id, tokenizer.eod_id}
+        self.line: list[int] = []
+        self.pending_breaks = 0
+
+    def push(self, token_id: int) -> str:
+        if token_id in self.separators:
+            self.pending_breaks += 1
+            self.line = []
+            return ""
+        breaks = "\n" * self.pending_breaks
+        self.pending_breaks = 0
+        context = self.line[-self.CONTEXT:]
+        before = self.tokenizer.decode(context) if context else ""
+        after = self.tokenizer.decode(context + [token_id])
+        self.line.append(token_id)
+        return breaks + (after[len(before):] if after.startswith(before) else after)
+
+    def finish(self) -> str:
+        """Separators at the end: n of them close n - 1 empty lines (decode_document's convention)."""
+        tail = "\n" * max(0, self.pending_breaks - 1)
+        self.pending_breaks = 0
+        return tail
+
+
+def iter_generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens: int = 50, *,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                  greedy: bool = False) -> Iterator[str]:
+    """The text that follows ``prompt``, piece by piece as tokens are decoded (see `generate`)."""
+    prompt_ids = [tokenizer.eod_id] + tokenizer.encode(prompt)
+    stream = TextStream(tokenizer)
+    for token in iter_generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, seed=seed, greedy=greedy):
+        piece = stream.push(token)
+        if piece:
+            yield piece
+    tail = stream.finish()
+    if tail:
+        yield tail
+
+
 def generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens: int = 50, *,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              greedy: bool = False) -> str:
@@ -219,17 +290,21 @@ def generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens
     The prompt is read as the start of a document: it follows the document separator, as every document of the
     training stream does. Separators in the output come back as line breaks (`decode_document`).
     """
-    prompt_ids = [tokenizer.eod_id] + tokenizer.encode(prompt)
-    new_ids = generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, greedy=greedy)
-    return tokenizer.decode_document(new_ids)
+    return "".join(iter_generate(model, tokenizer, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, greedy=greedy))
 
 
 def score(model: TransformerXLLM, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16
           ) -> list[dict[str, float | int]]:
     """Per text: ``logprob`` (nats, of its tokens and the closing separator, given the opening one), ``tokens``
-    (how many were scored) and ``ppl`` = exp(-logprob / tokens). See `score_ids`."""
+    (how many were scored), ``ppl`` = exp(-logprob / tokens) and ``unknown``: how many of its tokens are the
+    unknown token. Text the vocabulary does not know scores as the unknown token, which a model usually finds
+    likely: such perplexities are not comparable with those of known text. See `score_ids`."""
     import math
 
-    scored = score_ids(model, [tokenizer.encode(text) for text in texts], tokenizer.eod_id, batch_size=batch_size)
-    return [{"logprob": logprob, "tokens": n, "ppl": math.exp(-logprob / n)} for logprob, n in scored]
+    encoded = [tokenizer.encode(text) for text in texts]
+    scored = score_ids(model, encoded, tokenizer.eod_id, batch_size=batch_size)
+    unk = getattr(tokenizer, "unk_id", None)
+    return [{"logprob": logprob, "tokens": n, "ppl": math.exp(-logprob / n),
+             "unknown": sum(token == unk for token in ids) if unk is not None else 0}
+            for (logprob, n), ids in zip(scored, encoded)]

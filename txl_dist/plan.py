@@ -111,30 +111,35 @@ def layer_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: 
     """Bytes one decoder layer saves for its backward pass, for micro_batch rows of tgt_len queries over klen =
     mem_len + tgt_len keys (the memory is full after the first segment).
 
-    With L = tgt_len, K = klen, B = micro_batch, h = n_head * d_head, A = n_head * L * K (scores of one row),
-    read from the saved tensors of `txl_dist.model.attention` and `transformer.PositionwiseFF` (reference
-    attention; the fused path saves the same inputs and one score-sized tensor less):
+    With L = tgt_len, M = mem_len, K = M + L, B = micro_batch, h = n_head * d_head, S = B * n_head * L * K
+    (the attention scores), b the compute dtype's bytes, read from the saved tensors of
+    `txl_dist.model.attention` and `transformer.PositionwiseFF` (reference attention; the fused path saves the
+    same inputs and no score-sized tensor):
 
-    - [mem; x] fed to qkv_net: K B d_model, compute dtype;
-    - q, k, v in fp32 (attention runs in fp32): under bf16/fp16 the fp32 copies of k and v and one more
-      key-sized tensor (3 K B h), fp32; in fp32 the qkv projection itself (3 K B h);
-    - q + u and q + v (2 L B h, fp32) and the attention output fed to o_net (L B h, compute dtype);
-    - the softmax probabilities (B A, fp32); with attention dropout also its output and mask (2 B A more);
-    - three layer-norm and linear inputs of L B d_model (five with dropout: the two dropout outputs), compute
-      dtype; the feed-forward's ReLU output L B d_inner (with dropout its output and mask too: 3 L B d_inner).
+    - the memory fed to its key/value projection (M B d_model) and the segment fed to the query/key/value
+      projection, the feed-forward's input and the two layer norms' inputs (4 L B d_model; 6 with dropout: the
+      two dropout outputs), and the norms' mean and 1/std (4 L B), all in the compute dtype;
+    - q + u and q + v (2 L B h), the keys and values (2 K B h), the projected relative positions ((K + 1) h: one
+      zero row for the shift, shared by the batch) and the attention output fed to o_net (L B h);
+    - the softmax probabilities (S, fp32), their cast to the compute dtype for the product with the values
+      (S b, under bf16/fp16 only); with attention dropout also its fp32 mask and output (2 S fp32 more, the
+      output being the cast under bf16/fp16);
+    - the feed-forward's ReLU output L B d_inner (with dropout its output and mask too: 3 L B d_inner).
 
     `tests/test_plan.py` holds this count to the saved tensors of the model within 5%.
     """
-    L, K, B = model.tgt_len, model.mem_len + model.tgt_len, micro_batch
+    L, M, B = model.tgt_len, model.mem_len, micro_batch
+    K = M + L
     h, b = model.n_head * model.d_head, compute_bytes
     scores = B * model.n_head * L * K
     dropout = training and model.dropout > 0
     attention_dropout = training and model.dropatt > 0
-    total = K * B * model.d_model * b
-    total += 3 * K * B * h * FP32
-    total += 2 * L * B * h * FP32 + L * B * h * b
-    total += scores * FP32 * (3 if attention_dropout else 1)
-    total += (5 if dropout else 3) * L * B * model.d_model * b + 4 * L * B * FP32  # and 2 norms' mean and 1/std
+    total = M * B * model.d_model * b + (6 if dropout else 4) * L * B * model.d_model * b + 4 * L * B * b
+    total += (3 * L * B + 2 * K * B + K + 1) * h * b
+    if attention_dropout:
+        total += scores * (2 * FP32 + (b if b != FP32 else FP32))
+    else:
+        total += scores * (FP32 + (b if b != FP32 else 0))
     total += (3 if dropout else 1) * L * B * model.d_inner * b
     return total
 
@@ -167,10 +172,10 @@ def head_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: i
     """Bytes the adaptive input and the adaptive softmax save for the backward pass of one micro-batch
     (N = micro_batch * tgt_len targets; C0 = cutoffs[0] + n_clusters head logits; E_i the width of cluster i):
 
-    - input: the tokens' embeddings of every cluster before their projection (N E_i), compute dtype;
-    - head cluster: the hidden states and their projection (N d_model + N E_0) and its weight concatenated
-      with the cluster logits' weight (C0 E_0; a copy made in every forward), compute dtype; its
-      log-probabilities (N C0, fp32);
+    - input: the tokens' embeddings of every cluster before their projection (N E_i), compute dtype, and the
+      relative position embeddings all layers share (klen d_model);
+    - head cluster: the hidden states and their projection (N d_model + N E_0), compute dtype, and its
+      log-probabilities (N C0, fp32); the head's weight and the cluster logits' weight are used in place;
     - each tail cluster over n_i rows (``rows``, default `tail_rows`): the rows' hidden states and projection
       (n_i (d_model + E_i)), compute dtype, and its log-probabilities (n_i S_i, fp32).
     """
@@ -178,8 +183,8 @@ def head_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: i
     dims = model.cluster_dims()
     bounds = model.cluster_bounds()
     head_logits = bounds[0][1] - bounds[0][0] + model.n_clusters
-    total = sum(N * dim for dim in dims) * b
-    total += (N * model.d_model + N * dims[0] + head_logits * dims[0]) * b + N * head_logits * FP32
+    total = sum(N * dim for dim in dims) * b + (model.mem_len + model.tgt_len) * model.d_model * b
+    total += (N * model.d_model + N * dims[0]) * b + N * head_logits * FP32
     for count, (start, end), dim in zip(tail_rows(model, N) if rows is None else rows, bounds[1:], dims[1:]):
         total += count * (model.d_model + dim) * b + count * (end - start) * FP32
     return total
@@ -188,7 +193,8 @@ def head_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: i
 def head_transient_bytes(model: ModelConfig, micro_batch: int, compute_bytes: int) -> int:
     """The largest short-lived block on top of the saved tensors, at the start of the backward pass: the
     gradient of the head cluster's log-probabilities and of its fp32 logits while the log-probabilities are
-    still held (2 N C0, fp32), and the gradient of the concatenated head weight (C0 E_0, compute dtype).
+    still held (2 N C0, fp32), and the gradient of the head's weight with the cluster logits' rows (C0 E_0,
+    compute dtype).
     Measured on CPU with PyTorch's profiler, within 7% (benchmarks/plan_check.py)."""
     N = micro_batch * model.tgt_len
     head_logits = model.cluster_bounds()[0][1] + model.n_clusters

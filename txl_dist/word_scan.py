@@ -130,13 +130,13 @@ def count_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def merge_counts(keys: list[np.ndarray], counts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Several (keys, counts) pairs as one: distinct keys ascending, counts summed."""
-    if not keys:
+    if not keys or not any(len(part) for part in keys):
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
     all_keys, all_counts = np.concatenate(keys), np.concatenate(counts).astype(np.int64)
     order = np.argsort(all_keys, kind="stable")
     all_keys, all_counts = all_keys[order], all_counts[order]
     firsts = np.flatnonzero(np.concatenate([[True], all_keys[1:] != all_keys[:-1]]))
-    return all_keys[firsts], np.add.reduceat(all_counts, firsts) if len(firsts) else all_counts[:0]
+    return all_keys[firsts], np.add.reduceat(all_counts, firsts)
 
 
 def unpack_keys(keys: np.ndarray) -> list[bytes]:

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from txl_dist.convert.keymap import KeyMap
+from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
 from txl_dist.model.config import ModelConfig
 
 # Our keys and HuggingFace's TransfoXLLMHeadModel keys.
@@ -147,12 +148,14 @@ _SETTINGS_HF_LACKS = ("tgt_len", "attn_impl", "mem_dtype")
 
 
 def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """An export folder -> a folder transformers 4.37.2 loads with ``TransfoXLLMHeadModel.from_pretrained``."""
-    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, unique_weights
+    """An export folder -> a folder transformers 4.37.2 loads with ``TransfoXLLMHeadModel.from_pretrained``.
 
-    export_dir, out_dir = Path(export_dir), Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir}: already exists (pass --overwrite to replace it)")
+    ``out_dir`` may not be, contain or lie inside ``export_dir``; ``overwrite`` replaces only an empty folder or
+    one txl_dist wrote (`txl_dist.fileio.check_output_path`)."""
+    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, save_safetensors, unique_weights
+
+    export_dir = Path(export_dir)
+    out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
     config, identity = read_config_file(export_dir / CONFIG_FILE)
     state = to_hf_state_dict(unique_weights(load_model(export_dir).state_dict(), config), config)
     # Shared tensors (the per-layer copies of the position biases) are written as copies: safetensors
@@ -161,17 +164,22 @@ def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     hf_config = {**to_hf_config(config), "model_type": "transfo-xl", "architectures": ["TransfoXLLMHeadModel"],
                  HF_TOKENIZER_KEY: identity,
                  HF_SETTINGS_KEY: {name: getattr(config, name) for name in _SETTINGS_HF_LACKS}}
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        save_file(weights, str(staging / HF_WEIGHTS), metadata={"format": "pt"})
+        ensure_directory(out_dir.parent)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    except OSError as error:
+        raise with_path(error, out_dir, replace=True) from error
+    try:
+        save_safetensors(weights, staging / HF_WEIGHTS, metadata={"format": "pt"})
         if (export_dir / TOKENIZER_DIR).is_dir():
             shutil.copytree(export_dir / TOKENIZER_DIR, staging / TOKENIZER_DIR)
+        mark_output(staging, "txl_dist.convert.hf.write_hf_folder")
         (staging / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
+        publish_directory(staging, out_dir)
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
+            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
         raise
     return out_dir
 

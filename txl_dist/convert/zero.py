@@ -2,16 +2,15 @@
 
 Works offline, on one CPU process, on any machine that can read the folder: no process group, no GPU.
 
-Trust: DeepSpeed's model-state files (which hold our client state) are read with ``weights_only=True``. Its
-optimizer-state files hold DeepSpeed objects (``LossScaler``, ``ZeroStageEnum``) that a weights-only load
-refuses, and DeepSpeed's own consolidation (`get_fp32_state_dict_from_zero_checkpoint`) reads them with a full
-unpickler. That is done only for a folder this system wrote: `read_training_checkpoint` first requires our
-``COMPLETE.json`` marker, our per-rank state files and our client state in the weights-only model-state file.
+Trust: a checkpoint is verified first (every file against the sizes and CRC-32s of its ``COMPLETE.json``, see
+`txl_dist.training.checkpoint`), so a damaged one is refused rather than converted into plausible weights. Every
+file is then read weights-only: ours directly, DeepSpeed's consolidation (``zero_to_fp32``, which asks for a full
+unpickler) inside `txl_dist.training.weights_only.deepspeed_loads_weights_only`, which allows DeepSpeed's own
+classes and nothing else. A crafted pickle is refused, never run.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,10 @@ from typing import Any
 import torch
 
 from txl_dist.config import RunConfig
-from txl_dist.training.checkpoint import CLIENT_KEY, COMPLETE, LATEST, RANK_STATES
+from txl_dist.training import weights_only
+from txl_dist.training.checkpoint import (
+    CLIENT_KEY, COMPLETE, LATEST, RANK_STATES, CheckpointVerificationError, read_marker, verify_checkpoint,
+)
 
 
 class CheckpointError(ValueError):
@@ -70,9 +72,24 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
                           f"(no {LATEST} and no {COMPLETE})")
 
 
-def read_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
+def require_verified(tag_dir: str | os.PathLike) -> None:
+    """Raise CheckpointError listing every problem when the checkpoint's files do not match its COMPLETE.json."""
+    problems = verify_checkpoint(tag_dir)
+    if problems:
+        raise CheckpointError(f"{tag_dir} fails verification and is not read: {'; '.join(problems)} (choose an "
+                              f"earlier checkpoint folder, or pass --no-verify to read it all the same)")
+
+
+def read_training_checkpoint(path: str | os.PathLike, verify: bool = True) -> TrainingCheckpoint:
+    """The checkpoint of a run folder, a checkpoints/ folder or a checkpoint folder, verified unless ``verify``
+    is False (`require_verified`)."""
     tag_dir = locate_checkpoint(path)
-    marker = json.loads((tag_dir / COMPLETE).read_text(encoding="utf-8"))
+    if verify:
+        require_verified(tag_dir)
+    try:
+        marker = read_marker(tag_dir)
+    except CheckpointVerificationError as error:
+        raise CheckpointError(str(error)) from None
     for rank in range(marker["world_size"]):
         rank_file = tag_dir / RANK_STATES / f"rank{rank:05d}.pt"
         if not rank_file.is_file():
@@ -80,7 +97,7 @@ def read_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
     model_states = sorted(tag_dir.glob("*model_states.pt"))
     if not model_states:
         raise CheckpointError(f"{tag_dir}: no DeepSpeed model-state file (*model_states.pt)")
-    state = torch.load(model_states[0], map_location="cpu", weights_only=True)
+    state = weights_only.load(model_states[0], map_location="cpu")
     if CLIENT_KEY not in state:
         raise CheckpointError(f"{model_states[0]}: no '{CLIENT_KEY}' client state; not written by txl_dist")
     client = state[CLIENT_KEY]
@@ -94,12 +111,11 @@ def consolidate_weights(checkpoint: TrainingCheckpoint) -> dict[str, torch.Tenso
     if any(tag_dir.glob("*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        # DeepSpeed unpickles its optimizer files in full; read_training_checkpoint has established that this
-        # folder is a complete checkpoint written by txl_dist (see the module docstring).
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.checkpoints_dir), tag=checkpoint.tag)
-    # ZeRO stage 0: everything is in the (weights-only) model-state file.
+        with weights_only.deepspeed_loads_weights_only():
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.checkpoints_dir), tag=checkpoint.tag)
+    # ZeRO stage 0: everything is in the model-state file.
     path = next(tag_dir.glob("*model_states.pt"))
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = weights_only.load(path, map_location="cpu")
     optimizer = state.get("optimizer") or {}
     masters = _fp32_masters(optimizer, checkpoint.run_config.model, path)
     if masters is not None:

@@ -14,9 +14,19 @@ HuggingFace's port does; the authors' PyTorch code reads it from row ``n_cluster
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclasses.dataclass
+class TargetPlan:
+    """For `ProjectedAdaptiveLogSoftmax.forward`: the positions of the targets in each tail cluster, as index
+    tensors on the device of the hidden states (their lengths known on the host)."""
+
+    rows: list[torch.Tensor]
 
 
 def _bounds(n_token: int, cutoffs: list[int]) -> list[tuple[int, int]]:
@@ -74,6 +84,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         self.bounds = _bounds(n_token, cutoffs)
         self.shortlist_size = self.bounds[0][1]
         self.n_clusters = len(cutoffs)
+        # The cluster boundaries as tensors: on the host for planning, and as a (non-persistent) buffer that
+        # follows the module to its device, since building one there per step would wait for the device.
+        self._cutoffs_host = torch.tensor(list(cutoffs), dtype=torch.long)
+        self.register_buffer("cutoff_ends", self._cutoffs_host.clone(), persistent=False)
         if self.n_clusters > 0:
             self.cluster_weight = nn.Parameter(torch.empty(self.n_clusters, d_embed))
             self.cluster_bias = nn.Parameter(torch.empty(self.n_clusters))
@@ -89,48 +103,84 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 self.out_projs.append(nn.Parameter(torch.empty(d_proj, d_emb_i)))
                 self.out_layers.append(nn.Linear(d_emb_i, end - start))
 
-    def _cluster_logits(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
-        """Logits of cluster i's words (for i == 0: head words, then one logit per tail cluster)."""
+    def _cluster_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(weight, bias) of every cluster. With div_val == 1 the clusters are pieces of one matrix, taken by one
+        split (whose backward writes the gradient once, where per-cluster slices would each add a zero-filled
+        copy of the whole matrix)."""
         if self.div_val == 1:
-            start, end = self.bounds[i]
-            weight = self.out_layers[0].weight[start:end]
-            bias = self.out_layers[0].bias[start:end]
-        else:
-            weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
-        if i == 0 and self.n_clusters > 0:
-            weight = torch.cat([weight, self.cluster_weight], dim=0)
-            bias = torch.cat([bias, self.cluster_bias], dim=0)
+            sizes = [end - start for start, end in self.bounds]
+            return list(zip(self.out_layers[0].weight.split(sizes), self.out_layers[0].bias.split(sizes)))
+        return [(layer.weight, layer.bias) for layer in self.out_layers]
+
+    def _cluster_logits(self, hidden: torch.Tensor, i: int, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Logits of cluster i's words; for i == 0 the head words', then one logit per tail cluster."""
         proj = self.out_projs[i]
         if proj is not None:
             hidden = F.linear(hidden, proj.t())
-        return F.linear(hidden, weight, bias)
+        if i > 0 or self.n_clusters == 0:
+            return F.linear(hidden, weight, bias)
+        if hidden.shape[0] >= weight.shape[0]:
+            # Many rows (training): one matmul against [head words ; cluster rows].
+            return F.linear(hidden, torch.cat([weight, self.cluster_weight]), torch.cat([bias, self.cluster_bias]))
+        # Few rows (decoding): two matmuls and a small concatenation of logits, no copy of the head's weights.
+        return torch.cat([F.linear(hidden, weight, bias), F.linear(hidden, self.cluster_weight, self.cluster_bias)],
+                         dim=-1)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """hidden [N, d_proj], target [N] -> nll [N] (float32, in the order of the inputs)."""
-        head_logprob = F.log_softmax(self._cluster_logits(hidden, 0).float(), dim=-1)
+    @torch.compiler.disable  # host work on data-dependent sizes: never traced into a compiled graph
+    def plan(self, target: torch.Tensor, device: torch.device | None = None) -> TargetPlan:
+        """Which positions of ``target`` [N] fall in each tail cluster, for `forward`.
+
+        The row counts must be known on the host. Computed from targets on the host (the trainer plans each
+        batch before copying it) this costs no device synchronisation; the row indices then travel to ``device``
+        in one asynchronous copy. From targets on an accelerator it waits once for the counts."""
+        cluster = torch.bucketize(target, self._cutoffs_on(target.device), right=True)  # 0 = head, i = tail i
+        counts = torch.bincount(cluster, minlength=self.n_clusters + 1).tolist()
+        order = torch.argsort(cluster, stable=True)
+        if device is not None and torch.device(device) != order.device:
+            if torch.device(device).type == "cuda" and order.device.type == "cpu":
+                order = order.pin_memory()
+            order = order.to(device, non_blocking=True)
+        return TargetPlan(rows=list(order.split(counts))[1:])
+
+    def _cutoffs_on(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self._cutoffs_host
+        return self.cutoff_ends if self.cutoff_ends.device == device else self.cutoff_ends.to(device)
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor, plan: TargetPlan | None = None) -> torch.Tensor:
+        """hidden [N, d_proj], target [N] -> nll [N] (float32, in the order of the inputs).
+
+        ``plan`` (`plan` of these targets) says which rows go to which tail cluster; without it the plan is made
+        here, which on an accelerator waits for the device once. Every tail cluster runs, also on zero rows: every
+        parameter then gets a gradient, zeros included, on every rank, which data-parallel reduction relies on."""
+        weights = self._cluster_weights()
+        head_logprob = F.log_softmax(self._cluster_logits(hidden, 0, *weights[0]).float(), dim=-1)
         if self.n_clusters == 0:
             return -head_logprob.gather(1, target.unsqueeze(1)).squeeze(1)
-        in_head = target < self.shortlist_size
-        head_target = torch.where(in_head, target, torch.zeros_like(target))
-        nll = -head_logprob.gather(1, head_target.unsqueeze(1)).squeeze(1)
+        if plan is None:
+            plan = self.plan(target)
+        # One gather from the head for every row: the target's log-probability for head words, its cluster's
+        # for tail words (a single gradient scatter into the head's [N, head] log-probabilities).
+        cluster_column = self.shortlist_size - 1 + torch.bucketize(target, self._cutoffs_on(target.device),
+                                                                   right=True)
+        head_column = torch.where(target < self.shortlist_size, target, cluster_column)
+        nll = -head_logprob.gather(1, head_column.unsqueeze(1)).squeeze(1)
         for i in range(1, self.n_clusters + 1):
-            start, end = self.bounds[i]
-            # A cluster with no target in this batch still runs (on zero rows): every parameter then gets a
-            # gradient, zeros included, on every rank, which data-parallel gradient reduction relies on.
-            rows = ((target >= start) & (target < end)).nonzero().squeeze(1)
-            tail_logprob = F.log_softmax(self._cluster_logits(hidden.index_select(0, rows), i).float(), dim=-1)
-            local = (target.index_select(0, rows) - start).unsqueeze(1)
-            logprob = head_logprob[rows, self.shortlist_size + i - 1] + tail_logprob.gather(1, local).squeeze(1)
-            nll = nll.index_copy(0, rows, -logprob)
+            rows = plan.rows[i - 1]
+            tail_logprob = F.log_softmax(self._cluster_logits(hidden.index_select(0, rows), i, *weights[i]).float(),
+                                         dim=-1)
+            local = (target.index_select(0, rows) - self.bounds[i][0]).unsqueeze(1)
+            nll = nll.index_add(0, rows, -tail_logprob.gather(1, local).squeeze(1))
         return nll
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d_proj] -> log-probabilities over the whole vocabulary [N, n_token] (float32)."""
-        head_logprob = F.log_softmax(self._cluster_logits(hidden, 0).float(), dim=-1)
+        weights = self._cluster_weights()
+        head_logprob = F.log_softmax(self._cluster_logits(hidden, 0, *weights[0]).float(), dim=-1)
         if self.n_clusters == 0:
             return head_logprob
         parts = [head_logprob[:, : self.shortlist_size]]
         for i in range(1, self.n_clusters + 1):
-            tail_logprob = F.log_softmax(self._cluster_logits(hidden, i).float(), dim=-1)
+            tail_logprob = F.log_softmax(self._cluster_logits(hidden, i, *weights[i]).float(), dim=-1)
             parts.append(head_logprob[:, self.shortlist_size + i - 1 : self.shortlist_size + i] + tail_logprob)
         return torch.cat(parts, dim=1)

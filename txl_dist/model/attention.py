@@ -7,27 +7,45 @@ For a query at absolute position i and a key at position j (keys are [memory ; c
 
 with q = W_q E x, k = W_{k,E} E x, u = ``r_w_bias``, v = ``r_r_bias`` and R the sinusoid encoding of the
 relative distance. The (b)+(d) term is computed for every (query, distance) pair and moved onto (query, key)
-positions by the relative shift. Two implementations share the projections:
+positions by the relative shift. Two implementations share the projections and the position term:
 
-- ``reference``: explicit matmuls, mask, softmax, dropout;
-- ``fused``: ``torch.nn.functional.scaled_dot_product_attention`` on (q + u, k, v) with the scaled, masked
-  position term passed as an additive bias.
+- ``reference``: (a)+(c) by one batched matmul that adds the shifted (b)+(d), mask, softmax, dropout, matmul;
+- ``fused``: ``torch.nn.functional.scaled_dot_product_attention`` on (q + u, k, v) with the masked position term
+  as an additive bias (a memory-efficient or cuDNN kernel on GPUs).
 
-Both compute the logits, the softmax and the weighted sum in float32, whatever the dtype of the weights or an
-enclosing autocast, and mask with a large finite value so that no row turns into NaN.
+Precision: the matmuls run in the compute dtype (the dtype of the projections: bf16/fp16 under autocast or with
+half weights, float32 or float64 otherwise), so tensor cores and the fused kernels apply; the softmax and its
+normalisation are float32 at least. The 1/sqrt(d_head) scale is applied to q + u and q + v before the matmuls
+(never to the larger score tensor), which also keeps fp16 scores far from overflow. Masked positions get a large
+finite value, so no row turns into NaN; a query that may attend to nothing gets a zero vector.
+
+Only the current segment is projected to queries; keys and values cover [memory ; segment]. The steps are
+separate methods (`project`, `attend`, `residual`) so that incremental decoding
+(`TransformerXLLM.hidden_states_cached`) can take the memory's keys and values from a cache instead of
+projecting the memory again.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from txl_dist.model.dropout import Dropout
+
 # Large enough to remove a key from the softmax (exp underflows to 0), small enough that adding the position
-# term can never overflow float32 to -inf (a row of -inf would give NaN).
+# term can never overflow float32 or bfloat16 to -inf (a row of -inf would give NaN). float16 uses its own
+# minimum (see `mask_value`).
 MASK_VALUE = -1e30
+
+
+def mask_value(dtype: torch.dtype) -> float:
+    """The fill for masked scores in ``dtype``: MASK_VALUE, or the most negative finite value where that is
+    smaller (float16)."""
+    return max(MASK_VALUE, torch.finfo(dtype).min)
 
 
 def sinusoid_encoding(positions: torch.Tensor, d_model: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -62,6 +80,18 @@ def attention_mask(qlen: int, mlen: int, mem_len: int, same_length: bool, device
     return masked
 
 
+@functools.lru_cache(maxsize=16)
+def cached_attention_mask(qlen: int, mlen: int, mem_len: int, same_length: bool, device: torch.device) -> torch.Tensor:
+    """`attention_mask`, built once per shape and device (the model asks for the same few every segment)."""
+    return attention_mask(qlen, mlen, mem_len, same_length, device)
+
+
+def may_mask_whole_rows(mem_len: int, same_length: bool) -> bool:
+    """Whether `attention_mask` can leave a query with no key at all: only ``same_length`` with ``mem_len=0``
+    (every other query at least sees itself)."""
+    return same_length and mem_len == 0
+
+
 def rel_shift(x: torch.Tensor) -> torch.Tensor:
     """Move x[..., i, m], indexed by distance klen-1-m, to x[..., i, j] indexed by key j.
 
@@ -70,10 +100,30 @@ def rel_shift(x: torch.Tensor) -> torch.Tensor:
     less does that shift for all rows at once. Entries for keys after the query (j > klen - qlen + i) receive
     unrelated values; the causal mask removes them.
     """
-    *lead, qlen, klen = x.shape
-    padded = F.pad(x, (1, 0))
-    padded = padded.view(*lead, klen + 1, qlen)
-    return padded[..., 1:, :].reshape(*lead, qlen, klen)
+    return rel_shift_padded(F.pad(x, (1, 0)))
+
+
+def rel_shift_padded(padded: torch.Tensor) -> torch.Tensor:
+    """`rel_shift` of x from ``padded`` = x with its zero column already in front, [..., qlen, klen + 1], whose
+    last two dimensions are contiguous: a view, no copy. The attention computes (b)+(d) against a position
+    projection that has a zero row in front, which gives that padded layout straight from the matmul."""
+    *lead, qlen, klen_plus_one = padded.shape
+    return padded.flatten(-2)[..., qlen:].view(*lead, qlen, klen_plus_one - 1)
+
+
+class RelShift(torch.autograd.Function):
+    """`rel_shift_padded` with a backward pass that writes the padded gradient once (the gradient after qlen
+    zeros), where the view's own backward would zero-fill the whole padded tensor and then copy into it."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor) -> torch.Tensor:
+        return rel_shift_padded(padded)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        *lead, qlen, klen = grad.shape
+        flat = torch.cat([grad.new_zeros(*lead, qlen), grad.reshape(*lead, qlen * klen)], dim=-1)
+        return flat.view(*lead, qlen, klen + 1)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -87,69 +137,119 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.pre_lnorm = pre_lnorm
         self.attn_impl = attn_impl
         self.dropatt_p = dropatt
+        # One matrix for q, k and v (the authors' layout, so checkpoints convert by name); rows [0, H*D) give q.
         self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.drop = nn.Dropout(dropout)
-        self.dropatt = nn.Dropout(dropatt)
+        self.drop = Dropout(dropout)
+        self.dropatt = Dropout(dropatt)
         if own_position_biases:  # untie_r: u and v of this layer only
             self.r_w_bias = nn.Parameter(torch.empty(n_head, d_head))
             self.r_r_bias = nn.Parameter(torch.empty(n_head, d_head))
         else:
             self.r_w_bias = self.r_r_bias = None
 
+    # ---- projections -------------------------------------------------------------------------------------------
+
+    def _split_heads(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        """x [len, B, parts*H*D] -> ``parts`` views [H, B, len, D]."""
+        length, bsz = x.shape[0], x.shape[1]
+        return x.view(length, bsz, parts, self.n_head, self.d_head).permute(2, 3, 1, 0, 4).unbind(0)
+
+    def project(self, w: torch.Tensor, mem: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w [qlen, B, d_model], mem [mlen, B, d_model] or None -> q [H, B, qlen, D] (a view), and k, v
+        [H, B, mlen + qlen, D] (contiguous). Queries come from the segment only; the memory is projected to keys
+        and values by its own matmul, whose input needs no gradient (the memory is detached), so the backward
+        pass computes none for it either. Layer-normed first with pre-LN."""
+        hd = self.n_head * self.d_head
+        q, k, v = self._split_heads(F.linear(self.layer_norm(w) if self.pre_lnorm else w, self.qkv_net.weight), 3)
+        if mem is None or mem.shape[0] == 0:
+            return q, k.contiguous(), v.contiguous()
+        mem = mem.to(w.dtype)
+        k_mem, v_mem = self._split_heads(F.linear(self.layer_norm(mem) if self.pre_lnorm else mem,
+                                                  self.qkv_net.weight[hd:]), 2)
+        # One pass each: the concatenation writes the [H, B, klen, D] layout the attention matmuls want.
+        return q, torch.cat([k_mem, k], dim=2), torch.cat([v_mem, v], dim=2)
+
+    def project_positions(self, r: torch.Tensor) -> torch.Tensor:
+        """r [klen, d_model] (distances klen-1 .. 0) -> [klen + 1, H, D] with a zero row in front (see
+        `rel_shift_padded`); r_net has no bias, so the zero row could also come from a zero encoding."""
+        return F.pad(self.r_net(r), (0, 0, 1, 0)).view(r.shape[0] + 1, self.n_head, self.d_head)
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+
     def forward(self, w: torch.Tensor, r: torch.Tensor, mask: torch.Tensor, mem: torch.Tensor | None,
-                r_w_bias: torch.Tensor | None = None, r_r_bias: torch.Tensor | None = None) -> torch.Tensor:
+                r_w_bias: torch.Tensor | None = None, r_r_bias: torch.Tensor | None = None, *,
+                may_mask_rows: bool = True) -> torch.Tensor:
         """w [qlen, B, d_model], r [klen, d_model], mask [qlen, klen] bool, mem [mlen, B, d_model] -> [qlen, B, d_model].
 
         The position biases come from the layer itself (untie_r) or from the caller (shared by all layers).
+        ``may_mask_rows=False`` promises that every query may attend to some key (see `may_mask_whole_rows`),
+        which saves zeroing the rows that may not.
         """
-        u = self.r_w_bias if self.r_w_bias is not None else r_w_bias
-        v = self.r_r_bias if self.r_r_bias is not None else r_r_bias
-        qlen, bsz = w.shape[0], w.shape[1]
-        cat = w if mem is None or mem.shape[0] == 0 else torch.cat([mem.to(w.dtype), w], dim=0)
-        heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)
-        r_head_k = self.r_net(r)
-        klen = heads.shape[0]
-        q, k, val = heads.chunk(3, dim=-1)
-        q = q[-qlen:].reshape(qlen, bsz, self.n_head, self.d_head)
-        k = k.reshape(klen, bsz, self.n_head, self.d_head)
-        val = val.reshape(klen, bsz, self.n_head, self.d_head)
-        r_head_k = r_head_k.reshape(klen, self.n_head, self.d_head)
+        q, k, val = self.project(w, mem)
+        attn_vec = self.attend(q, k, val, self.project_positions(r), r_w_bias, r_r_bias, mask, may_mask_rows)
+        return self.residual(w, attn_vec)
 
-        # float32 at least (float64 stays float64), outside any autocast region.
-        dtype = torch.promote_types(heads.dtype, torch.float32)
-        with torch.autocast(device_type=w.device.type, enabled=False):
-            attn_vec = self._attend(*(t.to(dtype) for t in (q, k, val, r_head_k, u, v)), mask)
-        # A query that may attend to no key at all gets a zero vector instead of an average of masked values.
-        attn_vec = attn_vec * (~mask.all(dim=-1)).to(attn_vec.dtype)[:, None, None, None]
-        attn_vec = attn_vec.to(heads.dtype).reshape(qlen, bsz, self.n_head * self.d_head)
+    def residual(self, w: torch.Tensor, attn_vec: torch.Tensor) -> torch.Tensor:
+        """attn_vec [qlen, B, H*D] -> the sub-layer's output: output projection, dropout, residual, layer norm."""
         attn_out = self.drop(self.o_net(attn_vec))
         return w + attn_out if self.pre_lnorm else self.layer_norm(w + attn_out)
 
-    def _position_term(self, q: torch.Tensor, r_head_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(b) + (d) on (query, key) positions: [B, H, qlen, klen]."""
-        qv = (q + v).permute(1, 2, 0, 3)  # [B, H, qlen, D]
-        bd = torch.matmul(qv, r_head_k.permute(1, 2, 0))  # [B, H, qlen, klen] by distance
-        return rel_shift(bd)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, r_head: torch.Tensor,
+               r_w_bias: torch.Tensor | None, r_r_bias: torch.Tensor | None, mask: torch.Tensor | None,
+               may_mask_rows: bool = True) -> torch.Tensor:
+        """q [H, B, qlen, D], k and val [H, B, klen, D] (any layout in which heads and batch merge),
+        r_head [klen + 1, H, D] (zero row first), mask [qlen, klen] or None when no key is masked
+        -> attention vectors [qlen, B, H*D] in the compute dtype (that of q).
 
-    def _attend(self, q, k, val, r_head_k, u, v, mask) -> torch.Tensor:
-        """[qlen, B, H, D] inputs (float32 or float64) -> attention vectors [qlen, B, H, D]."""
+        Heads are the outer dimension: the attention matmuls run on contiguous [H*B, len, D] tensors (several
+        times faster than on strided views of time-major tensors) and the position term needs no transposition."""
+        u = self.r_w_bias if self.r_w_bias is not None else r_w_bias
+        v = self.r_r_bias if self.r_r_bias is not None else r_r_bias
+        n_head, bsz, qlen, d_head = q.shape
+        klen = k.shape[2]
+        dtype = q.dtype
+        # q + u and q + v in one operation, scaled once here, on the smallest tensors: [2, H, B, qlen, D].
+        biases = torch.stack([u, v]).to(dtype).view(2, n_head, 1, 1, d_head)
+        q_u, q_v = torch.add(q.unsqueeze(0), biases).mul_(self.scale).unbind(0)  # unbind: one-pass backward
+        q_u = q_u.reshape(n_head * bsz, qlen, d_head)
+        q_v = q_v.reshape(n_head, bsz * qlen, d_head)
+        k_b = k.reshape(n_head * bsz, klen, d_head)  # views (also of a cache's buffer: heads and batch merge)
+        v_b = val.reshape(n_head * bsz, klen, d_head)
+        # (b) + (d) by distance, per head over all (batch, query) rows: [H, B*qlen, klen + 1]; then shifted onto
+        # keys: [H*B, qlen, klen], a view.
+        by_distance = torch.bmm(q_v, r_head.to(dtype).permute(1, 2, 0))
+        padded = by_distance.view(n_head * bsz, qlen, klen + 1)
+        position = RelShift.apply(padded) if torch.is_grad_enabled() else rel_shift_padded(padded)
+        # Masked keys get a large negative additive bias: unlike masked_fill, its backward pass costs nothing
+        # (the softmax already gives those positions zero gradient).
+        mask_bias = None
+        if mask is not None:
+            mask_bias = torch.zeros((), dtype=dtype, device=q.device).expand(qlen, klen).masked_fill(
+                mask, mask_value(dtype))
+
         impl = self.attn_impl
         if impl == "auto":
             impl = "fused" if q.is_cuda else "reference"
-        bd = self._position_term(q, r_head_k, v)
-        qu = (q + u).permute(1, 2, 0, 3)  # [B, H, qlen, D]
-        k_b, v_b = k.permute(1, 2, 0, 3), val.permute(1, 2, 0, 3)
         if impl == "fused":
-            bias = (bd * self.scale).masked_fill(mask, MASK_VALUE)
+            bias = position if mask_bias is None else position + mask_bias
             out = F.scaled_dot_product_attention(
-                qu, k_b, v_b, attn_mask=bias, dropout_p=self.dropatt_p if self.training else 0.0, scale=self.scale
-            )
+                q_u.view(n_head, bsz, qlen, d_head), k_b.view(n_head, bsz, klen, d_head),
+                v_b.view(n_head, bsz, klen, d_head), attn_mask=bias.view(n_head, bsz, qlen, klen),
+                dropout_p=self.dropatt_p if self.training else 0.0, scale=1.0,
+            ).view(n_head * bsz, qlen, d_head)
         else:
-            ac = torch.matmul(qu, k_b.transpose(-1, -2))  # (a) + (c): [B, H, qlen, klen]
-            scores = ((ac + bd) * self.scale).masked_fill(mask, MASK_VALUE)
-            prob = self.dropatt(torch.softmax(scores, dim=-1))
-            out = torch.matmul(prob, v_b)
-        return out.permute(2, 0, 1, 3)
+            scores = torch.baddbmm(position, q_u, k_b.transpose(1, 2))  # (a)+(c) + (b)+(d): [H*B, qlen, klen]
+            if mask_bias is not None:
+                scores = scores.add_(mask_bias)
+            prob = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+            out = torch.bmm(self.dropatt(prob).to(dtype), v_b)
+        # [H*B, qlen, D] -> [qlen, B, H*D]
+        attn_vec = out.view(n_head, bsz, qlen, d_head).permute(2, 1, 0, 3)
+        if may_mask_rows and mask is not None:
+            # A query that may attend to no key at all gets a zero vector instead of an average of masked values.
+            attn_vec = attn_vec * (~mask.all(dim=-1)).to(dtype)[:, None, None, None]
+        return attn_vec.reshape(qlen, bsz, n_head * d_head)

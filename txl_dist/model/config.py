@@ -61,6 +61,10 @@ class ModelConfig:
     attn_impl: str = "auto"
     """"reference" (explicit matmuls and softmax), "fused" (scaled_dot_product_attention with the position term
     as an additive bias) or "auto" (fused on CUDA, reference elsewhere; see benchmarks/model_step.py)."""
+    compile: bool = False
+    """Run the model through ``torch.compile`` (TorchInductor) in training and evaluation. Not part of the
+    architecture: checkpoints and exports do not depend on it. The first steps of each new segment shape pay
+    for compilation (tens of seconds); see benchmarks/model_step.py --compile for what it gains."""
     mem_dtype: str = "compute"
     """Storage dtype of the memory: "compute" keeps the dtype of the hidden states."""
     init_std: float = 0.02
@@ -134,6 +138,8 @@ class ModelConfig:
                 fail(name, "a probability in [0, 1)")
         if self.attn_impl not in ATTN_IMPLS:
             fail("attn_impl", f"one of {list(ATTN_IMPLS)}")
+        if not isinstance(self.compile, bool):
+            fail("compile", "true or false")
         if self.mem_dtype not in MEM_DTYPES:
             fail("mem_dtype", f"one of {list(MEM_DTYPES)}")
         for name in ("init_std", "proj_init_std", "layer_norm_eps"):

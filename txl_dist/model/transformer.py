@@ -12,14 +12,17 @@ import dataclasses
 import torch
 from torch import nn
 
-from txl_dist.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+from txl_dist.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, TargetPlan
 from txl_dist.model.attention import (
     RelPartialLearnableMultiHeadAttn,
     attention_mask,
+    cached_attention_mask,
+    may_mask_whole_rows,
     relative_positions,
     sinusoid_encoding,
 )
 from txl_dist.model.config import ModelConfig
+from txl_dist.model.dropout import Dropout
 
 _MEM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,10 +31,12 @@ class PositionwiseFF(nn.Module):
     def __init__(self, d_model: int, d_inner: int, dropout: float, pre_lnorm: bool, layer_norm_eps: float):
         super().__init__()
         self.pre_lnorm = pre_lnorm
-        # Index 0 and 3 are the two linear maps; the name and layout follow the authors' code.
+        # Index 0 and 3 are the two linear maps; the name and layout follow the authors' code. The ReLU is not
+        # in place: in place on the (viewed) output of the first map, autograd would rebuild that output in the
+        # backward pass (CopySlices), which costs more than the allocation it saves.
         self.CoreNet = nn.Sequential(
-            nn.Linear(d_model, d_inner), nn.ReLU(inplace=True), nn.Dropout(dropout),
-            nn.Linear(d_inner, d_model), nn.Dropout(dropout),
+            nn.Linear(d_model, d_inner), nn.ReLU(), Dropout(dropout),
+            nn.Linear(d_inner, d_model), Dropout(dropout),
         )
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
 
@@ -51,8 +56,84 @@ class DecoderLayer(nn.Module):
         self.pos_ff = PositionwiseFF(config.d_model, config.d_inner, config.dropout, config.pre_lnorm,
                                      config.layer_norm_eps)
 
-    def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias):
-        return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias))
+    def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=True):
+        return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=may_mask_rows))
+
+
+class KVCache:
+    """What `TransformerXLLM.hidden_states_cached` carries between calls: per layer the keys and values of the
+    memory, and the position encodings projected by every layer's r_net.
+
+    Keys and values live in preallocated buffers [H, B, capacity, D] per layer; a call writes the new positions
+    after the memory and attends over a view of [memory ; new], so the memory is neither projected nor copied
+    again. When the buffer is full the memory (at most mem_len positions) moves to its front, once every
+    capacity - mem_len positions."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.end = 0  # buffer index after the newest position
+        self.mlen = 0  # positions of memory before ``end``
+        self._position_table: tuple[tuple, list[torch.Tensor]] | None = None
+        self._position_heads: tuple[int, list[torch.Tensor]] | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.keys[0].shape[1] if self.keys else None
+
+    def reserve(self, model: "TransformerXLLM", bsz: int, qlen: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Room for qlen more positions after the memory."""
+        c = model.config
+        capacity = self.keys[0].shape[2] if self.keys else 0
+        if self.end + qlen <= capacity:
+            return
+        needed = 2 * (c.mem_len + max(qlen, c.tgt_len))
+        if capacity < self.mlen + qlen or not self.keys:
+            capacity = max(needed, capacity)
+        shape = (c.n_head, bsz, capacity, c.d_head)
+        for store in (self.keys, self.values):
+            for i in range(c.n_layer):
+                fresh = torch.empty(shape, dtype=dtype, device=device)
+                if i < len(store):
+                    fresh[:, :, :self.mlen] = store[i][:, :, self.end - self.mlen:self.end]
+                    store[i] = fresh
+                else:
+                    store.append(fresh)
+        self.end = self.mlen
+
+    def extend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new positions' keys and values [H, B, qlen, D] after the memory; views [H, B, mlen + qlen, D]
+        of memory and new positions."""
+        qlen = k_new.shape[2]
+        keys, values = self.keys[layer], self.values[layer]
+        keys.narrow(2, self.end, qlen).copy_(k_new)
+        values.narrow(2, self.end, qlen).copy_(v_new)
+        start = self.end - self.mlen
+        return keys.narrow(2, start, self.mlen + qlen), values.narrow(2, start, self.mlen + qlen)
+
+    def advance(self, qlen: int, mem_len: int) -> None:
+        """After every layer has extended: the new positions join the memory, which keeps the newest mem_len."""
+        self.end += qlen
+        self.mlen = min(mem_len, self.mlen + qlen)
+
+    def position_heads(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per layer [klen + 1, H, D]: a zero row, then r_net of the encodings of distances klen-1 .. 0."""
+        if self._position_heads is not None and self._position_heads[0] == klen:
+            return self._position_heads[1]
+        c = model.config
+        device = next(model.parameters()).device
+        key = (c.clamp_len, dtype, device)
+        table = self._position_table
+        if table is None or table[0] != key or table[1][0].shape[0] < klen:
+            longest = max(klen, c.mem_len + c.tgt_len)
+            pos_emb = sinusoid_encoding(relative_positions(longest, c.clamp_len, device), c.d_model,
+                                        dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+            # Distances longest-1 .. 0 per layer, [longest, H, D]; a key length klen takes the last klen rows.
+            table = self._position_table = (key, [layer.dec_attn.project_positions(pos_emb)[1:]
+                                                  for layer in model.layers])
+        heads = [torch.cat([rows.new_zeros(1, *rows.shape[1:]), rows[rows.shape[0] - klen:]]) for rows in table[1]]
+        self._position_heads = (klen, heads)
+        return heads
 
 
 class TransformerXLLM(nn.Module):
@@ -64,7 +145,7 @@ class TransformerXLLM(nn.Module):
         c = self.config
         d_embed = c.d_embed_resolved
         self.word_emb = AdaptiveEmbedding(c.n_token, d_embed, c.d_model, c.cutoffs, c.div_val)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = Dropout(c.dropout)
         if not c.untie_r:  # u and v shared by all layers, as in the authors' PyTorch code
             self.r_w_bias = nn.Parameter(torch.empty(c.n_head, c.d_head))
             self.r_r_bias = nn.Parameter(torch.empty(c.n_head, c.d_head))
@@ -137,9 +218,21 @@ class TransformerXLLM(nn.Module):
                                  f"got {list(mem.shape)}")
         return mlen
 
+    def compile_body(self, **options) -> None:
+        """Run `hidden_states` (embedding, layers, memory: nearly all the work) through ``torch.compile`` from
+        now on. The adaptive softmax stays eager: its row selections have host-planned, data-dependent sizes,
+        and a graph broken inside the loss lost the gradient of the hidden states in torch 2.13. Parameters and
+        state-dict keys are unchanged."""
+        self._compiled_hidden_states = torch.compile(self._hidden_states, **options)
+
     def hidden_states(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, L] -> (final hidden states [L, B, d_model], new mems)."""
+        compiled = self.__dict__.get("_compiled_hidden_states")
+        return (compiled or self._hidden_states)(tokens, mems)
+
+    def _hidden_states(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected [batch, length], got shape {list(tokens.shape)}")
@@ -147,17 +240,61 @@ class TransformerXLLM(nn.Module):
         qlen, bsz = inp.shape
         mlen = 0 if mems is None else self._check_mems(mems, bsz)
         word_emb = self.word_emb(inp)
-        mask = attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        build_mask = attention_mask if torch.compiler.is_compiling() else cached_attention_mask
+        mask = build_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        may_mask_rows = may_mask_whole_rows(c.mem_len, c.same_length)
         core_out = self.drop(word_emb)
         pos_emb = sinusoid_encoding(relative_positions(mlen + qlen, c.clamp_len, inp.device), c.d_model,
                                     dtype=torch.promote_types(core_out.dtype, torch.float32))
         pos_emb = self.drop(pos_emb.to(core_out.dtype))
         hids = [core_out]
         for i, layer in enumerate(self.layers):
-            core_out = layer(core_out, pos_emb, mask, None if mems is None else mems[i], self.r_w_bias, self.r_r_bias)
+            core_out = layer(core_out, pos_emb, mask, None if mems is None else mems[i], self.r_w_bias,
+                             self.r_r_bias, may_mask_rows)
             hids.append(core_out)
         new_mems = self._update_mems(hids, mems, qlen)
         return self.drop(core_out), new_mems
+
+    # ---- incremental decoding with a key/value cache ------------------------------------------------------------
+
+    @torch.no_grad()
+    def hidden_states_cached(self, tokens: torch.Tensor, cache: KVCache | None = None
+                             ) -> tuple[torch.Tensor, KVCache]:
+        """Like `hidden_states`, for inference: tokens [B, L] after everything ``cache`` has seen -> (final hidden
+        states [L, B, d_model], the cache, updated in place, for the next call).
+
+        The cache holds, per layer, the keys and values of the memory and the projected position encodings, so
+        a new token projects only itself: the memory is never projected again. It covers exactly the positions
+        the memory would hold (the newest mem_len), so the outputs equal those of `hidden_states` with the
+        memory. Dropout is off (call it in eval mode)."""
+        c = self.config
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected [batch, length], got shape {list(tokens.shape)}")
+        inp = tokens.t()  # [L, B]
+        qlen, bsz = inp.shape
+        cache = KVCache() if cache is None else cache
+        if cache.batch_size not in (None, bsz):
+            raise ValueError(f"tokens: batch {bsz}, but the cache holds batch {cache.batch_size}")
+        core_out = self.drop(self.word_emb(inp))
+        cache.reserve(self, bsz, qlen, core_out.dtype, inp.device)
+        mlen = cache.mlen
+        # A single new token sees every key, unless same_length drops the oldest once the memory is full.
+        masks_nothing = qlen == 1 and not (c.same_length and mlen >= c.mem_len)
+        mask = None if masks_nothing else cached_attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
+        may_mask_rows = may_mask_whole_rows(c.mem_len, c.same_length)
+        r_heads = cache.position_heads(self, mlen + qlen, core_out.dtype)
+        store = _MEM_DTYPES.get(c.mem_dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.dec_attn
+            q, k_new, v_new = attn.project(core_out, None)
+            k, v = cache.extend(i, k_new, v_new)
+            attn_vec = attn.attend(q, k, v, r_heads[i], self.r_w_bias, self.r_r_bias, mask, may_mask_rows)
+            if store is not None and store != core_out.dtype:
+                # The memory keeps this layer's input in mem_dtype and is projected from there: so is the cache.
+                cache.extend(i, *attn.project(core_out.to(store).to(core_out.dtype), None)[1:])
+            core_out = layer.pos_ff(attn.residual(core_out, attn_vec))
+        cache.advance(qlen, c.mem_len)
+        return self.drop(core_out), cache
 
     @torch.no_grad()
     def _update_mems(self, hids: list[torch.Tensor], mems: list[torch.Tensor] | None, qlen: int) -> list[torch.Tensor]:
@@ -173,10 +310,18 @@ class TransformerXLLM(nn.Module):
             new_mems.append(new.detach().to(dtype or hid.dtype))
         return new_mems
 
+    def plan_targets(self, targets: torch.Tensor, device: torch.device | str | None = None) -> TargetPlan:
+        """The adaptive softmax's plan for ``targets`` [B, L] (see `ProjectedAdaptiveLogSoftmax.plan`), with its
+        row indices on ``device``. Made from targets on the host, it lets `forward` on an accelerator run without
+        waiting for the device."""
+        return self.crit.plan(targets.t().reshape(-1), device)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                mems: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                mems: list[torch.Tensor] | None = None, target_plan: TargetPlan | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, L] (and targets [B, L]) -> (per-token loss [B, L], new mems), or without targets
-        (log-probabilities [B, L, n_token], new mems). Losses and log-probabilities are float32."""
+        (log-probabilities [B, L, n_token], new mems). Losses and log-probabilities are float32.
+        ``target_plan`` = `plan_targets` of the targets, made on the host (optional)."""
         hidden, new_mems = self.hidden_states(tokens, mems)
         qlen, bsz, d_model = hidden.shape
         flat = hidden.reshape(qlen * bsz, d_model)
@@ -184,5 +329,5 @@ class TransformerXLLM(nn.Module):
             return self.crit.log_prob(flat).view(qlen, bsz, -1).transpose(0, 1), new_mems
         if targets.shape != tokens.shape:
             raise ValueError(f"targets: expected shape {list(tokens.shape)}, got {list(targets.shape)}")
-        loss = self.crit(flat, targets.t().reshape(-1)).view(qlen, bsz).t()
+        loss = self.crit(flat, targets.t().reshape(-1), target_plan).view(qlen, bsz).t()
         return loss, new_mems

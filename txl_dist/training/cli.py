@@ -102,6 +102,9 @@ def _require_run_paths(cfg: RunConfig) -> None:
                          "e.g. data.shards=DIR")
     if cfg.train.output_dir is None:
         raise ValueError("train.output_dir is not set: give the run's directory, e.g. train.output_dir=runs/NAME")
+    output_dir = Path(cfg.train.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"train.output_dir={cfg.train.output_dir!r}: a file, not a directory")
     shards = cfg.data.shards
     if not Path(shards, MANIFEST_NAME).is_file():
         raise ValueError(f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "

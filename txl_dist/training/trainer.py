@@ -12,7 +12,15 @@ same number of streams (whatever the world size) streams and memory continue exa
 data is re-partitioned and the memory starts empty (the log says so).
 
 SIGTERM or SIGINT (what Slurm sends before preemption) finishes the current step, writes a checkpoint and exits
-with status 0; the ranks agree on the step through an all-reduce of the stop flag after every step.
+with status 0; the ranks agree on the step through an all-reduce of the stop flag after every step. So does the
+end of the process that started the job (see `txl_dist.training.run_guard`: no rank trains on as an orphan).
+
+The run owns its output directory: rank 0 holds ``run.lock`` (`txl_dist.training.run_lock`) from start to exit,
+and every rank must read back that lock's token before anything else happens, which proves that all nodes see the
+same directory. Rank 0 chooses the checkpoint to resume from (the newest that verifies, the ranks sharing the
+reading) and tells the others. A non-finite loss on the first step after a resume stops the run. A stream whose
+new memory holds inf/nan (an fp16 forward that overflowed) gets a zero memory instead, counted in the logged
+``mems_reset``, so no later segment carries it and no checkpoint stores it.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import logging
 import math
 import os
 import resource
-import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +41,10 @@ import torch.distributed as dist
 from txl_dist.config import RunConfig, with_manifest_vocab
 from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
 from txl_dist.data.format import read_manifest
-from txl_dist.evaluation import EvalResult, evaluate, segment_settings
+from txl_dist.evaluation import EvalResult, evaluate, segment_settings, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.plan import describe, device_memory_of
+from txl_dist.training import weights_only
 from txl_dist.training.checkpoint import (
     CLIENT_KEY,
     CheckpointManager,
@@ -45,31 +54,17 @@ from txl_dist.training.checkpoint import (
     tag_for_step,
 )
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.run_guard import RunFailure, RunGuard
+from txl_dist.training.run_lock import LOCK_NAME, RunLock, read_holder
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
 
 log = logging.getLogger("txl_dist.training")
 
 
-class GracefulStop:
-    """SIGTERM / SIGINT only set a flag; the loop stops at a step boundary with a checkpoint."""
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self._previous = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+SHARED_DIRECTORY_WAIT_S = 10.0
+"""How long a rank looks for rank 0's lock file before it decides that its node sees another directory (NFS
+clients may cache a lookup for a few seconds)."""
 
 
 def _resident_memory_mb() -> float:
@@ -109,12 +104,33 @@ def _tokenizer_fingerprint(directory: str | None) -> str | None:
     return load_tokenizer(directory).fingerprint
 
 
-class Trainer:
-    """Builds everything from a validated `RunConfig`; `run()` trains and returns a summary."""
+def _finite_mems(mems: list[torch.Tensor], resets: torch.Tensor) -> list[torch.Tensor]:
+    """``mems`` (n_layer + 1 tensors [mem_len, B, d_model]) with the columns (streams) that hold inf or nan in any
+    layer set to zero -- the memory HuggingFace's Transformer-XL starts from -- and their number added to
+    ``resets``; all on the device, without a host synchronisation."""
+    finite = torch.stack([m.isfinite().all(dim=2).all(dim=0) for m in mems]).all(dim=0)  # [B]
+    resets += (~finite).sum()
+    keep = finite.view(1, -1, 1)
+    return [torch.where(keep, m, torch.zeros((), dtype=m.dtype, device=m.device)) for m in mems]
 
-    def __init__(self, cfg: RunConfig, deepspeed_overlay: str | None = None):
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Trainer:
+    """Builds everything from a validated `RunConfig`; `run()` trains and returns a summary.
+
+    ``guard``: the process's `RunGuard` (launchers/train.py creates it first thing, so that signals and the
+    launcher chain are watched from the start); one is made here when not given."""
+
+    def __init__(self, cfg: RunConfig, deepspeed_overlay: str | None = None, guard: RunGuard | None = None):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
+
+        self.guard = guard if guard is not None else RunGuard()
 
         self.accelerator = get_accelerator()
         self.device_type = self.accelerator.device_name()
@@ -126,6 +142,7 @@ class Trainer:
             self.device = torch.device("cpu")
         deepspeed.init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.guard.connect(self.rank, self.world_size)
         # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
         # does not wait for the device to finish the step's kernels.
         self._flag_group = dist.new_group(backend="gloo") if self.device_type != "cpu" else None
@@ -136,8 +153,10 @@ class Trainer:
         self.manifest = manifest
         self.layout = cfg.train.batch_layout(self.world_size)
         self.output_dir = Path(cfg.train.output_dir)
+        self.lock = self._take_output_dir()
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", self.rank, self.world_size,
                                              cfg.checkpoint.keep_last)
+        self.guard.on_abort(self.checkpoints.remove_unfinished_save)
         self.checkpoints.remove_incomplete()
         if self.rank == 0:
             self._keep_tokenizer()
@@ -147,6 +166,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = TransformerXLLM(cfg.model)
         self.num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
+        if cfg.model.compile:
+            model.compile_body()  # the module itself stays: no "_orig_mod." keys in checkpoints
         torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
 
         ds_config = build_deepspeed_config(
@@ -164,6 +185,7 @@ class Trainer:
             model=model, model_parameters=model.parameters(), optimizer=optimizer, config=ds_config,
             lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
         )
+        self.checkpoints.install(self.engine)
         self.fingerprint = _tokenizer_fingerprint(cfg.data.tokenizer) or manifest.tokenizer.fingerprint
         self.streams = TrainStreams(
             cfg.data.shards, cfg.data.train_split, tgt_len=cfg.model.tgt_len,
@@ -176,9 +198,46 @@ class Trainer:
         self.tokens_seen = 0
         self.best: dict[str, Any] | None = None
         self.mems: list[list[torch.Tensor] | None] = [None] * self.layout.grad_accum
+        self._mems_resets = torch.zeros((), dtype=torch.int64, device=self.device)
         self.resumed_from = self._resume()
         self.logger = RunLogger(self.output_dir, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
                                 resume_step=self.step)
+
+    def _take_output_dir(self) -> RunLock | None:
+        """Collective: rank 0 takes the run lock (refused while another run holds it); then every rank must read
+        that lock, token and all, from its own view of train.output_dir, or the run stops: nodes that see
+        different directories would resume from different checkpoints and hang in their first collective."""
+        lock = None
+        if self.rank == 0:
+            lock = RunLock(self.output_dir, on_lost=lambda message: self.guard.fail(RunFailure(message)))
+            lock.acquire()
+            self.guard.on_abort(lock.release)
+        token, rank0_dir, rank0_host = _broadcast(
+            (lock.token, str(self.output_dir.absolute()), socket.gethostname()) if lock else None)
+        problem = None
+        if self.rank != 0:
+            path = self.output_dir / LOCK_NAME
+            deadline = time.monotonic() + SHARED_DIRECTORY_WAIT_S
+            while True:
+                try:
+                    holder = read_holder(path)
+                except (OSError, ValueError):
+                    holder = None
+                if holder is not None and holder.token == token:
+                    break
+                if time.monotonic() > deadline:
+                    found = "finds no" if holder is None else "finds another run's"
+                    problem = (f"train.output_dir must be on a filesystem shared by all nodes: rank {self.rank} on "
+                               f"{socket.gethostname()} {found} {LOCK_NAME} in {path.parent.absolute()}, where rank 0 "
+                               f"on {rank0_host} wrote this run's in {rank0_dir}")
+                    break
+                time.sleep(0.5)
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        failed = [p for p in problems if p]
+        if failed:
+            raise RunFailure(failed[0] + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))
+        return lock
 
     def _keep_tokenizer(self) -> None:
         """Rank 0: a copy of the tokenizer in ``{output_dir}/tokenizer``, so that checkpoints convert and
@@ -208,27 +267,30 @@ class Trainer:
     # ---- resume ------------------------------------------------------------------------------------------------
 
     def _resume_tag(self) -> str | None:
-        """The checkpoint to resume from, checked against this run's architecture before anything is built."""
-        latest = self.checkpoints.latest_tag()
+        """Collective: the checkpoint to resume from (the newest that verifies, chosen on rank 0), checked against
+        this run's architecture before anything is built."""
         if not self.cfg.checkpoint.resume:
-            if latest is not None:
+            existing = self.checkpoints.complete_tags()
+            if existing:
                 raise ValueError(f"checkpoint.resume=false, but {self.checkpoints.directory} holds checkpoints "
-                                 f"(newest {latest}): choose another train.output_dir, or remove them")
+                                 f"(newest {existing[-1]}): choose another train.output_dir, or remove them")
             return None
-        if latest is None:
+        tag = self.checkpoints.choose_resume_tag(verify=self.cfg.checkpoint.verify)
+        if tag is None:
             return None
-        differences = _architecture_differences(self.checkpoints.marker(latest)["architecture"],
+        differences = _architecture_differences(self.checkpoints.marker(tag)["architecture"],
                                                 self.cfg.model.architecture())
         if differences:
-            raise ValueError(f"{self.checkpoints.directory / latest} was trained with another architecture: "
+            raise ValueError(f"{self.checkpoints.directory / tag} was trained with another architecture: "
                              + "; ".join(differences))
-        return latest
+        return tag
 
     def _resume(self) -> str | None:
         tag = self.resume_tag
         if tag is None:
             return None
-        _, client_state = self.engine.load_checkpoint(str(self.checkpoints.directory), tag=self.load_tag)
+        with weights_only.deepspeed_loads_weights_only():
+            _, client_state = self.engine.load_checkpoint(str(self.checkpoints.directory), tag=self.load_tag)
         if self.load_tag != tag:
             self.checkpoints.remove_universal(self.load_tag)
         if client_state is None or CLIENT_KEY not in client_state:
@@ -277,8 +339,9 @@ class Trainer:
         if any(m is None for m in columns):
             mems = None
         else:
-            mems = [torch.cat([slot_mems[layer] for slot_mems in columns], dim=1).cpu()
-                    for layer in range(len(columns[0]))]
+            mems = _finite_mems([torch.cat([slot_mems[layer] for slot_mems in columns], dim=1)
+                                 for layer in range(len(columns[0]))], self._mems_resets)
+            mems = [layer.cpu() for layer in mems]
         state = RankState(stream_ids=stream_ids, mems=mems, rng=rng_state(), world_size=self.world_size, rank=self.rank)
         best_tag = tag_for_step(self.best["step"]) if self.best else None
         tag = self.checkpoints.save(self.engine, self.step, self._client_state(), state,
@@ -311,7 +374,15 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
-    def _stop_agreed(self, stop: GracefulStop) -> bool:
+    def _forward(self, batch, mems: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One micro-batch through the engine, queued without waiting for the device: the batch is copied from
+        pinned host memory with non_blocking, and the adaptive softmax's target plan (which rows go to which
+        cluster, the only data-dependent shapes of the step) is made from the host copy of the targets."""
+        plan = self.engine.module.plan_targets(batch.targets, self.device)
+        return self.engine(to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems,
+                           target_plan=plan)
+
+    def _stop_agreed(self, stop: RunGuard) -> bool:
         flag = torch.tensor([1.0 if stop.requested else 0.0])
         if self._flag_group is None:
             flag = flag.to(self.device)
@@ -330,7 +401,7 @@ class Trainer:
         )
         plan_device = "cpu" if self.device_type == "cpu" else self.device_type
         self.logger.info("%s", describe(cfg, self.world_size, plan_device, device_memory_of(plan_device)))
-        stop = GracefulStop()
+        stop = self.guard
         self.engine.train()
         batches = iter(self.streams)
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -348,8 +419,8 @@ class Trainer:
                     batch = next(batches)
                     if batch.reset_mems:
                         self.mems[slot] = None
-                    loss, self.mems[slot] = self.engine(batch.inputs.to(self.device), batch.targets.to(self.device),
-                                                        self.mems[slot])
+                    loss, self.mems[slot] = self._forward(batch, self.mems[slot])
+                    self.mems[slot] = _finite_mems(self.mems[slot], self._mems_resets)
                     loss = loss.mean()
                     self.engine.backward(loss)
                     self.engine.step()
@@ -358,6 +429,8 @@ class Trainer:
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 window_steps += 1
+                if self.resumed_from and self.step == start_step + 1:
+                    self._require_finite_loss_after_resume(window_loss)
                 finished = self.step >= cfg.train.max_steps
                 if self.step % cfg.log.every == 0 or finished:
                     self._log_train(window_loss, window_checksum, window_steps, window_start, tokens_per_step)
@@ -377,7 +450,7 @@ class Trainer:
                 if evaluated or last_saved == self.step:  # keep evaluation and saving out of tokens/s
                     window_start = time.perf_counter()
                 if stop_now:
-                    stopped_by = stop.signal_name or "a signal on another rank"
+                    stopped_by = stop.reason or "a stop request on another rank"
                     break
             if stopped_by is None or stopped_by.startswith("max_epochs"):
                 # A full pass over the split when training ends, then the last checkpoint, which records it.
@@ -385,7 +458,6 @@ class Trainer:
                 if last_saved != self.step:
                     self.save()
         finally:
-            stop.restore()
             self.streams.close()
         elapsed = time.perf_counter() - run_start
         summary = {
@@ -401,7 +473,29 @@ class Trainer:
             f", valid ppl {last_eval.ppl:.2f}" if last_eval else "",
         )
         self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
+        self.guard.close()
         return summary
+
+    def _require_finite_loss_after_resume(self, step_loss: torch.Tensor) -> None:
+        """Collective, once: a checkpoint whose weights or optimizer state hold inf/nan would otherwise train on
+        with every step skipped, and save more such checkpoints."""
+        total = step_loss.detach().clone()
+        dist.all_reduce(total)
+        loss = total.item()
+        if not math.isfinite(loss):
+            verified = "" if self.cfg.checkpoint.verify else " (its files were not verified: checkpoint.verify=false)"
+            raise RunFailure(
+                f"the training loss is {loss} at step {self.step}, the first step after resuming from "
+                f"{self.checkpoints.directory / self.resumed_from}: the checkpoint's weights or optimizer state are "
+                f"not finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before")
+
+    def _mems_reset_total(self) -> int:
+        """Streams whose memory was reset since this process started, over all ranks (on logging steps only)."""
+        total = self._mems_resets.clone()
+        dist.all_reduce(total)
+        return int(total.item())
 
     def _log_train(self, window_loss: torch.Tensor, window_checksum: torch.Tensor, window_steps: int,
                    window_start: float, tokens_per_step: int) -> None:
@@ -422,7 +516,8 @@ class Trainer:
             "loss_scale": _loss_scale(self.engine.optimizer) if fp16 else None,
             "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
             "tokens": self.tokens_seen, "tokens_per_s": window_steps * tokens_per_step / max(seconds, 1e-9),
-            "step_time_s": seconds / window_steps, "data_checksum": int(totals[1].item()), **memory,
+            "step_time_s": seconds / window_steps, "data_checksum": int(totals[1].item()),
+            "mems_reset": self._mems_reset_total(), **memory,
         }
         self.logger.record(self.step, "train", values)
         self.logger.info(

@@ -1,0 +1,475 @@
+"""Run integrity without the launcher: checkpoint verification, the run lock, weights-only loading, the memory
+guard, outputs that never destroy an input, and write failures on real full and read-only filesystems.
+(The launcher-level cases are at the end of tests/test_train_launcher.py.)"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from txl_dist import fileio
+from txl_dist.training import weights_only
+from txl_dist.training.checkpoint import COMPLETE, verify_checkpoint
+from txl_dist.training.run_lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- checkpoint verification -------------------------------------------------------------------------------------
+
+
+def _checkpoint(directory: Path) -> Path:
+    """A checkpoint folder as CheckpointManager.save writes it: files written with their checksums recorded."""
+    tag_dir = directory / "step00000005"
+    (tag_dir / "txl_rank_states").mkdir(parents=True)
+    files = {}
+    for name, tensor in (("mp_rank_00_model_states.pt", torch.randn(4096)),
+                         ("txl_rank_states/rank00000.pt", torch.randn(512))):
+        files[name] = fileio.atomic_write_checksummed(tag_dir / name, lambda h, t=tensor: torch.save({"x": t}, h))
+    marker = {"step": 5, "checksum": fileio.CHECKSUM_NAME, "files": {k: v.to_json() for k, v in files.items()}}
+    (tag_dir / COMPLETE).write_text(json.dumps(marker))
+    return tag_dir
+
+
+def test_checksums_computed_while_writing_equal_a_read_back(tmp_path):
+    data = os.urandom(3 * 2**20 + 17)
+    written = fileio.atomic_write_checksummed(tmp_path / "f", lambda handle: handle.write(data))
+    import zlib
+
+    assert written == fileio.file_checksum(tmp_path / "f") == fileio.FileChecksum(len(data), f"{zlib.crc32(data):08x}")
+
+
+def test_verification_names_every_damaged_missing_and_unlisted_file(tmp_path):
+    tag_dir = _checkpoint(tmp_path)
+    assert verify_checkpoint(tag_dir) == []
+    model = tag_dir / "mp_rank_00_model_states.pt"
+    with open(model, "r+b") as handle:  # same size, other bytes
+        handle.seek(model.stat().st_size // 2)
+        handle.write(b"\xff" * 64)
+    os.truncate(tag_dir / "txl_rank_states/rank00000.pt", 100)
+    (tag_dir / "zero_pp_rank_9_mp_rank_00_optim_states.pt").write_bytes(b"planted")
+    problems = verify_checkpoint(tag_dir)
+    assert len(problems) == 3, problems
+    assert any(p.startswith(f"{model}: CRC-32") and p.endswith("(damaged)") for p in problems)
+    assert any("rank00000.pt: 100 bytes, COMPLETE.json records" in p for p in problems)
+    assert any("zero_pp_rank_9_mp_rank_00_optim_states.pt: not listed in COMPLETE.json" in p for p in problems)
+    model.unlink()
+    assert f"{model}: missing" in verify_checkpoint(tag_dir)
+    marker = json.loads((tag_dir / COMPLETE).read_text())
+    del marker["files"]
+    (tag_dir / COMPLETE).write_text(json.dumps(marker))
+    assert "lists no file checksums" in verify_checkpoint(tag_dir)[0]
+
+
+# ---- weights-only loading ----------------------------------------------------------------------------------------
+
+
+class _Crafted:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_deepspeed_classes_load_and_a_crafted_pickle_is_refused_unrun(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    scaler = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    torch.save({"loss_scaler": scaler, "zero_stage": ZeroStageEnum(2), "w": torch.ones(3)}, tmp_path / "ok.pt")
+    loaded = weights_only.load(tmp_path / "ok.pt")
+    assert loaded["loss_scaler"].cur_scale == 2**16 and loaded["zero_stage"] == ZeroStageEnum(2)
+
+    marker = tmp_path / "PWNED"
+    torch.save({"w": torch.ones(3), "x": _Crafted(marker)}, tmp_path / "bad.pt")
+    with pytest.raises(weights_only.UnsafeCheckpointError, match=r"bad.pt: refused to unpickle: it refers to "
+                                                                 r"posix.system"):
+        weights_only.load(tmp_path / "bad.pt")
+    # What DeepSpeed's own code calls, inside the guard: torch.load(..., weights_only=False).
+    with weights_only.deepspeed_loads_weights_only(), pytest.raises(weights_only.UnsafeCheckpointError):
+        torch.load(tmp_path / "bad.pt", map_location="cpu", weights_only=False)
+    assert torch.load is weights_only._ORIGINAL_LOAD
+    assert not marker.exists()
+
+
+# ---- the run lock ------------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_is_refused_naming_the_holder_until_the_lock_is_released(tmp_path):
+    first = RunLock(tmp_path / "run").acquire()
+    holder = read_holder(tmp_path / "run" / LOCK_NAME)
+    assert (holder.host, holder.pid, holder.token) == (socket.gethostname(), os.getpid(), first.token)
+    with pytest.raises(RunDirectoryBusy, match=re.escape(f"is in use by another run (host {socket.gethostname()}, "
+                                                         f"PID {os.getpid()}, started {holder.started}; lock")):
+        RunLock(tmp_path / "run").acquire()
+    first.release()
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+    second = RunLock(tmp_path / "run").acquire()
+    first.release()  # not its lock any more: nothing happens
+    assert read_holder(tmp_path / "run" / LOCK_NAME).token == second.token
+    second.release()
+
+
+def _write_holder(directory: Path, **fields) -> LockHolder:
+    holder = LockHolder.of_this_process()
+    for key, value in fields.items():
+        setattr(holder, key, value)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / LOCK_NAME).write_text(json.dumps(holder.__dict__))
+    return holder
+
+
+def test_locks_of_dead_or_recycled_processes_are_taken_over(tmp_path, caplog):
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    _write_holder(tmp_path, pid=finished.pid)
+    with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
+        RunLock(tmp_path).acquire().release()
+        _write_holder(tmp_path, pid_start=1)  # this PID, but not the process that took the lock
+        RunLock(tmp_path).acquire().release()
+        _write_holder(tmp_path, boot_id="another-boot")
+        RunLock(tmp_path).acquire().release()
+    reasons = [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records if "taking over" in r.getMessage()]
+    assert reasons == [f"PID {finished.pid} is no longer running", f"PID {os.getpid()} is another process now",
+                       "the host has restarted since"]
+
+
+def test_a_lock_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, caplog):
+    holder = _write_holder(tmp_path, host="node-elsewhere")
+    beating = threading.Event()
+
+    def beat() -> None:
+        while not beating.wait(0.1):
+            holder.heartbeat += 1
+            fileio.atomic_write_text(tmp_path / LOCK_NAME, json.dumps(holder.__dict__))
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RunDirectoryBusy, match="host node-elsewhere"):
+            RunLock(tmp_path, heartbeat_s=0.1, stale_after_s=5).acquire()
+    finally:
+        beating.set()
+        thread.join()
+    assert time.monotonic() - started < 2
+    # Node loss: the heartbeat stops; after stale_after_s the lock is taken over.
+    with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
+        lock = RunLock(tmp_path, heartbeat_s=0.1, stale_after_s=0.5).acquire()
+    assert "its heartbeat has not moved for 0 s" in caplog.text or "has not moved for 1 s" in caplog.text
+    # The holder's own heartbeat moves, and losing the lock is reported.
+    lost = []
+    lock.on_lost = lost.append
+    first = read_holder(tmp_path / LOCK_NAME).heartbeat
+    time.sleep(0.35)
+    assert read_holder(tmp_path / LOCK_NAME).heartbeat > first
+    (tmp_path / LOCK_NAME).unlink()
+    time.sleep(0.35)
+    assert lost == [f"lost the run lock {tmp_path / LOCK_NAME}: the file was removed"]
+    lock.release()
+
+
+# ---- the memory guard --------------------------------------------------------------------------------------------
+
+
+def test_non_finite_mems_are_reset_per_stream_and_counted():
+    from txl_dist.training.trainer import _finite_mems
+
+    mems = [torch.randn(4, 3, 5) for _ in range(3)]
+    mems[1][2, 1, 3] = float("inf")
+    mems[2][0, 2, 0] = float("nan")
+    resets = torch.zeros((), dtype=torch.int64)
+    guarded = _finite_mems(mems, resets)
+    assert resets.item() == 2
+    for before, after in zip(mems, guarded):
+        assert torch.equal(after[:, 0], before[:, 0])
+        assert (after[:, 1:] == 0).all()
+    assert _finite_mems([torch.empty(0, 3, 5)], resets)[0].shape == (0, 3, 5) and resets.item() == 2
+
+
+# ---- outputs that never destroy an input -------------------------------------------------------------------------
+
+
+def _tree_digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        digest.update(str(path.relative_to(directory)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    from txl_dist.export import write_export
+    from txl_dist.model import TransformerXLLM, preset
+
+    model = TransformerXLLM(preset("tiny", n_token=700))
+    return write_export(model, model.config, tmp_path_factory.mktemp("exports") / "export")
+
+
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launchers/convert.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_export_to_hf_into_itself_or_its_parent_is_refused_and_the_input_kept(export_dir, tmp_path):
+    before = _tree_digest(export_dir.parent)
+    for output, what in ((export_dir, "is the input"), (export_dir.parent, "contains the input")):
+        result = _convert("export-to-hf", str(export_dir), str(output), "--overwrite")
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr == f"convert.py export-to-hf: error: output {output} {what} {export_dir}: " + (
+            "choose another output\n" if what == "is the input" else
+            "replacing it would delete the input; choose another output\n")
+    assert _tree_digest(export_dir.parent) == before
+
+
+def test_overwrite_replaces_only_what_txl_dist_wrote(export_dir, tmp_path):
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    (unrelated / "todo.txt").write_text("keep me")
+    with pytest.raises(fileio.OutputPathError, match="holds files this tool did not write"):
+        fileio.check_output_path(unrelated, [export_dir], overwrite=True)
+    with pytest.raises(fileio.OutputPathError, match="lies inside the input"):
+        fileio.check_output_path(export_dir / "hf", [export_dir], overwrite=True)
+    (tmp_path / "link").symlink_to(export_dir)
+    with pytest.raises(fileio.OutputPathError, match="is the input"):
+        fileio.check_output_path(tmp_path / "link", [export_dir], overwrite=True)
+    (tmp_path / "empty").mkdir()
+    assert fileio.check_output_path(tmp_path / "empty", [export_dir], overwrite=True) == tmp_path / "empty"
+    assert fileio.check_output_path(export_dir, [tmp_path / "empty"], overwrite=True) == export_dir  # ours: marked
+
+
+# ---- write failures on real full and read-only filesystems -------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MB tmpfs (needs root; skipped elsewhere), remounted read-only by the tests that want that."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.decode().strip() or 'not root'})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _read_only(mount: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+
+
+def test_a_full_disk_stops_build_shards_and_convert_with_one_line_and_nothing_partial(small_tmpfs, ptb_word_tokenizer,
+                                                                                    export_dir, capsys):
+    from data_tools import build_shards
+
+    output = small_tmpfs / "shards"
+    status = build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(output), "--format", "ptb",
+                                "--tokens-per-block", "4096", "--tokens-per-shard", "131072", "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert len(err.splitlines()) == 1 and err.startswith(f"build_shards: error: {output}/")
+    assert err.rstrip().endswith(".tar: no space left on device"), err
+    left = sorted(p.name for p in output.iterdir())
+    assert "manifest.json" not in left and not [name for name in left if "partial" in name or ".tmp" in name], left
+    # The same disk, filled to the last byte, under a conversion.
+    from launchers import convert
+
+    with open(small_tmpfs / "filler", "wb", buffering=0) as filler:
+        try:
+            while filler.write(b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+    assert convert.main(["export-to-hf", str(export_dir), str(small_tmpfs / "hf")]) == 2
+    assert capsys.readouterr().err == f"convert.py export-to-hf: error: {small_tmpfs / 'hf'}: no space left on device\n"
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "shards"]
+
+
+def test_read_only_outputs_fail_with_one_line(small_tmpfs, export_dir, ptb_word_tokenizer, tmp_path, capsys):
+    from data_tools import train_tokenizer
+
+    _read_only(small_tmpfs)
+    status = train_tokenizer.main(["--kind", "word", "--format", "ptb", "--output", str(small_tmpfs / "tok"),
+                                   "--no-progress"])
+    assert status == 1
+    assert capsys.readouterr().err == f"train_tokenizer: error: {small_tmpfs / 'tok'}: read-only file system\n"
+    from launchers import convert
+
+    assert convert.main(["export-to-hf", str(export_dir), str(small_tmpfs / "hf")]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"convert.py export-to-hf: error: {small_tmpfs / 'hf'}: read-only file system\n"
+    assert list(small_tmpfs.iterdir()) == []
+
+
+# ---- empty input and damaged shards ------------------------------------------------------------------------------
+
+
+def test_empty_input_is_an_error_unless_asked_for(ptb_word_tokenizer, tmp_path, capsys):
+    from data_tools import build_shards, train_tokenizer
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"),
+                                 "--no-progress"]) == 1
+    error = capsys.readouterr().err
+    assert "train_tokenizer: error: no document in the input" in error and f"{empty} (1 files" in error
+    assert not (tmp_path / "tok" / "tokenizer.json").exists()
+    assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"),
+                                 "--no-progress", "--allow-empty", "--overwrite"]) == 0
+    shards = ["--tokenizer", str(ptb_word_tokenizer), "--output", str(tmp_path / "shards"),
+              "--split", f"train={empty}", "--no-progress"]
+    assert build_shards.main(shards) == 1
+    assert "build_shards: error: split 'train' has no documents" in capsys.readouterr().err
+    assert not (tmp_path / "shards" / "manifest.json").exists()
+    assert build_shards.main([*shards, "--resume", "--allow-empty"]) == 0
+    assert (tmp_path / "shards" / "manifest.json").is_file()
+
+
+def test_decoding_a_damaged_shard_is_one_line(ptb_word_shards, ptb_word_tokenizer, tmp_path, capsys):
+    from data_tools import inspect_shards
+
+    shards = tmp_path / "shards"
+    shutil.copytree(ptb_word_shards, shards)
+    os.truncate(shards / "train-000000.tar", 700)
+    assert inspect_shards.main([str(shards), "--decode", "2", "--tokenizer", str(ptb_word_tokenizer)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"inspect_shards: error: {shards / 'train-000000.tar'}: truncated or damaged shard (unexpected "
+                   f"end of data); --verify checks every shard\n")
+
+
+# ---- launchers/slurm.sbatch --------------------------------------------------------------------------------------
+
+
+def _fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """Slurm does not run here: `srun` and `scontrol` stand-ins that log their calls. The stand-in job step runs
+    until the script's `srun --overlap ... pkill` stops it, as the ranks would after their checkpoint."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\necho "srun OMP_NUM_THREADS=${OMP_NUM_THREADS} $(echo "$*" | tr "\\n" " ")" >> "$LOG"\n'
+        'if [[ " $* " == *" --overlap "* ]]; then kill -TERM "$(cat "$FAKE_STEP_PID_FILE")"; exit 0; fi\n'
+        'echo $$ > "$FAKE_STEP_PID_FILE"\ntrap \'kill $! 2>/dev/null; exit 0\' TERM\nsleep 60 &\nwait\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\necho "scontrol $*" >> "$LOG"\n[ "$1" = show ] && printf "node-001\\nnode-002\\n"\nexit 0\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", LOG=str(log), FAKE_STEP_PID_FILE=str(tmp_path / "step.pid"),
+               SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-[001-002]",
+               SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="64")
+    return env, log
+
+
+@pytest.mark.parametrize("signal_name, requeued", [("USR1", True), ("TERM", False)])
+def test_slurm_script_passes_cpus_and_requeues_at_the_time_limit_only(signal_name, requeued, tmp_path):
+    import signal
+
+    env, log = _fake_slurm(tmp_path)
+    job = subprocess.Popen(["bash", str(REPO / "launchers" / "slurm.sbatch"), "--config", "configs/x.yaml"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "step.pid").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.stdout.read()
+        time.sleep(0.05)
+    job.send_signal(getattr(signal, f"SIG{signal_name}"))  # Slurm: --signal=B:USR1@300, or scancel/preemption
+    out, _ = job.communicate(timeout=30)
+    assert job.returncode == 0, out
+    calls = log.read_text().splitlines()
+    step = next(call for call in calls if "bash -c" in call)
+    assert "--cpus-per-task=64" in step and "OMP_NUM_THREADS=8 " in step, step  # 64 CPUs, 8 ranks a node
+    assert any("--overlap" in call and "pkill -TERM -f" in call for call in calls), calls
+    assert ("scontrol requeue 4242" in calls) is requeued, calls
+
+
+# ---- no orphaned ranks: what a rank watches ----------------------------------------------------------------------
+
+_RANK = """
+import sys, time
+from txl_dist.training.run_guard import RunGuard
+guard = RunGuard(install_signals=False)
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while guard.reason is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+open(sys.argv[1], "w").write(str(guard.reason))
+"""
+# Stands in for DeepSpeed's per-node launcher: its command line names it, as the ranks look for.
+_LAUNCH = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]])"
+
+
+@pytest.mark.parametrize("gone", ["reader", "launcher"])
+def test_a_rank_asks_to_stop_when_its_launcher_or_the_reader_of_its_output_is_gone(gone, tmp_path):
+    """The SIGTERM-to-the-runner case runs for real in test_train_launcher.py; these are the other two ways a
+    rank learns that its job is gone: its parent (launch) dies, or its output pipe loses its reader (an ssh
+    connection of pdsh)."""
+    import signal
+
+    reason_file = tmp_path / "reason"
+    launch = subprocess.Popen([sys.executable, "-c", _LAUNCH, _RANK, str(reason_file), "deepspeed.launcher.launch"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert launch.stdout.readline() == b"ready\n"
+    if gone == "reader":
+        launch.stdout.close()
+    else:
+        launch.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not reason_file.exists():
+        assert time.monotonic() < deadline, "the rank did not notice"
+        time.sleep(0.05)
+    reason = reason_file.read_text()
+    launch.wait(timeout=20)
+    if gone == "reader":
+        assert reason == "the reader of its output (the launcher or its ssh connection) is gone"
+    else:
+        assert reason == f"DeepSpeed's per-node launcher (PID {launch.pid}) exited"
+
+
+@pytest.mark.launcher
+def test_a_full_disk_during_a_checkpoint_stops_every_rank_with_one_line(small_tmpfs, ptb_word_shards):
+    """Training into a 2 MB filesystem: the second checkpoint does not fit. One rank's write fails; every rank
+    stops, the message is printed once (no traceback, no gloo error), the half-written checkpoint is removed, the
+    complete one and the lock's release are what is left."""
+    from tests.launcher import launcher_command, run, tail
+
+    output = small_tmpfs / "run"
+    result = run(launcher_command("launchers/train.py", [
+        "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}", f"train.output_dir={output}",
+        "train.max_steps=8", "eval.every=0", "log.every=1", "checkpoint.every=2", "checkpoint.keep_last=0"]),
+        check=False)
+    text = tail(result, 300)
+    assert result.returncode != 0
+    errors = [line for line in text.splitlines() if line.startswith("train.py: error")]
+    assert len(errors) == 1 and errors[0].endswith(": no space left on device"), text[-3000:]
+    assert f"{output}/checkpoints/step000000" in errors[0]
+    assert "Traceback" not in text and "Connection closed" not in text
+    steps = sorted(p.name for p in (output / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert steps and all((output / "checkpoints" / tag / "COMPLETE.json").is_file() for tag in steps), steps
+    assert not (output / "run.lock").exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_starts(ptb_word_shards, tmp_path, capsys):
+    from txl_dist.training.cli import parse_run_args
+
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(SystemExit) as stopped:
+        parse_run_args(["--config", str(REPO / "configs" / "tiny_cpu.yaml"), f"data.shards={ptb_word_shards}",
+                        f"train.output_dir={tmp_path / 'run'}"], world_size=2, device="cpu")
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.endswith(f"train.output_dir='{tmp_path / 'run'}': a file, not a directory\n")

@@ -1,0 +1,328 @@
+"""A txl_dist tokenizer as a `tokenizers` fast tokenizer (tokenizer.json + tokenizer_config.json for transformers).
+
+The file is written as JSON by this module, so converting needs neither `tokenizers` nor `transformers` (nor
+protobuf: the SentencePiece model is read with the small wire-format reader below). It encodes the ids of
+`txl_dist.tokenizer`, end-of-sentence handling included:
+
+    tokenizer(text).input_ids == [eod_id] + ids of the lines of text joined by eos_id
+                              == [eod_id] + txl_tokenizer.encode_document(text)[:-1]
+
+that is, a text is read as the start of a document (after the separator that precedes every document in the
+training stream, as `txl_dist.generate` reads a prompt), and a line break is the end-of-sentence token. The
+leading eod is the post-processor's special token: ``add_special_tokens=False`` leaves it out. Decoding turns the
+separators back into line breaks (as `Tokenizer.decode_document` does; one at the very start or end is dropped).
+
+- ``word``: a WordLevel model over ``vocab.txt``; text is split on the characters Python's ``str.split()`` splits
+  on; a line break becomes the eos word (so the word ``<eos>`` written in the text is eos too, as in txl_dist).
+- ``sentencepiece``: the SentencePiece model's pieces and scores as a Unigram model, or its merges as a BPE model,
+  with its normaliser (the precompiled character map, whitespace trimming, the dummy prefix, "▁" for spaces). A
+  line break splits the text before normalisation, so every line is normalised on its own as txl_dist does. The
+  eos piece is named "\\n" in the fast tokenizer (the line break it stands for). In a Unigram model the pieces
+  SentencePiece never matches in text (unknown, control, unused) get names that contain a space, which no
+  normalised text does, so the lattice cannot match them either; the unknown piece is named by the model's
+  ``unk_surface`` (" ⁇ "), which is also how SentencePiece decodes it.
+
+transformers registers the tokens it is told are special (here bos = eos = pad = the eod token) and cuts them out of
+raw text before anything else. So the one place where ids can differ from txl_dist's is text that holds the eod
+token's string glued to other characters (e.g. "word<eod>"), which txl_dist reads as part of a word.
+
+What cannot be expressed is refused with a `FastTokenizerError` naming the file and the setting: SentencePiece
+models of type word or char, byte fallback, whitespace as suffix, unescaped whitespace, BPE models with unused
+pieces.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+from typing import Any
+
+from txl_dist.tokenizer import SentencePieceTokenizer, Tokenizer, WordTokenizer
+
+
+class FastTokenizerError(ValueError):
+    """A tokenizer that the fast-tokenizer format cannot reproduce; the message names the file and the setting."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The SentencePiece model file (a ModelProto; field numbers of sentencepiece_model.proto)
+
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data):
+            raise ValueError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(data: bytes) -> list[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a protobuf message: ints for varints and fixed32 as raw bytes, bytes for
+    length-delimited fields."""
+    out, pos = [], 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+        elif wire == 1:
+            value, pos = data[pos:pos + 8], pos + 8
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            value, pos = data[pos:pos + length], pos + length
+        elif wire == 5:
+            value, pos = data[pos:pos + 4], pos + 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if pos > len(data):
+            raise ValueError("truncated field")
+        out.append((number, wire, value))
+    return out
+
+
+def read_sentencepiece_model(path: Path) -> dict[str, Any]:
+    """The parts of a SentencePiece model the conversion needs: pieces (piece, score, type), model type, byte
+    fallback, whitespace options, the precompiled character map and the unknown surface."""
+    try:
+        top = _fields(path.read_bytes())
+        pieces = []
+        trainer: dict[int, Any] = {}
+        normalizer: dict[int, Any] = {}
+        for number, _, value in top:
+            if number == 1:
+                piece = {"piece": "", "score": 0.0, "type": _NORMAL}
+                for field, wire, item in _fields(value):
+                    if field == 1:
+                        piece["piece"] = item.decode("utf-8")
+                    elif field == 2 and wire == 5:
+                        piece["score"] = struct.unpack("<f", item)[0]
+                    elif field == 3:
+                        piece["type"] = item
+                pieces.append(piece)
+            elif number == 2:
+                trainer = {field: item for field, _, item in _fields(value)}
+            elif number == 3:
+                normalizer = {field: item for field, _, item in _fields(value)}
+    except (ValueError, UnicodeDecodeError) as error:
+        raise FastTokenizerError(f"{path}: not a readable SentencePiece model ({error})") from error
+    surface = trainer.get(44)
+    return {
+        "pieces": pieces,
+        "model_type": _MODEL_TYPES.get(trainer.get(3, 1), str(trainer.get(3))),
+        "byte_fallback": bool(trainer.get(35, 0)),
+        "treat_whitespace_as_suffix": bool(trainer.get(24, 0)),
+        "unk_surface": surface.decode("utf-8") if surface is not None else " \u2047 ",
+        "charsmap": normalizer.get(2, b""),
+        "add_dummy_prefix": bool(normalizer.get(3, 1)),
+        "remove_extra_whitespaces": bool(normalizer.get(4, 1)),
+        "escape_whitespaces": bool(normalizer.get(5, 1)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON pieces of tokenizer.json
+
+_REGEX_SPECIALS = set("\\^$.|?*+()[]{}")
+
+
+def _regex_escape(text: str) -> str:
+    """Escape for the Oniguruma regular expressions of `tokenizers` (only the metacharacters)."""
+    return "".join("\\" + c if c in _REGEX_SPECIALS else c for c in text)
+
+
+def _python_whitespace_class() -> str:
+    """An Oniguruma character class of exactly the characters Python's ``str.split()`` splits on (it differs from
+    Unicode's White_Space: e.g. U+001C..U+001F are whitespace to Python)."""
+    chars = [chr(c) for c in range(0x110000) if chr(c).isspace()]
+    return "[" + "".join("\\" + c if c in "\\]^-[" else c for c in chars) + "]"
+
+
+# A separator before the first line (the document start) or after the last is not a line break of the text
+# (txl_dist's decode_document).
+_STRIP_OUTER_SEPARATORS = {"type": "Strip", "content": "\n", "start": 1, "stop": 1}
+
+
+def _replace(pattern: str, content: str, regex: bool = False) -> dict[str, Any]:
+    return {"type": "Replace", "pattern": {"Regex" if regex else "String": pattern}, "content": content}
+
+
+def _added(token_id: int, content: str, special: bool) -> dict[str, Any]:
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": special}
+
+
+def _template(bos: str, bos_id: int) -> dict[str, Any]:
+    """The post-processor that puts the document separator before a text (and before each text of a pair)."""
+    special = {"SpecialToken": {"id": bos, "type_id": 0}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [special, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+
+
+def _document(eod: str) -> dict[str, Any]:
+    """tokenizer_config.json: the eod token as bos, eos and pad (a document's start and end, and the padding of
+    left-padded batches)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eod, "eos_token": eod, "pad_token": eod,
+        "padding_side": "left",
+        # Decoding must give back the words as they are (no "said ." -> "said." rewriting).
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+
+
+def _word_tokenizer(tokenizer: WordTokenizer) -> tuple[dict[str, Any], str]:
+    words = tokenizer.words
+    eos, eod = words[tokenizer.eos_id], words[tokenizer.eod_id]
+    # Without an unk id an unknown word must be an error, as in txl_dist: name an unk token that cannot be a word.
+    unk = words[tokenizer.unk_id] if tokenizer.unk_id is not None else "\n"
+    separators = [_replace(f"^{_regex_escape(piece)}$", "\n", regex=True) for piece in dict.fromkeys([eos, eod])]
+    data = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [_added(tokenizer.eod_id, eod, special=True)],
+        "normalizer": _replace("\n", f" {eos} "),
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": _python_whitespace_class() + "+"},
+                          "behavior": "Removed", "invert": False},
+        "post_processor": _template(eod, tokenizer.eod_id),
+        # Words joined by single spaces, separators as line breaks without spaces around them.
+        "decoder": {"type": "Sequence", "decoders": separators + [
+            {"type": "WordPiece", "prefix": " ", "cleanup": False}, {"type": "Fuse"},
+            _replace(" ?\n ?", "\n", regex=True), _STRIP_OUTER_SEPARATORS]},
+        "model": {"type": "WordLevel", "vocab": {word: i for i, word in enumerate(words)}, "unk_token": unk},
+    }
+    return data, eod
+
+
+def _check_sentencepiece(model: dict[str, Any], path: Path) -> None:
+    problems = []
+    if model["model_type"] not in ("unigram", "bpe"):
+        problems.append(f"model type {model['model_type']!r} (only unigram and bpe have a fast-tokenizer model)")
+    if model["byte_fallback"] or any(p["type"] == _BYTE for p in model["pieces"]):
+        problems.append("byte_fallback=true")
+    if model["treat_whitespace_as_suffix"]:
+        problems.append("treat_whitespace_as_suffix=true")
+    if not model["escape_whitespaces"]:
+        problems.append("escape_whitespaces=false")
+    if model["model_type"] == "bpe" and any(p["type"] == _UNUSED for p in model["pieces"]):
+        problems.append("unused pieces in a bpe model")
+    if problems:
+        raise FastTokenizerError(f"{path}: cannot be expressed as a fast tokenizer: {'; '.join(problems)}")
+
+
+def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[str, Any], str]:
+    path = tokenizer.directory / tokenizer.files[0]
+    model = read_sentencepiece_model(path)
+    _check_sentencepiece(model, path)
+    pieces = model["pieces"]
+    if len(pieces) != tokenizer.vocab_size:
+        raise FastTokenizerError(f"{path}: {len(pieces)} pieces, but its tokenizer.json says vocab_size="
+                                 f"{tokenizer.vocab_size}")
+    unigram = model["model_type"] == "unigram"
+    names = [p["piece"] for p in pieces]
+    names[tokenizer.eos_id] = "\n"
+    if unigram:
+        for i, p in enumerate(pieces):
+            if i == tokenizer.eos_id or p["type"] in (_NORMAL, _USER_DEFINED):
+                continue
+            name = model["unk_surface"] if p["type"] == _UNKNOWN else f" {p['piece']} "
+            names[i] = name if " " in name else f" {name} "
+        if len(set(names)) != len(names):
+            raise FastTokenizerError(f"{path}: renaming the special pieces made two pieces alike ({names[:8]}...)")
+    eod = names[tokenizer.eod_id]
+    eod_is_eos = tokenizer.eod_id == tokenizer.eos_id
+    added = [_added(tokenizer.eos_id, "\n", special=eod_is_eos)]
+    if not eod_is_eos:
+        added.append(_added(tokenizer.eod_id, eod, special=True))
+
+    normalizers: list[dict[str, Any]] = []
+    if model["charsmap"]:
+        normalizers.append({"type": "Precompiled",
+                            "precompiled_charsmap": base64.b64encode(model["charsmap"]).decode("ascii")})
+    if model["remove_extra_whitespaces"]:
+        normalizers += [_replace("^ +| +$", "", regex=True), _replace(" {2,}", " ", regex=True)]
+    if model["add_dummy_prefix"]:
+        normalizers.append({"type": "Prepend", "prepend": " "})
+    normalizers.append(_replace(" ", "\u2581"))
+
+    normal_scores = [p["score"] for p in pieces if p["type"] == _NORMAL]
+    max_score = max(normal_scores) if normal_scores else 0.0
+    if unigram:
+        vocab = []
+        for name, p in zip(names, pieces):
+            # SentencePiece scores a user-defined symbol so that its lattice always prefers it.
+            score = len(p["piece"]) * max_score - 0.1 if p["type"] == _USER_DEFINED else p["score"]
+            vocab.append([name, score])
+        unk_ids = [i for i, p in enumerate(pieces) if p["type"] == _UNKNOWN]
+        model_json = {"type": "Unigram", "unk_id": unk_ids[0] if unk_ids else None, "vocab": vocab,
+                      "byte_fallback": False}
+    else:
+        normal = {p["piece"] for p in pieces if p["type"] == _NORMAL}
+        ranked = sorted((i for i, p in enumerate(pieces) if p["type"] == _NORMAL and len(p["piece"]) > 1),
+                        key=lambda i: (-pieces[i]["score"], i))
+        merges = []
+        for i in ranked:
+            piece = pieces[i]["piece"]
+            for cut in range(1, len(piece)):
+                if piece[:cut] in normal and piece[cut:] in normal:
+                    merges.append([piece[:cut], piece[cut:]])
+        unk = next((names[i] for i, p in enumerate(pieces) if p["type"] == _UNKNOWN), None)
+        model_json = {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {name: i for i, name in enumerate(names)}, "merges": merges}
+        # BPE cannot hold a user-defined symbol whole: they are cut out of the text first.
+        added += [_added(i, names[i], special=False) for i, p in enumerate(pieces)
+                  if p["type"] == _USER_DEFINED and i not in (tokenizer.eos_id, tokenizer.eod_id)]
+
+    decoders = [_replace("\u2581", " ")]
+    unk_id = next((i for i, p in enumerate(pieces) if p["type"] == _UNKNOWN), None)
+    if unk_id is not None and names[unk_id] != model["unk_surface"]:
+        decoders.append(_replace(f"^{_regex_escape(names[unk_id])}$", model["unk_surface"], regex=True))
+    if not eod_is_eos:
+        decoders.append(_replace(f"^{_regex_escape(eod)}$", "\n", regex=True))
+    for i, p in enumerate(pieces):
+        if p["type"] == _CONTROL and i not in (tokenizer.eos_id, tokenizer.eod_id):
+            decoders.append(_replace(f"^{_regex_escape(names[i])}$", "", regex=True))  # as SentencePiece decodes
+    decoders.append({"type": "Fuse"})
+    if model["add_dummy_prefix"]:
+        decoders += [_replace("\n ", "\n"), {"type": "Strip", "content": " ", "start": 1, "stop": 0}]
+    decoders.append(_STRIP_OUTER_SEPARATORS)
+    data = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": sorted(added, key=lambda token: token["id"]),
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": _template(eod, tokenizer.eod_id),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": model_json,
+    }
+    return data, eod
+
+
+def fast_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
+    """{file name: JSON content} of the fast tokenizer: tokenizer.json and tokenizer_config.json."""
+    if isinstance(tokenizer, WordTokenizer):
+        data, eod = _word_tokenizer(tokenizer)
+    elif isinstance(tokenizer, SentencePieceTokenizer):
+        data, eod = _sentencepiece_tokenizer(tokenizer)
+    else:
+        raise FastTokenizerError(f"{tokenizer.directory}: tokenizer kind {tokenizer.kind!r} has no fast-tokenizer "
+                                 f"form (supported: word, sentencepiece)")
+    return {"tokenizer.json": data, "tokenizer_config.json": _document(eod)}

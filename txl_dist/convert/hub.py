@@ -1,0 +1,131 @@
+"""An export folder -> a folder that current transformers (5.x) loads with its own classes and remote code.
+
+    OUT/
+      config.json               TransformerXLConfig: the architecture in the authors' names, auto_map to the code
+      configuration_txl.py      the configuration class   } self-contained: torch and transformers only,
+      modeling_txl.py           the model and its memory  } written by txl_dist (txl_dist/convert/hub_files/)
+      model.safetensors         the weights under the modeling file's names; each tied tensor once
+      generation_config.json    the eod token as bos / eos / pad (a generated document ends at eod)
+      tokenizer.json            the tokenizer as a `tokenizers` fast tokenizer (see txl_dist.convert.fast_tokenizer)
+      tokenizer_config.json
+
+Loading needs nothing but transformers:
+
+    model = AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(OUT)
+
+The weight map is explicit (`KEY_MAP`). The modeling file keeps txl_dist's module names; the decoder sits under
+``transformer.`` and every projection matrix is a module's ``weight`` (transformers ties parameters named so).
+Tied tensors (``tie_weight``, ``tie_projs``) are stored once, under the embedding's name, and listed by the model
+for transformers to tie after loading.
+
+Like the other conversions, the folder is written under a temporary name beside OUT and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from txl_dist.convert.keymap import KeyMap
+from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
+from txl_dist.model.config import ModelConfig
+
+HUB_FILES = Path(__file__).with_name("hub_files")
+MODELING_FILES = ("configuration_txl.py", "modeling_txl.py")
+MODEL_TYPE = "txl_dist_transformer_xl"
+ARCHITECTURE = "TransformerXLForCausalLM"
+AUTO_MAP = {
+    "AutoConfig": "configuration_txl.TransformerXLConfig",
+    "AutoModel": "modeling_txl.TransformerXLModel",
+    "AutoModelForCausalLM": "modeling_txl.TransformerXLForCausalLM",
+}
+WEIGHTS_FILE = "model.safetensors"
+
+# Our keys -> the modeling file's keys.
+KEY_MAP = KeyMap(
+    [
+        ("word_emb.emb_layers.{i}.weight", "transformer.word_emb.emb_layers.{i}.weight"),
+        ("word_emb.emb_projs.{i}", "transformer.word_emb.emb_projs.{i}.weight"),
+        ("r_{which}_bias", "transformer.r_{which}_bias"),
+        ("layers.{rest}", "transformer.layers.{rest}"),
+        ("crit.out_layers.{rest}", "crit.out_layers.{rest}"),
+        ("crit.out_projs.{i}", "crit.out_projs.{i}.weight"),
+        ("crit.cluster_{which}", "crit.cluster_{which}"),
+    ],
+    source_name="txl_dist",
+    target_name="modeling_txl",
+)
+
+_CONFIG_FIELDS = ("n_token", "n_layer", "n_head", "d_head", "d_model", "d_inner", "div_val", "cutoffs", "tie_weight",
+                  "untie_r", "pre_lnorm", "dropout", "dropatt", "tgt_len", "mem_len", "clamp_len", "same_length",
+                  "layer_norm_eps", "init_std", "proj_init_std")
+
+
+def hub_config(config: ModelConfig, tokenizer_identity: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json of the folder (what TransformerXLConfig reads)."""
+    data: dict[str, Any] = {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "auto_map": dict(AUTO_MAP)}
+    data.update({name: getattr(config, name) for name in _CONFIG_FIELDS})
+    data["cutoffs"] = list(config.cutoffs)
+    data["d_embed"] = config.d_embed_resolved
+    data["tie_projs"] = config.tie_projs_resolved
+    has_projections = config.div_val > 1 or config.d_embed_resolved != config.d_model
+    data["tie_word_embeddings"] = bool(config.tie_weight or (has_projections and any(config.tie_projs_resolved)))
+    data["use_cache"] = True
+    if tokenizer_identity is not None:
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            data[name] = tokenizer_identity["eod_id"]
+    data["txl_dist_tokenizer"] = tokenizer_identity
+    return data
+
+
+def hub_weights(state: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """Our state dict -> the modeling file's keys, each tied tensor once (under the embedding's name)."""
+    from txl_dist.export import unique_weights
+
+    return {key: tensor.detach().contiguous().clone() for key, tensor in
+            KEY_MAP.forward(unique_weights(state, config)).items()}
+
+
+def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
+    from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
+    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, save_safetensors
+
+    export_dir = Path(export_dir)
+    out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
+    config, identity = read_config_file(export_dir / CONFIG_FILE)
+    tokenizer = load_export_tokenizer(export_dir)
+    tokenizer_files = fast_tokenizer_files(tokenizer) if tokenizer is not None else {}
+    weights = hub_weights(load_model(export_dir).state_dict(), config)
+    texts = {"config.json": hub_config(config, identity)}
+    # The dtype the weights are stored in (transformers loads them so by default).
+    texts["config.json"]["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+    if tokenizer is not None:
+        eod = tokenizer.eod_id
+        texts["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
+    texts.update(tokenizer_files)
+
+    try:
+        ensure_directory(out_dir.parent)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    except OSError as error:
+        raise with_path(error, out_dir, replace=True) from error
+    try:
+        save_safetensors(weights, staging / WEIGHTS_FILE, metadata={"format": "pt"})
+        for name in MODELING_FILES:
+            shutil.copyfile(HUB_FILES / name, staging / name)
+        for name, content in texts.items():
+            (staging / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        mark_output(staging, "txl_dist.convert.hub.write_hub_folder")
+        publish_directory(staging, out_dir)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
+            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
+        raise
+    return out_dir

@@ -1,0 +1,90 @@
+"""Reading DeepSpeed's checkpoint files without running code from them.
+
+A ``.pt`` file is a pickle, and a full unpickler runs whatever a crafted file asks for (a ``__reduce__`` that
+calls ``os.system``). DeepSpeed reads its files with ``torch.load(weights_only=False)``, in its engine, in
+``zero_to_fp32`` and in ``ds_to_universal``. Here every such read goes through ``torch.load(weights_only=True)``:
+tensors, containers, numbers, strings, and the few DeepSpeed classes its files hold (`ALLOWED_CLASSES`,
+registered with ``torch.serialization.add_safe_globals``). Anything else is refused with `UnsafeCheckpointError`
+naming the file and the class, before any of it is constructed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pickle
+import re
+import threading
+from typing import Any, Iterator
+
+import torch
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file that would need more than the weights-only unpickler and its allow-list."""
+
+
+def allowed_classes() -> list[type]:
+    """The DeepSpeed classes found in its checkpoint files (ZeRO 0-3, fp32/bf16/fp16, universal checkpoints):
+    loss scalers (fp16 state), the ZeRO stage enum, and the fragment addresses of ZeRO 1/2 partitions."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaler, LossScaleProfile
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, LossScaleConfig, LossScaleProfile, ZeroStageEnum, fragment_address]
+
+
+@functools.cache
+def _register() -> None:
+    torch.serialization.add_safe_globals(allowed_classes())
+
+
+_ORIGINAL_LOAD = torch.load
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``torch.load(f, weights_only=True)`` with DeepSpeed's classes allowed; anything else raises
+    `UnsafeCheckpointError` naming the file and the class."""
+    _register()
+    kwargs["weights_only"] = True
+    try:
+        return _ORIGINAL_LOAD(f, map_location=map_location, **kwargs)
+    except pickle.UnpicklingError as error:
+        name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f)
+        found = _GLOBAL_RE.search(str(error))
+        what = f"it refers to {found.group(1)}" if found else str(error).splitlines()[0]
+        raise UnsafeCheckpointError(
+            f"{name}: refused to unpickle: {what}, which is neither a tensor nor one of the DeepSpeed classes a "
+            f"checkpoint holds (txl_dist.training.weights_only.allowed_classes); loading it could run code. A "
+            f"file written by txl_dist never needs it: treat this checkpoint as tampered with"
+        ) from None
+
+
+_patch_lock = threading.Lock()
+_patch_depth = 0
+
+
+@contextlib.contextmanager
+def deepspeed_loads_weights_only() -> Iterator[None]:
+    """Within the block, every ``torch.load`` -- DeepSpeed's engine, ``zero_to_fp32``, ``ds_to_universal`` all
+    call it with ``weights_only=False`` -- is `load`. ``torch.load`` is swapped, not DeepSpeed's modules,
+    because they call it in a dozen places; the swap is undone on exit, also on an error."""
+    global _patch_depth
+    with _patch_lock:
+        _patch_depth += 1
+        torch.load = _load_any_signature
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                torch.load = _ORIGINAL_LOAD
+
+
+def _load_any_signature(f: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: Any = None,
+                        **kwargs: Any) -> Any:
+    # pickle_module and weights_only are what callers pass to ask for a full unpickler: both are overruled.
+    return load(f, map_location=map_location, **kwargs)
