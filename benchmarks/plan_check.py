@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,9 @@ def main() -> None:
         config, overrides, kind = CASES[name]
         shards = shards_of(kind, work)
         output = work / "runs" / name
+        # Each case starts afresh: a run left by an earlier call would resume instead of measuring a start.
+        for leftover in (output, work / "runs" / f"{name}_probe_run"):
+            shutil.rmtree(leftover, ignore_errors=True)
         settings = [f"data.shards={shards}", *overrides, *RUN_SETTINGS]
         started = time.perf_counter()
         launch(["launchers/train.py", "--config", config, f"train.output_dir={output}", *settings], 29700 + index)

@@ -735,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"build_shards: error: {describe_os_error(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"build_shards: interrupted; the finished shards are kept: rerun with --resume", file=sys.stderr)
+        print("build_shards: interrupted; the finished shards are kept: rerun with --resume", file=sys.stderr)
         return 130
     print(summary.line())
     return 0

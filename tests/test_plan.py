@@ -4,7 +4,6 @@ and the command line. The plan against whole 2-rank runs is benchmarks/plan_chec
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

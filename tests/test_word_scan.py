@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from data_tools import corpus, synthetic_lm1b
 from tests.conftest import ptb_sentences

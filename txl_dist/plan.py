@@ -44,7 +44,7 @@ import dataclasses
 import math
 import re
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.model.config import ModelConfig
