@@ -523,3 +523,33 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     converted = run([sys.executable, "launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"),
                      "--no-verify"])
     assert "warning: --no-verify" in converted.stderr and (tmp_path / "export" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("command, inputs", [
+    ("zero-to-export", ["checkpoint"]), ("export-to-hf", ["export"]), ("export-to-hub", ["export"]),
+    ("hf-to-export", ["hf"]), ("export-to-original", ["export"]), ("original-to-export", ["original.pt", "config.json"]),
+])
+def test_no_conversion_writes_over_its_input_or_a_folder_that_holds_it(command, inputs, tmp_path, capsys):
+    """Every subcommand of convert.py, before it reads anything: an output that is its first input, or the folder
+    holding it (with --overwrite), is refused in one line, and nothing in the tree changes."""
+    from launchers import convert
+
+    home = tmp_path / "inputs"
+    paths = []
+    for name in inputs:
+        path = home / name
+        if name.endswith((".pt", ".json")):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+        else:
+            path.mkdir(parents=True)
+            (path / "weights").write_bytes(b"\0" * 64)
+        paths.append(str(path))
+    before = _tree_digest(tmp_path)
+    for output, what in ((paths[0], "is the input"), (str(home), "contains the input")):
+        assert convert.main([command, *paths, output, "--overwrite"]) == 2
+        error = capsys.readouterr().err
+        assert error == f"convert.py {command}: error: output {output} {what} {paths[0]}: " + (
+            "choose another output\n" if what == "is the input" else
+            "replacing it would delete the input; choose another output\n"), error
+    assert _tree_digest(tmp_path) == before
