@@ -54,8 +54,16 @@ def check_model(job: dict) -> dict:
                       for target, source in model._tied_weights_keys.items()}
     result.update(segment_nll(model, torch.tensor(job["data"]), job["segment"]))
     prompt = torch.tensor([job["prompt"]])
+    # The length of the input of every forward that generate() makes: with the memory as its cache, the prompt
+    # once, then one token per new token.
+    lengths: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(int((kwargs.get("input_ids") if "input_ids" in kwargs
+                                                          else args[0]).shape[1])), with_kwargs=True)
     greedy = model.generate(prompt, **exact_length(max_new_tokens=job["new_tokens"], do_sample=False))
+    hook.remove()
     result["greedy"] = greedy[0, prompt.shape[1]:].tolist()
+    result["greedy_forward_lengths"] = lengths
     if job.get("padded_prompts"):
         prompts = job["padded_prompts"]
         width = max(map(len, prompts))
