@@ -23,7 +23,7 @@ def segment_nll(model, data: torch.Tensor, segment: int) -> dict[str, torch.Tens
     """Negative log-likelihood of every next token, three ways: segment by segment with the memory as the cache
     (from logits, and from labels), and in one call over all segments."""
     n_segments = (data.shape[1] - 1) // segment
-    from_logits, from_labels, cache = [], [], None
+    from_logits, from_labels, mean_losses, cache = [], [], [], None
     with torch.no_grad():
         for s in range(n_segments):
             inputs = data[:, s * segment:(s + 1) * segment]
@@ -32,9 +32,11 @@ def segment_nll(model, data: torch.Tensor, segment: int) -> dict[str, torch.Tens
             cache = out.cache
             from_logits.append(-out.logits.gather(2, targets.unsqueeze(-1)).squeeze(-1))
             from_labels.append(out.losses)
+            mean_losses.append(out.loss)
         whole = model(input_ids=data[:, :n_segments * segment]).logits
     one_call = -whole.gather(2, data[:, 1:n_segments * segment + 1].unsqueeze(-1)).squeeze(-1)
-    return {"from_logits": torch.stack(from_logits), "from_labels": torch.stack(from_labels), "one_call": one_call,
+    return {"from_logits": torch.stack(from_logits), "from_labels": torch.stack(from_labels),
+            "mean_loss": torch.stack(mean_losses), "one_call": one_call,
             "memory_positions": cache.length, "memory_seen": cache.seen}
 
 

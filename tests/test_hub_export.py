@@ -197,6 +197,8 @@ def test_per_token_losses_over_three_segments_with_the_memory_equal_txl_dist(hub
     assert (result["from_logits"] - reference).abs().max().item() <= 1e-5
     # labels are shifted inside (transformers' convention): the last position of a segment has no label there.
     assert (result["from_labels"] - reference[..., :-1]).abs().max().item() <= 1e-5
+    # loss: the mean of those per-token losses of each call (a scalar per segment).
+    assert (result["mean_loss"] - reference[..., :-1].mean(dim=(1, 2))).abs().max().item() <= 1e-5
     # One call over the three segments reads them as three segments.
     assert (result["one_call"] - torch.cat(list(reference), dim=1)).abs().max().item() <= 1e-5
     assert result["memory_seen"] == 3 * SEGMENT
