@@ -50,6 +50,28 @@ def run(command: list[str], timeout: float = 300, check: bool = True) -> subproc
     return result
 
 
+def in_process(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """A launcher's ``main(argv)`` called in this process, its output captured: for the launchers that start no
+    process group when no launcher environment is set (evaluate, generate, convert on one rank), which saves a
+    Python start and the imports of torch and DeepSpeed per call. A launcher that exits (argparse) counts as its
+    exit status."""
+    import contextlib
+    import importlib
+    import io
+
+    module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = module.main(list(args))
+        except SystemExit as exited:
+            status = exited.code if isinstance(exited.code, int) else 1
+    result = subprocess.CompletedProcess([script, *args], status, out.getvalue(), err.getvalue())
+    if check and status != 0:
+        pytest.fail(f"{script} {' '.join(args)} returned {status}:\n{result.stderr[-3000:]}")
+    return result
+
+
 def start(command: list[str]) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
