@@ -23,7 +23,6 @@ The last line of output is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time

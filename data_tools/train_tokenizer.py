@@ -8,21 +8,29 @@
     python -m data_tools.train_tokenizer --kind word --format ptb --output tok_ptb/
 
     # the One Billion Word vocabulary of the paper: the words of the 99 training files seen at least 3 times,
-    # plus <S>, </S> (the sentence separator) and <UNK>
+    # plus <S>, </S> (the sentence separator) and <UNK>; counted by 8 processes
     python -m data_tools.train_tokenizer --preset lm1b --format lm1b \\
-        --input 1-billion-word-language-modeling-benchmark-r13output --output tok_lm1b/
+        --input 1-billion-word-language-modeling-benchmark-r13output --output tok_lm1b/ --workers 8
 
 The output directory holds the tokenizer's file (``spm.model`` or ``vocab.txt``) and ``tokenizer.json``; load it
 with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read. An input without a
 document (empty or blank files) is an error, before anything is written, unless --allow-empty (a word vocabulary of
 the special symbols only). A write failure (read-only or full output) is one line naming the file.
+
+Words are counted by ``--workers`` processes, each over the chunks it is given (with numpy for plain
+one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary
+does not depend on their number. SentencePiece skips every training sentence longer than its
+``max_sentence_length`` (4,192 bytes) without a word; here a longer line is first cut into pieces that fit (at
+sentence ends, else at whitespace: `training_pieces`), so that documents of one long line count too.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,6 +41,8 @@ from tqdm import tqdm
 
 from data_tools import corpus
 from data_tools.corpus import InputError, InputFile
+from data_tools.workers import WorkerError, ordered_map
+from txl_dist import word_scan
 from txl_dist.fileio import atomic_write, describe_os_error
 from txl_dist.tokenizer import (
     KINDS, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer, TokenizerError, write_tokenizer_json,
@@ -44,6 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "lm1b": {"kind": "word", "min_count": 3, "specials": ["<S>", "</S>", "<UNK>"], "eos": "</S>", "unk": "<UNK>"},
 }
 OWN_FILES = (TOKENIZER_JSON, SENTENCEPIECE_MODEL, "spm.vocab", WORD_VOCAB)
+DEFAULT_MAX_SENTENCE_LENGTH = 4192  # bytes: SentencePiece's own default
 
 
 class TrainError(ValueError):
@@ -75,21 +86,144 @@ class _Reading:
                 statistics["bytes"] += len(chunk.data)
                 bar.update(len(chunk.data))
                 yield lines
-        if self.statistics["documents"] == 0 and not self.allow_empty:
-            # Raised from the end of the reading, before the tokenizer's files are written.
-            raise TrainError(f"no document in the input ({len(self.files)} files, {self.statistics['bytes']:,} bytes, "
-                             f"{self.statistics['empty_documents']:,} blank documents): check --input, or pass "
-                             f"--allow-empty for a tokenizer of the special symbols only")
+        self._check_not_empty()
 
     def record(self) -> dict[str, Any]:
         return {"inputs": [f.describe() for f in self.files], "doc_per": self.doc_unit, "statistics": self.statistics}
 
+    def count_words(self, workers: int) -> collections.Counter:
+        """How often each whitespace-separated word occurs in the non-empty documents, counted by ``workers``
+        processes (each counts the chunks it is given and hands over its totals once, at the end)."""
+        if workers < 1:
+            raise TrainError(f"--workers {workers}: must be at least 1")
+        plain = all(not f.name.endswith(".gz") for f in self.files)
+        settings = _CountSettings(self.doc_unit, self.jsonl_field, self.strict)
+        chunks = corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES)
+        if workers > 1:
+            chunks = map(corpus.portable, chunks)
+        totals: list[_WordCounts] = []
+        results = ordered_map(_count_chunk, chunks, workers, _start_counting, (settings,), finalizer=_counted)
+        try:
+            with tqdm(total=sum(f.size for f in self.files) if plain else None, unit="B", unit_scale=True,
+                      desc="counting", file=sys.stderr, disable=not self.progress, dynamic_ncols=True) as bar:
+                for result in results:
+                    if isinstance(result, _WordCounts):
+                        totals.append(result)
+                        continue
+                    for key, value in result.items():
+                        self.statistics[key] += value
+                    bar.update(result["bytes"])
+        except WorkerError as error:
+            raise TrainError(f"counting stopped: {error}") from error
+        finally:
+            results.close()
+        self._check_not_empty()
+        return _WordCounts.combine(totals)
+
+    def _check_not_empty(self) -> None:
+        if self.statistics["documents"] == 0 and not self.allow_empty:
+            # Raised from the end of the reading, before the tokenizer's files are written.
+            names = ", ".join(str(f.name) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+            raise TrainError(f"no document in the input {names} ({len(self.files)} files, "
+                             f"{self.statistics['bytes']:,} bytes, {self.statistics['empty_documents']:,} blank "
+                             f"documents): check --input, or pass --allow-empty for a tokenizer of the special "
+                             f"symbols only")
+
+
+# ---- word counting in worker processes (spawned: they import this module, so keep its imports light) --------
+
+@dataclasses.dataclass(frozen=True)
+class _CountSettings:
+    doc_unit: str
+    jsonl_field: str
+    strict: bool
+
+
+class _WordCounts:
+    """The words one process counted: short words as packed keys (`txl_dist.word_scan`) with their counts,
+    merged into one sorted array whenever enough have piled up; longer words (bytes) and the words of chunks
+    that took the ``str`` path in Counters."""
+
+    MERGE_EVERY = 1 << 22  # keys piled up before a merge: ~64 MB of arrays at most
+
+    def __init__(self) -> None:
+        self.keys: list[np.ndarray] = []
+        self.key_counts: list[np.ndarray] = []
+        self.piled = 0
+        self.long: collections.Counter = collections.Counter()
+        self.text: collections.Counter = collections.Counter()
+
+    def add_keys(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        self.keys.append(keys)
+        self.key_counts.append(counts)
+        self.piled += len(keys)
+        if self.piled > self.MERGE_EVERY:
+            self._merge()
+
+    def _merge(self) -> None:
+        keys, counts = word_scan.merge_counts(self.keys, self.key_counts)
+        self.keys, self.key_counts, self.piled = [keys], [counts], 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._merge()
+        return self.__dict__
+
+    @staticmethod
+    def combine(parts: list["_WordCounts"]) -> collections.Counter:
+        """The counts of several processes as one Counter of words (str)."""
+        keys, counts = word_scan.merge_counts([k for part in parts for k in part.keys],
+                                              [c for part in parts for c in part.key_counts])
+        # Short and long words come from chunks that are valid UTF-8 split at ASCII whitespace: each is valid
+        # UTF-8 on its own, and decodes to the str that str.split() gives.
+        total = collections.Counter(dict(zip((word.decode("utf-8") for word in word_scan.unpack_keys(keys)),
+                                             counts.tolist())))
+        for part in parts:
+            for word, count in part.long.items():
+                total[word.decode("utf-8")] += count
+            total.update(part.text)
+        return total
+
+
+_counts: tuple[_CountSettings, _WordCounts] | None = None
+
+
+def _start_counting(settings: _CountSettings) -> None:
+    global _counts
+    _counts = (settings, _WordCounts())
+
+
+def _count_chunk(chunk: corpus.Chunk) -> dict[str, int]:
+    """Count a chunk's words into this process's totals; returns the chunk's statistics."""
+    settings, counts = _counts
+    chunk = corpus.resolve(chunk)
+    scan = None
+    if settings.doc_unit == "line" and not chunk.jsonl:
+        scan = word_scan.scan_lines(chunk.data)
+    if scan is None:
+        text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
+        lines = [line for document in text.documents for line in document if line.strip()]
+        counts.text.update(" ".join(lines).split())
+        return {"documents": len(text.documents), "lines": len(lines), "empty_documents": text.empty,
+                "replaced_bytes": text.replaced_bytes, "bytes": len(chunk.data)}
+    short = scan.short()
+    counts.add_keys(*word_scan.count_keys(scan.packed_keys(short)))
+    long_words = np.flatnonzero(~short)
+    if len(long_words):
+        counts.long.update(scan.words(long_words))
+    documents = int(np.count_nonzero(scan.words_per_line))
+    return {"documents": documents, "lines": documents, "empty_documents": len(scan.words_per_line) - documents,
+            "replaced_bytes": 0, "bytes": len(chunk.data)}
+
+
+def _counted() -> _WordCounts:
+    return _counts[1]
+
 
 def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | None, specials: list[str],
-               eos: str | None, eod: str | None, unk: str) -> Tokenizer:
+               eos: str | None, eod: str | None, unk: str, workers: int = 1) -> Tokenizer:
     """Vocabulary: ``specials`` (and ``eod``; and ``unk`` unless it is a kept word), then the words seen at
     least ``min_count`` times by descending count (ties in code point order), at most ``max_size`` entries in
-    all."""
+    all. The words are counted by ``workers`` processes; the vocabulary is the same for any number."""
     if min_count < 1:
         raise TrainError(f"--min-count {min_count}: must be at least 1")
     specials = list(dict.fromkeys(specials))
@@ -105,9 +239,7 @@ def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | 
         specials.append(eod)
     if max_size is not None and max_size <= len(specials) + 1:
         raise TrainError(f"--max-size {max_size}: leaves no room for words besides the specials {specials}")
-    counts: collections.Counter = collections.Counter()
-    for lines in reading.line_batches():
-        counts.update(" ".join(lines).split())
+    counts = reading.count_words(workers)
     words = sorted((word for word, count in counts.items() if count >= min_count and word not in specials),
                    key=lambda word: (-counts[word], word))
     if max_size is not None:
@@ -149,20 +281,88 @@ def sample_lines(batches: Iterable[list[str]], size: int, seed: int) -> list[str
     return reservoir
 
 
+# Where a long line may be cut for training: after a sentence's final punctuation and any closing quotes or
+# brackets, where whitespace follows.
+_SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f][\"'\u201d\u2019)\]]*(?=\s)")
+
+
+def training_pieces(line: str, max_bytes: int) -> list[str]:
+    """``line`` as pieces of at most ``max_bytes`` bytes of UTF-8 each, for SentencePiece, which silently drops
+    every training sentence longer than its ``max_sentence_length``: whole sentences where the line holds
+    sentence ends, a sentence still too long cut at whitespace into the longest runs of words that fit, and a
+    single word longer than that cut between characters. Whitespace at the cuts is dropped; nothing else is."""
+    if len(line) * 4 <= max_bytes or len(line.encode("utf-8")) <= max_bytes:
+        return [line]
+    pieces: list[str] = []
+    cuts = [0] + [end.end() for end in _SENTENCE_END.finditer(line)] + [len(line)]
+    for sentence in (line[start:stop].strip() for start, stop in zip(cuts[:-1], cuts[1:])):
+        if not sentence:
+            continue
+        if len(sentence.encode("utf-8")) <= max_bytes:
+            pieces.append(sentence)
+            continue
+        run, run_bytes = [], 0
+        for word in sentence.split():
+            size = len(word.encode("utf-8"))
+            if run and run_bytes + 1 + size > max_bytes:
+                pieces.append(" ".join(run))
+                run, run_bytes = [], 0
+            if size > max_bytes:
+                pieces.extend(_cut_word(word, max_bytes))
+                continue
+            run_bytes += size + (1 if run else 0)
+            run.append(word)
+        if run:
+            pieces.append(" ".join(run))
+    return pieces
+
+
+def _cut_word(word: str, max_bytes: int) -> list[str]:
+    """A word longer than ``max_bytes`` bytes in pieces of at most that many, cut between characters."""
+    pieces, start, size = [], 0, 0
+    for index, character in enumerate(word):
+        width = len(character.encode("utf-8"))
+        if size + width > max_bytes:
+            pieces.append(word[start:index])
+            start, size = index, 0
+        size += width
+    pieces.append(word[start:])
+    return pieces
+
+
 def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_type: str,
                         character_coverage: float, input_sentence_size: int, user_symbols: list[str],
-                        eod_symbol: str | None, seed: int, threads: int) -> Tokenizer:
-    """A SentencePiece model trained on ``input_sentence_size`` lines sampled uniformly from the input (see
-    `sample_lines`: memory is bounded whatever the corpus size, and training is reproducible)."""
+                        eod_symbol: str | None, seed: int, threads: int,
+                        max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH) -> Tokenizer:
+    """A SentencePiece model trained on ``input_sentence_size`` pieces sampled uniformly from the input's lines
+    (see `sample_lines`: memory is bounded whatever the corpus size, and training is reproducible). A line
+    longer than ``max_sentence_length`` bytes is first cut into pieces that are not (`training_pieces`), so
+    that documents of one long line (a speech, an article) are trained on instead of being dropped."""
     import sentencepiece
 
     if input_sentence_size < 1:
         raise TrainError(f"--input-sentence-size {input_sentence_size}: must be positive")
+    if max_sentence_length < 16:
+        raise TrainError(f"--max-sentence-length {max_sentence_length}: must be at least 16 bytes")
     if eod_symbol is not None and eod_symbol not in user_symbols:
         user_symbols = user_symbols + [eod_symbol]
-    sample = sample_lines(reading.line_batches(), input_sentence_size, seed)
+    cut_lines = 0
+
+    def piece_batches() -> Iterator[list[str]]:
+        nonlocal cut_lines
+        for lines in reading.line_batches():
+            pieces = []
+            for line in lines:
+                line_pieces = training_pieces(line, max_sentence_length)
+                cut_lines += len(line_pieces) > 1 or line_pieces[0] is not line
+                pieces.extend(line_pieces)
+            yield pieces
+
+    sample = sample_lines(piece_batches(), input_sentence_size, seed)
     if not sample:
-        raise TrainError("the input holds no text to train on")
+        files = ", ".join(f.name for f in reading.files[:3]) + (", ..." if len(reading.files) > 3 else "")
+        raise TrainError(f"the input holds no text to train on ({reading.statistics['documents']:,} documents, "
+                         f"{reading.statistics['empty_documents']:,} of them blank, in {files})")
     model = io.BytesIO()
     try:
         # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
@@ -170,6 +370,7 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
         sentencepiece.SentencePieceTrainer.train(
             sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
             character_coverage=character_coverage, input_sentence_size=0, shuffle_input_sentence=False,
+            max_sentence_length=max_sentence_length,
             user_defined_symbols=user_symbols, num_threads=threads, minloglevel=1,
         )
     except RuntimeError as error:
@@ -180,7 +381,7 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
     eod_id = processor.piece_to_id(eod_symbol) if eod_symbol is not None else eos_id
     training = {"kind": "sentencepiece", "model_type": model_type, "character_coverage": character_coverage,
                 "input_sentence_size": input_sentence_size, "sampled_lines": len(sample), "seed": seed,
-                "threads": threads,
+                "threads": threads, "max_sentence_length": max_sentence_length, "lines_cut": cut_lines,
                 "user_symbols": user_symbols, **reading.record()}
     pieces = {"eos": processor.id_to_piece(eos_id), "eod": processor.id_to_piece(eod_id),
               "unk": processor.id_to_piece(unk_id)}
@@ -232,6 +433,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--allow-empty", action="store_true",
                         help="accept an input without any document (otherwise an error)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="--kind word: processes counting words, this one included (the vocabulary is the "
+                             "same for any number)")
     sp = parser.add_argument_group("sentencepiece")
     sp.add_argument("--vocab-size", type=int, default=32000)
     sp.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
@@ -240,6 +444,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sp.add_argument("--input-sentence-size", type=int, default=2_000_000,
                     help="lines sampled from the input for training (bounds memory and time)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the sampling of --input-sentence-size lines")
+    sp.add_argument("--max-sentence-length", type=int, default=DEFAULT_MAX_SENTENCE_LENGTH,
+                    help="bytes; longer lines are cut (at sentence ends, else at whitespace) into training pieces")
     sp.add_argument("--user-symbols", nargs="*", default=[], help="pieces never split, e.g. '<eod>'")
     sp.add_argument("--eod-symbol", help="end-of-document user symbol; documents then end with it")
     sp.add_argument("--threads", type=int, default=8,
@@ -264,17 +470,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.kind is None:
             raise TrainError("--kind: choose sentencepiece or word (or a --preset)")
+        if args.kind == "sentencepiece" and args.workers != 1:
+            raise TrainError(f"--workers {args.workers}: only --kind word counts in processes; sentencepiece "
+                             f"trains with --threads")
         files = _training_files(args)
         _prepare_output(args.output, args.overwrite)
         reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress,
                            args.allow_empty)
         if args.kind == "word":
             tokenizer = train_word(reading, args.output, args.min_count, args.max_size, args.specials, args.eos,
-                                   args.eod, args.unk)
+                                   args.eod, args.unk, args.workers)
         else:
             tokenizer = train_sentencepiece(reading, args.output, args.vocab_size, args.model_type,
                                             args.character_coverage, args.input_sentence_size, args.user_symbols,
-                                            args.eod_symbol, args.seed, args.threads)
+                                            args.eod_symbol, args.seed, args.threads, args.max_sentence_length)
     except (TrainError, InputError, TokenizerError) as error:
         print(f"train_tokenizer: error: {error}", file=sys.stderr)
         return 1

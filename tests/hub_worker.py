@@ -23,7 +23,7 @@ def segment_nll(model, data: torch.Tensor, segment: int) -> dict[str, torch.Tens
     """Negative log-likelihood of every next token, three ways: segment by segment with the memory as the cache
     (from logits, and from labels), and in one call over all segments."""
     n_segments = (data.shape[1] - 1) // segment
-    from_logits, from_labels, cache = [], [], None
+    from_logits, from_labels, mean_losses, cache = [], [], [], None
     with torch.no_grad():
         for s in range(n_segments):
             inputs = data[:, s * segment:(s + 1) * segment]
@@ -32,9 +32,11 @@ def segment_nll(model, data: torch.Tensor, segment: int) -> dict[str, torch.Tens
             cache = out.cache
             from_logits.append(-out.logits.gather(2, targets.unsqueeze(-1)).squeeze(-1))
             from_labels.append(out.losses)
+            mean_losses.append(out.loss)
         whole = model(input_ids=data[:, :n_segments * segment]).logits
     one_call = -whole.gather(2, data[:, 1:n_segments * segment + 1].unsqueeze(-1)).squeeze(-1)
-    return {"from_logits": torch.stack(from_logits), "from_labels": torch.stack(from_labels), "one_call": one_call,
+    return {"from_logits": torch.stack(from_logits), "from_labels": torch.stack(from_labels),
+            "mean_loss": torch.stack(mean_losses), "one_call": one_call,
             "memory_positions": cache.length, "memory_seen": cache.seen}
 
 
@@ -54,8 +56,16 @@ def check_model(job: dict) -> dict:
                       for target, source in model._tied_weights_keys.items()}
     result.update(segment_nll(model, torch.tensor(job["data"]), job["segment"]))
     prompt = torch.tensor([job["prompt"]])
+    # The length of the input of every forward that generate() makes: with the memory as its cache, the prompt
+    # once, then one token per new token.
+    lengths: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(int((kwargs.get("input_ids") if "input_ids" in kwargs
+                                                          else args[0]).shape[1])), with_kwargs=True)
     greedy = model.generate(prompt, **exact_length(max_new_tokens=job["new_tokens"], do_sample=False))
+    hook.remove()
     result["greedy"] = greedy[0, prompt.shape[1]:].tolist()
+    result["greedy_forward_lengths"] = lengths
     if job.get("padded_prompts"):
         prompts = job["padded_prompts"]
         width = max(map(len, prompts))

@@ -3,6 +3,7 @@ units and input kinds, the One Billion Word layout, the holdout split, bad input
 
 from __future__ import annotations
 
+import collections
 import gzip
 import hashlib
 import io
@@ -134,12 +135,20 @@ def test_worker_processes_return_results_in_order_and_report_errors_and_deaths()
     # Builtins as the work: spawned workers find them without importing any test module.
     tasks = [-5, 3, -1, 8, -13, 2, -7]
     assert list(ordered_map(abs, tasks, workers=3, initializer=int)) == [abs(t) for t in tasks]
+    # The caller works too: a task that finds the spawned workers busy is computed here, in order all the same.
+    from tests.worker_tasks import slow_pid
+
+    results = list(ordered_map(slow_pid, range(40), workers=3, initializer=int))
+    assert [task for task, _ in results] == list(range(40))
+    processes = collections.Counter(pid for _, pid in results)
+    assert len(processes) == 3 and processes[os.getpid()] > 0
     results = ordered_map(int, ["1", "2", "x", "4"], workers=2, initializer=int)
     assert next(results) == 1 and next(results) == 2
     with pytest.raises(ValueError, match="invalid literal for int"):
-        next(results)
+        next(results)  # "x" was computed here (the one spawned worker held "1" and "2"); raised in its turn
+    # A task goes to an idle spawned worker first: this one dies, and says so.
     with pytest.raises(WorkerError, match=r"died without a result \(exit code 3\)"):
-        list(ordered_map(os._exit, [3, 3], workers=2, initializer=int))
+        list(ordered_map(os._exit, [3], workers=2, initializer=int))
 
 
 def test_tokenising_workers_import_neither_torch_nor_webdataset():
@@ -564,3 +573,51 @@ def test_keyboard_interrupt_keeps_finished_shards_for_resume(ptb_word_tokenizer,
     manifest = read_manifest(output)
     assert manifest.splits["train"].documents == 4 * len(ptb_sentences("train"))
     assert inspect_shards.verify_shards(output) == []
+
+
+def test_word_tokenizer_numpy_and_str_paths_give_one_stream(ptb_word_tokenizer, tmp_path):
+    """Chunks of plain text take the word tokenizer's numpy path, chunks with no-break spaces, CRLF, NUL or
+    bytes that are not UTF-8 the str path; the shards hold the exact stream and counts either way, for any
+    number of workers."""
+    tokenizer = load_tokenizer(ptb_word_tokenizer)
+    sentences = ptb_sentences("valid")[:3000]
+    odd = ["the\xa0market fell", "it rose\r", "a\x00b c", "  \t ", "n't \u3000 stop", "words café naïve"]
+    lines = [odd[i // 100 % len(odd)] if i % 100 == 50 else s for i, s in enumerate(sentences)]
+    data = "\n".join(lines).encode() + b"\nbad \xff byte\n"
+    text = tmp_path / "mixed.txt"
+    text.write_bytes(data)
+    decoded = data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n")[:-1]
+    documents = [[line] for line in decoded if line.split()]
+    expected, _ = tokenizer.encode_documents(documents)
+    outputs = {}
+    for workers in (1, 2):
+        outputs[workers] = tmp_path / f"workers{workers}"
+        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", outputs[workers], "--split", f"train={text}",
+                         "--chunk-bytes", 4096, "--tokens-per-block", 1000, "--tokens-per-shard", 20000,
+                         "--workers", workers) == 0
+    assert files_of(outputs[1]) == files_of(outputs[2])
+    stream, _, _ = read_split(outputs[1], "train")
+    assert stream.tolist() == expected.tolist()
+    split = read_manifest(outputs[1]).splits["train"]
+    assert (split.documents, split.words) == (len(documents), sum(len(d[0].split()) + 1 for d in documents))
+    assert split.characters == sum(len(d[0]) + 1 for d in documents)
+    statistics = read_manifest(outputs[1]).build["statistics"]["train"]
+    assert statistics["empty_documents"] == len(decoded) - len(documents) == 5 and statistics["replaced_bytes"] == 1
+
+
+def test_chunks_travel_to_workers_without_their_bytes_and_are_checked_when_read_again(tmp_path):
+    text = write_lines(tmp_path / "a.txt", [f"line {i} of the text" for i in range(2000)])
+    packed = tmp_path / "b.txt.gz"
+    packed.write_bytes(gzip.compress(text.read_bytes()))
+    plain_chunks = list(corpus.read_chunks(corpus.input_files([str(text)]), "line", 4096))
+    travelling = [corpus.portable(chunk) for chunk in plain_chunks]
+    assert all(chunk.data is None for chunk in travelling) and len(plain_chunks) > 5
+    assert [corpus.resolve(chunk).data for chunk in travelling] == [chunk.data for chunk in plain_chunks]
+    gz_chunk = next(corpus.read_chunks(corpus.input_files([str(packed)]), "line", 4096))
+    assert corpus.portable(gz_chunk) is gz_chunk  # offsets of decompressed bytes: it travels with its bytes
+    data = bytearray(text.read_bytes())
+    data[travelling[2].start.offset + 3] ^= 1  # one bit flipped, same size
+    text.write_bytes(bytes(data))
+    with pytest.raises(corpus.InputError, match=r"a\.txt, bytes \d+-\d+: the file changed while it was being read"):
+        corpus.resolve(travelling[2])
+    assert corpus.resolve(travelling[1]).data == plain_chunks[1].data

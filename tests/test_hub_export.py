@@ -43,6 +43,7 @@ CASES = {
 }
 SEGMENT = 8
 NEW_TOKENS = 24
+PROMPT_LENGTH = 2 * SEGMENT + 4  # the document separator, then random tokens: over two segments
 
 
 def convert(*args: str, check: bool = True) -> tuple[int, str]:
@@ -119,7 +120,7 @@ def hub(tmp_path_factory, ptb_word_tokenizer, ptb_sentencepiece_tokenizer, unigr
         export = write_export(model, model.config, root / f"{name}_export", tokenizer_dir=tokenizer_dir)
         convert("export-to-hub", str(export), str(root / name))
         data = torch.randint(0, model.config.n_token, (2, 3 * SEGMENT + 1), generator=torch.Generator().manual_seed(5))
-        prompt = torch.randint(0, model.config.n_token, (2 * SEGMENT + 3,), generator=torch.Generator().manual_seed(6))
+        prompt = torch.randint(0, model.config.n_token, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(6))
         prompt = [0] + prompt.tolist()
         reference = {"losses": _txl_losses(model, data),
                      "greedy": generate_ids(model, prompt, NEW_TOKENS, greedy=True), "model": model}
@@ -196,6 +197,8 @@ def test_per_token_losses_over_three_segments_with_the_memory_equal_txl_dist(hub
     assert (result["from_logits"] - reference).abs().max().item() <= 1e-5
     # labels are shifted inside (transformers' convention): the last position of a segment has no label there.
     assert (result["from_labels"] - reference[..., :-1]).abs().max().item() <= 1e-5
+    # loss: the mean of those per-token losses of each call (a scalar per segment).
+    assert (result["mean_loss"] - reference[..., :-1].mean(dim=(1, 2))).abs().max().item() <= 1e-5
     # One call over the three segments reads them as three segments.
     assert (result["one_call"] - torch.cat(list(reference), dim=1)).abs().max().item() <= 1e-5
     assert result["memory_seen"] == 3 * SEGMENT
@@ -206,6 +209,9 @@ def test_per_token_losses_over_three_segments_with_the_memory_equal_txl_dist(hub
 def test_generate_greedy_equals_txl_dist_generate(hub, name):
     references, results = hub
     assert results["models"][name]["greedy"] == references["models"][name]["greedy"]
+    # One forward over the prompt, then one forward of one token per new token: the memory is reused as the cache.
+    new_tokens = len(references["models"][name]["greedy"])
+    assert results["models"][name]["greedy_forward_lengths"] == [PROMPT_LENGTH] + [1] * (new_tokens - 1)
 
 
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(hub):

@@ -328,7 +328,8 @@ def test_empty_input_is_an_error_unless_asked_for(ptb_word_tokenizer, tmp_path, 
     empty.write_text("\n  \n")
     assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"),
                                  "--no-progress"]) == 1
-    assert "train_tokenizer: error: no document in the input (1 files" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "train_tokenizer: error: no document in the input" in error and f"{empty} (1 files" in error
     assert not (tmp_path / "tok" / "tokenizer.json").exists()
     assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"),
                                  "--no-progress", "--allow-empty", "--overwrite"]) == 0
@@ -473,3 +474,83 @@ def test_an_output_dir_that_is_a_file_is_refused_before_anything_starts(ptb_word
                         f"train.output_dir={tmp_path / 'run'}"], world_size=2, device="cpu")
     assert stopped.value.code == 2
     assert capsys.readouterr().err.endswith(f"train.output_dir='{tmp_path / 'run'}': a file, not a directory\n")
+
+
+@pytest.mark.launcher
+def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it(ptb_word_shards, tmp_path):
+    """The tools agree with resume about a checkpoint. Damaged in place (4 KiB overwritten, same size, as in the
+    issue): evaluate.py and zero-to-export refuse it in one line naming the file, and write nothing, where before
+    they read its fp32 masters and reported a finite perplexity. A checkpoint whose record alone is wrong (the
+    files intact) is read with --no-verify, which says so, and gives the result of an intact one."""
+    from tests.launcher import run, tail
+
+    output = tmp_path / "run"
+    run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}",
+         f"train.output_dir={output}", "train.max_steps=2", "schedule.warmup_steps=1", "eval.every=0",
+         "log.every=1", "checkpoint.every=0", "train.micro_batch=4"])
+    tag_dir = output / "checkpoints" / "step00000002"
+    evaluate = [sys.executable, "launchers/evaluate.py", str(output), "--split", "valid", "--batch-size", "8",
+                "--no-progress"]
+    intact = run([*evaluate, "--output", str(tmp_path / "intact.json")])
+    assert "warning" not in intact.stderr
+    expected_loss = json.loads((tmp_path / "intact.json").read_text())["loss"]
+
+    model_states = tag_dir / "mp_rank_00_model_states.pt"
+    original = model_states.read_bytes()
+    middle = len(original) // 2
+    model_states.write_bytes(original[:middle] + bytes(4096) + original[middle + 4096:])
+    assert model_states.stat().st_size == len(original)
+    for name, command in (("evaluate.py", [*evaluate, "--output", str(tmp_path / "damaged.json")]),
+                          ("convert.py zero-to-export",
+                           [sys.executable, "launchers/convert.py", "zero-to-export", str(output),
+                            str(tmp_path / "export")])):
+        result = run(command, check=False)
+        errors = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode != 0 and len(errors) == 1, tail(result)
+        assert errors[0].startswith(f"{name}: error: {tag_dir} fails verification"), errors[0]
+        assert f"{model_states}: CRC-32" in errors[0] and "--no-verify" in errors[0], errors[0]
+    assert not (tmp_path / "damaged.json").exists() and not (tmp_path / "export").exists()
+
+    # The files intact, the record of one wrong: refused as above unless --no-verify, which warns and reads it.
+    model_states.write_bytes(original)
+    complete = json.loads((tag_dir / COMPLETE).read_text())
+    record = complete["files"][model_states.name]
+    record["crc32"] = f"{(int(record['crc32'], 16) ^ 1):08x}"
+    (tag_dir / COMPLETE).write_text(json.dumps(complete))
+    assert run([*evaluate, "--output", str(tmp_path / "refused.json")], check=False).returncode != 0
+    unverified = run([*evaluate, "--no-verify", "--output", str(tmp_path / "unverified.json")])
+    assert "warning: --no-verify" in unverified.stderr
+    assert json.loads((tmp_path / "unverified.json").read_text())["loss"] == expected_loss
+    converted = run([sys.executable, "launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"),
+                     "--no-verify"])
+    assert "warning: --no-verify" in converted.stderr and (tmp_path / "export" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("command, inputs", [
+    ("zero-to-export", ["checkpoint"]), ("export-to-hf", ["export"]), ("export-to-hub", ["export"]),
+    ("hf-to-export", ["hf"]), ("export-to-original", ["export"]), ("original-to-export", ["original.pt", "config.json"]),
+])
+def test_no_conversion_writes_over_its_input_or_a_folder_that_holds_it(command, inputs, tmp_path, capsys):
+    """Every subcommand of convert.py, before it reads anything: an output that is its first input, or the folder
+    holding it (with --overwrite), is refused in one line, and nothing in the tree changes."""
+    from launchers import convert
+
+    home = tmp_path / "inputs"
+    paths = []
+    for name in inputs:
+        path = home / name
+        if name.endswith((".pt", ".json")):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+        else:
+            path.mkdir(parents=True)
+            (path / "weights").write_bytes(b"\0" * 64)
+        paths.append(str(path))
+    before = _tree_digest(tmp_path)
+    for output, what in ((paths[0], "is the input"), (str(home), "contains the input")):
+        assert convert.main([command, *paths, output, "--overwrite"]) == 2
+        error = capsys.readouterr().err
+        assert error == f"convert.py {command}: error: output {output} {what} {paths[0]}: " + (
+            "choose another output\n" if what == "is the input" else
+            "replacing it would delete the input; choose another output\n"), error
+    assert _tree_digest(tmp_path) == before

@@ -4,6 +4,7 @@ clear errors of a damaged tokenizer directory."""
 from __future__ import annotations
 
 import collections
+import random
 import hashlib
 import json
 import shutil
@@ -225,3 +226,114 @@ def test_find_tokenizer_dir_by_fingerprint(ptb_word_tokenizer, ptb_sentencepiece
         find_tokenizer_dir(wanted, [ptb_word_tokenizer], strict=True)
     with pytest.raises(TokenizerError, match=f"no tokenizer with fingerprint {wanted} .*missing: no such tokenizer"):
         find_tokenizer_dir(wanted, candidates[:3])
+
+
+def _expected_vocabulary(paths: list[Path], min_count: int, specials: list[str]) -> list[str]:
+    """The word vocabulary counted with str.split() over the decoded files, without the code under test."""
+    counts = collections.Counter()
+    for path in paths:
+        counts.update(path.read_bytes().decode("utf-8", "replace").split())
+    return specials + sorted((w for w, c in counts.items() if c >= min_count and w not in specials),
+                             key=lambda w: (-counts[w], w))
+
+
+def test_word_vocabulary_is_the_same_for_any_worker_count(tmp_path):
+    from data_tools import synthetic_lm1b
+
+    synthetic_lm1b.write_corpus(tmp_path / "corpus", synthetic_lm1b.CorpusShape(scale=0.0003, seed=1), progress=False)
+    root = tmp_path / "corpus" / synthetic_lm1b.ROOT_NAME / corpus.LM1B_TRAIN_DIR
+    inputs = sorted(root.iterdir())[:20]
+    # Text the numpy path leaves to str.split(): no-break spaces, U+3000, CRLF, a NUL, bytes that are not UTF-8,
+    # and a line of nothing but whitespace; and words longer than 8 bytes.
+    tricky = tmp_path / "tricky.txt"
+    tricky.write_bytes("b\xa0ci da\u3000f  go\r\nbure\x00cem ci\n \t \nlongerthaneightbytes ci ci\n".encode()
+                      + b"da \xff\xfe da \xff\xfe\n" + "é longerthaneightbytes\n".encode() * 3)
+    inputs.append(tricky)
+    long_words = tmp_path / "long_words.txt"  # clean text: the numpy path, with words of more than 8 bytes
+    long_words.write_text("ninebytes tenbytes10 ci\n" * 3 + "eightbyt ninebytes\n", encoding="utf-8")
+    inputs.append(long_words)
+    runs = {}
+    for workers in (1, 2, 3):
+        output = tmp_path / f"workers{workers}"
+        assert train_tokenizer.main(["--kind", "word", "--input", *map(str, inputs), "--output", str(output),
+                                     "--min-count", "2", "--specials", "<eos>", "--workers", str(workers),
+                                     "--no-progress"]) == 0
+        runs[workers] = {name: (output / name).read_bytes() for name in ("vocab.txt", "tokenizer.json")}
+    assert runs[1] == runs[2] == runs[3]
+    tokenizer = load_tokenizer(tmp_path / "workers2")
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    expected = _expected_vocabulary(inputs, 2, ["<eos>", "<unk>"])
+    assert len(pieces) > 1000 and pieces == expected
+    assert {"ci", "da", "é", "longerthaneightbytes", "\ufffd\ufffd", "ninebytes", "tenbytes10"} <= set(pieces)
+    assert tokenizer.counts[pieces.index("ninebytes")] == 4
+    statistics = json.loads(runs[2]["tokenizer.json"])["training"]["statistics"]
+    lines = [line for path in inputs for line in path.read_bytes().decode("utf-8", "replace").split("\n")[:-1]]
+    assert statistics["documents"] == sum(1 for line in lines if line.split())
+    assert statistics["empty_documents"] == 1 and statistics["replaced_bytes"] == 4
+
+
+def _speeches(count: int, seed: int) -> list[str]:
+    """Documents of one line of about 50 KB each: sentences of made-up words, one word ('qzxv') only in the
+    second half of each, beyond the first 4,192 bytes."""
+    generator = random.Random(seed)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+    documents = []
+    for _ in range(count):
+        sentences = []
+        while sum(map(len, sentences)) < 50_000:
+            length = generator.randint(6, 30)
+            late = sum(map(len, sentences)) > 25_000
+            sentence = [generator.choice(words + ["qzxv"] * 3 if late else words) for _ in range(length)]
+            sentences.append(" ".join(sentence).capitalize() + generator.choice([".", "!", "?", "."]))
+        documents.append(" ".join(sentences))
+    return documents
+
+
+@pytest.mark.parametrize("doc_per", ["line", "file"])
+def test_sentencepiece_trains_on_documents_longer_than_its_sentence_limit(doc_per, tmp_path):
+    documents = _speeches(12, seed=4)
+    assert min(len(d.encode()) for d in documents) > 50_000
+    if doc_per == "line":
+        inputs = [_write_lines(tmp_path / "speeches.txt", documents)]
+    else:
+        inputs = [_write_lines(tmp_path / f"speech{i}.txt", [d]) for i, d in enumerate(documents)]
+    output = tmp_path / "tok"
+    assert train_tokenizer.main(["--kind", "sentencepiece", "--model-type", "unigram", "--vocab-size", "60",
+                                 "--character-coverage", "1.0", "--input", *map(str, inputs), "--doc-per", doc_per,
+                                 "--input-sentence-size", "100000", "--output", str(output), "--no-progress"]) == 0
+    tokenizer = load_tokenizer(output)
+    training = json.loads((output / "tokenizer.json").read_text())["training"]
+    assert training["lines_cut"] == 12 and training["max_sentence_length"] == 4192
+    # Every document was trained on: its sentences (about 450 of them each) went to SentencePiece whole, the word
+    # of the second halves became one piece, and the text round-trips.
+    assert training["sampled_lines"] == sum(d.count(". ") + d.count("! ") + d.count("? ") + 1 for d in documents)
+    assert "▁qzxv" in [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    assert tokenizer.decode(tokenizer.encode(documents[0][:3000])) == documents[0][:3000]
+
+
+def test_training_pieces_cut_long_lines_at_sentence_ends_then_whitespace():
+    sentences = ["First one here.", "A “quoted” end.”", "Why?", "Short!"]
+    line = " ".join(sentences * 200)
+    pieces = train_tokenizer.training_pieces(line, 120)
+    assert pieces == sentences * 200
+    no_ends = " ".join(["wordy"] * 100)
+    pieces = train_tokenizer.training_pieces(no_ends, 40)
+    assert all(len(p) <= 40 for p in pieces) and " ".join(pieces) == no_ends and len(pieces[0]) > 30
+    assert train_tokenizer.training_pieces("é" * 30 + " x", 16) == ["é" * 8, "é" * 8, "é" * 8, "é" * 6, "x"]
+    short = "short line. stays whole."
+    assert train_tokenizer.training_pieces(short, 4192)[0] is short
+
+
+def test_sentencepiece_sample_stays_bounded_and_empty_input_is_one_error(tmp_path, capsys):
+    documents = _speeches(4, seed=5)
+    text = _write_lines(tmp_path / "speeches.txt", documents)
+    output = tmp_path / "tok"
+    assert train_tokenizer.main(["--kind", "sentencepiece", "--vocab-size", "40", "--character-coverage", "1.0",
+                                 "--input", str(text), "--input-sentence-size", "300", "--output", str(output),
+                                 "--no-progress"]) == 0
+    assert json.loads((output / "tokenizer.json").read_text())["training"]["sampled_lines"] == 300
+    blank = _write_lines(tmp_path / "blank.txt", ["   ", "\t", ""])
+    assert train_tokenizer.main(["--kind", "sentencepiece", "--input", str(blank), "--output",
+                                 str(tmp_path / "none"), "--no-progress"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "no document in the input" in error[0] and "blank.txt" in error[0]

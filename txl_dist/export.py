@@ -29,16 +29,15 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
+from txl_dist.fileio import check_output_path, staged_output
 from txl_dist.model import ModelConfig, TransformerXLLM
 from txl_dist.tokenizer import fingerprint_files
 
@@ -282,12 +281,7 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
     config_text = json.dumps(config_to_json(config, identity), indent=1) + "\n"
     training_text = json.dumps(dict(training_info), indent=1) + "\n" if training_info is not None else None
 
-    try:
-        ensure_directory(out_dir.parent)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    except OSError as error:
-        raise with_path(error, out_dir, replace=True) from error
-    try:
+    with staged_output(out_dir, "txl_dist.export.write_export") as staging:
         save_safetensors(weights, staging / WEIGHTS_FILE,
                          metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
         if tokenizer_dir is not None:
@@ -297,15 +291,8 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
             _tokenizer_files(staging / TOKENIZER_DIR)  # the copies hash to the recorded fingerprint
         if training_text is not None:
             (staging / TRAINING_FILE).write_text(training_text, encoding="utf-8")
-        mark_output(staging, "txl_dist.export.write_export")
         # Last: a folder with config.json and no weights never exists, even inside the staging folder.
         (staging / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-        publish_directory(staging, out_dir)
-    except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
-            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
-        raise
     return out_dir
 
 

@@ -11,9 +11,10 @@ import secrets
 import shutil
 import tempfile
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 
 def sha256_files(paths: Sequence[str | os.PathLike], block_bytes: int = 1 << 22) -> str:
@@ -250,6 +251,29 @@ def check_output_path(output: str | os.PathLike, inputs: Sequence[str | os.PathL
 def mark_output(directory: str | os.PathLike, description: str) -> None:
     """Leave `OUTPUT_MARKER` in a folder being written (its staging copy), naming what wrote it."""
     Path(directory, OUTPUT_MARKER).write_text(json.dumps({"written_by": description}) + "\n", encoding="utf-8")
+
+
+@contextmanager
+def staged_output(out_dir: str | os.PathLike, written_by: str) -> Iterator[Path]:
+    """A folder to write ``out_dir``'s files into: a staging folder beside it, marked as ours (``written_by``)
+    and moved into place by `publish_directory` when the block ends, or removed on any error or interrupt, so
+    that ``out_dir`` is either the old folder or the whole new one. An OSError on a path inside the staging
+    folder is raised naming ``out_dir`` (the staging name means nothing to a user); others pass unchanged."""
+    out_dir = Path(out_dir)
+    try:
+        ensure_directory(out_dir.parent)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    except OSError as error:
+        raise with_path(error, out_dir, replace=True) from error
+    try:
+        yield staging
+        mark_output(staging, written_by)
+        publish_directory(staging, out_dir)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
+            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
+        raise
 
 
 def publish_directory(staging: str | os.PathLike, output: str | os.PathLike) -> Path:

@@ -25,15 +25,19 @@ stay meaningful for SentencePiece, whose normaliser would otherwise fold them in
 from __future__ import annotations
 
 import abc
+import functools
 import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
 from txl_dist.fileio import atomic_write_text, sha256_files
+
+if TYPE_CHECKING:
+    from txl_dist.word_scan import LineWords, PackedVocabulary
 
 TOKENIZER_JSON = "tokenizer.json"
 KINDS = ("sentencepiece", "word")
@@ -187,14 +191,24 @@ class WordTokenizer(Tokenizer):
         super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
         self.words, self.counts = read_word_vocab(directory / files[0])
         self._entries = len(self.words)
-        self._ids = {word: token_id for token_id, word in enumerate(self.words)}
+
+    @functools.cached_property
+    def _ids(self) -> dict[str, int]:
+        # Built on first use: a process that only needs the ids of the specials (the shard builder's parent)
+        # skips a dict of a million words.
+        return {word: token_id for token_id, word in enumerate(self.words)}
+
+    @functools.cached_property
+    def _packed(self) -> "PackedVocabulary":
+        from txl_dist.word_scan import PackedVocabulary
+
+        return PackedVocabulary(self.words, missing=-1 if self.unk_id is None else self.unk_id)
 
     def encode(self, text: str) -> list[int]:
         lookup, unk_id = self._ids.get, self.unk_id
         ids = [lookup(word, unk_id) for word in text.split()]
         if unk_id is None and None in ids:
-            unknown = next(word for word in text.split() if word not in self._ids)
-            raise ValueError(f"word {unknown!r} is not in {self.directory / self.files[0]} and it has no unk token")
+            self._raise_unknown(next(word for word in text.split() if word not in self._ids))
         return ids
 
     def encode_batch(self, lines: Sequence[str]) -> list[list[int]]:
@@ -202,6 +216,27 @@ class WordTokenizer(Tokenizer):
             return [self.encode(line) for line in lines]
         lookup, unk_id = self._ids.get, self.unk_id
         return [[lookup(word, unk_id) for word in line.split()] for line in lines]
+
+    def encode_scanned_lines(self, scan: "LineWords", dtype: np.dtype | type = np.int64
+                             ) -> tuple[np.ndarray, np.ndarray]:
+        """The token stream of the lines of a chunk scanned by `txl_dist.word_scan.scan_lines`, each non-empty
+        line a document of one line: exactly ``encode_documents([[line] for line in lines if line.split()])``,
+        at about three times its speed. Returns ``(tokens, tokens_per_document)``."""
+        ids = self._packed.lookup(scan)
+        if self.unk_id is None and len(ids) and ids.min() < 0:
+            self._raise_unknown(scan.words(np.flatnonzero(ids < 0)[:1])[0].decode("utf-8"))
+        words = scan.words_per_line[scan.words_per_line > 0]
+        tokens_per_document = words + 1
+        ends = np.cumsum(tokens_per_document) - 1  # where each document's eod_id goes
+        tokens = np.empty(len(ids) + len(words), dtype=dtype)
+        is_word = np.ones(len(tokens), dtype=bool)
+        is_word[ends] = False
+        tokens[is_word] = ids
+        tokens[ends] = self.eod_id
+        return tokens, tokens_per_document
+
+    def _raise_unknown(self, word: str) -> None:
+        raise ValueError(f"word {word!r} is not in {self.directory / self.files[0]} and it has no unk token")
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self.id_to_piece(token_id) for token_id in ids)
@@ -224,10 +259,24 @@ def read_word_vocab(path: Path) -> tuple[list[str], list[int]]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
+    # The whole file at once (a million lines in a fraction of a second): split on whitespace, the fields
+    # alternate word and count exactly when joining them back with tabs and newlines gives the text.
+    fields = text.split()
+    words, counts = fields[0::2], fields[1::2]
+    if words and len(fields) == 2 * len(lines):
+        rebuilt = "\n".join(map("\t".join, zip(words, counts)))
+        if (text in (rebuilt, rebuilt + "\n") and all(map(str.isdecimal, counts))
+                and len(set(words)) == len(words)):
+            return words, list(map(int, counts))
+    return _read_word_vocab_lines(path, lines)
+
+
+def _read_word_vocab_lines(path: Path, lines: list[str]) -> tuple[list[str], list[int]]:
+    """`read_word_vocab` line by line, for the error that names the first bad line."""
     words, counts, seen = [], [], set()
     for number, line in enumerate(lines, start=1):
         word, tab, count = line.partition("\t")
-        if not tab or not word or not count.isdigit() or any(c.isspace() for c in word):
+        if not tab or not word or not count.isdecimal() or any(c.isspace() for c in word):
             raise TokenizerError(f"{path}, line {number}: expected 'token<TAB>count', got {line[:80]!r}")
         if word in seen:
             raise TokenizerError(f"{path}, line {number}: token {word!r} appears twice")

@@ -1,9 +1,13 @@
 """Test helper, launched by `deepspeed`: train with launchers/train.py's Trainer, then write the live parameters
-gathered from every rank (ZeRO-3 partitions them) to OUT.pt, for comparison with an offline conversion.
+gathered from every rank (ZeRO-3 partitions them) to OUT.pt, for comparison with an offline conversion. Under
+ZeRO-3 it also writes OUT.pt.zero3.json: per parameter its elements, the elements rank 0 holds and whether
+DeepSpeed keeps it whole on every rank (``stage3_param_persistence_threshold``), so a test can check that the
+parameters really were partitioned.
 
     deepspeed --num_gpus 2 tests/scripts/train_and_gather.py OUT.pt --config ... key=value ...
 """
 
+import json
 import logging
 import sys
 
@@ -23,6 +27,11 @@ def main() -> None:
     trainer = Trainer(cfg, deepspeed_overlay=args.deepspeed_config)
     trainer.run()
     module = trainer.engine.module
+    partitions = {name: {"numel": p.ds_numel, "local_numel": p.ds_tensor.numel(), "persist": p.ds_persist}
+                  for name, p in module.named_parameters() if hasattr(p, "ds_tensor")}
+    if partitions and dist.get_rank() == 0:
+        with open(f"{out}.zero3.json", "w", encoding="utf-8") as handle:
+            json.dump(partitions, handle)
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         live = {name: p.detach().clone().float() for name, p in module.named_parameters()}
     if dist.get_rank() == 0:

@@ -17,9 +17,9 @@ _calls = 0
 _forward = TransformerXLLM.forward
 
 
-def poisoned_forward(self, tokens, targets=None, mems=None):
+def poisoned_forward(self, tokens, targets=None, mems=None, **options):
     global _calls
-    loss, new_mems = _forward(self, tokens, targets, mems)
+    loss, new_mems = _forward(self, tokens, targets, mems, **options)
     if self.training:
         _calls += 1
         if os.environ.get("RANK") == "0" and _calls >= FIRST_POISONED_CALL and _calls % 2 == 1:

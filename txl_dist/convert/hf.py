@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from txl_dist.convert.keymap import KeyMap
-from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
+from txl_dist.fileio import check_output_path, staged_output
 from txl_dist.model.config import ModelConfig
 
 # Our keys and HuggingFace's TransfoXLLMHeadModel keys.
@@ -164,23 +163,11 @@ def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     hf_config = {**to_hf_config(config), "model_type": "transfo-xl", "architectures": ["TransfoXLLMHeadModel"],
                  HF_TOKENIZER_KEY: identity,
                  HF_SETTINGS_KEY: {name: getattr(config, name) for name in _SETTINGS_HF_LACKS}}
-    try:
-        ensure_directory(out_dir.parent)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    except OSError as error:
-        raise with_path(error, out_dir, replace=True) from error
-    try:
+    with staged_output(out_dir, "txl_dist.convert.hf.write_hf_folder") as staging:
         save_safetensors(weights, staging / HF_WEIGHTS, metadata={"format": "pt"})
         if (export_dir / TOKENIZER_DIR).is_dir():
             shutil.copytree(export_dir / TOKENIZER_DIR, staging / TOKENIZER_DIR)
-        mark_output(staging, "txl_dist.convert.hf.write_hf_folder")
         (staging / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n", encoding="utf-8")
-        publish_directory(staging, out_dir)
-    except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
-            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
-        raise
     return out_dir
 
 

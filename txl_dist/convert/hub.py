@@ -27,12 +27,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from txl_dist.convert.keymap import KeyMap
-from txl_dist.fileio import check_output_path, ensure_directory, mark_output, publish_directory, with_path
+from txl_dist.fileio import check_output_path, staged_output
 from txl_dist.model.config import ModelConfig
 
 HUB_FILES = Path(__file__).with_name("hub_files")
@@ -110,22 +109,10 @@ def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         texts["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
     texts.update(tokenizer_files)
 
-    try:
-        ensure_directory(out_dir.parent)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    except OSError as error:
-        raise with_path(error, out_dir, replace=True) from error
-    try:
+    with staged_output(out_dir, "txl_dist.convert.hub.write_hub_folder") as staging:
         save_safetensors(weights, staging / WEIGHTS_FILE, metadata={"format": "pt"})
         for name in MODELING_FILES:
             shutil.copyfile(HUB_FILES / name, staging / name)
         for name, content in texts.items():
             (staging / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        mark_output(staging, "txl_dist.convert.hub.write_hub_folder")
-        publish_directory(staging, out_dir)
-    except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(error, OSError) and str(error.filename or staging).startswith(str(staging)):
-            raise with_path(error, out_dir, replace=True) from error  # ours, not an input's
-        raise
     return out_dir

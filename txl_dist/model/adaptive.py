@@ -119,8 +119,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             hidden = F.linear(hidden, proj.t())
         if i > 0 or self.n_clusters == 0:
             return F.linear(hidden, weight, bias)
-        if hidden.shape[0] >= weight.shape[0]:
-            # Many rows (training): one matmul against [head words ; cluster rows].
+        if hidden.shape[0] >= hidden.shape[-1]:
+            # More rows than the head's width (training): copying the weights [head words + clusters, width] costs
+            # less than copying the logits [rows, head words + clusters]; one matmul against the joined weights.
             return F.linear(hidden, torch.cat([weight, self.cluster_weight]), torch.cat([bias, self.cluster_bias]))
         # Few rows (decoding): two matmuls and a small concatenation of logits, no copy of the head's weights.
         return torch.cat([F.linear(hidden, weight, bias), F.linear(hidden, self.cluster_weight, self.cluster_bias)],

@@ -24,6 +24,7 @@ import deepspeed
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
+from txl_dist.plan import device_memory_of, plan_comment
 from txl_dist.training.deepspeed_config import build_deepspeed_config
 
 
@@ -41,7 +42,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override one config value, read as YAML (train.max_steps=100, model.d_embed=null)")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML and exit")
+                        help="print the resolved config as YAML, and its memory plan per rank as comments, and exit")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="passed by DeepSpeed's launcher; ignored (the LOCAL_RANK environment variable is used)")
     # --deepspeed is accepted for DeepSpeedExamples-style command lines (training always uses DeepSpeed);
@@ -63,8 +64,9 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
 
     Checks the whole tree, the batch layout for ``world_size`` ranks (default: WORLD_SIZE, else 1) on
     ``device`` (default: `detect_device`), the ``--deepspeed_config`` overlay, and, when data.shards is a local
-    directory, takes model.n_token from its manifest. With --print-config it prints the resolved config and
-    exits 0. Any error exits 2 with one line on stderr naming the key, its value and what is allowed.
+    directory, takes model.n_token from its manifest. With --print-config it prints the resolved config and its
+    memory plan (`txl_dist.plan`, as YAML comments) and exits 0. Any error exits 2 with one line on stderr naming
+    the key, its value and what is allowed.
 
     Hand DeepSpeed the dict, not ``args``: ``deepspeed.initialize(config=build_deepspeed_config(...,
     overlay_path=args.deepspeed_config), ...)``; DeepSpeed refuses a config given both ways."""
@@ -83,7 +85,8 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
                                world_size=world_size, device=device or detect_device(),
                                overlay_path=args.deepspeed_config)
         if args.print_config:
-            sys.stdout.write(cfg.dump_yaml())
+            device = device or detect_device()
+            sys.stdout.write(cfg.dump_yaml() + plan_comment(cfg, world_size, device, device_memory_of(device)))
             sys.stdout.flush()
             raise SystemExit(0)
         _require_run_paths(cfg)

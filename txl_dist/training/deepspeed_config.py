@@ -84,8 +84,9 @@ def _optimizer_section(optim: OptimConfig, offloaded: bool, on_cpu: bool) -> dic
     return {"type": "AdamW" if optim.name == "adamw" else "Adam", "params": params}
 
 
-def build_torch_optimizer(optim: OptimConfig, parameters) -> "torch.optim.Optimizer":
-    """torch's Adam or AdamW with ``fused=True``: one kernel for all parameters per step, on CUDA and on CPU.
+def build_torch_optimizer(optim: OptimConfig, parameters):
+    """torch's Adam or AdamW (a ``torch.optim.Optimizer``) with ``fused=True``: one kernel for all parameters per
+    step, on CUDA and on CPU.
 
     The parameters may still be on the CPU (DeepSpeed moves them, or its ZeRO partitions, to the device later);
     the fused kernel is chosen per device at each step."""

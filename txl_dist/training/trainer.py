@@ -43,6 +43,7 @@ from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
 from txl_dist.data.format import read_manifest
 from txl_dist.evaluation import EvalResult, evaluate, segment_settings, to_device
 from txl_dist.model import TransformerXLLM
+from txl_dist.plan import describe, device_memory_of
 from txl_dist.training import weights_only
 from txl_dist.training.checkpoint import (
     CLIENT_KEY,
@@ -391,6 +392,8 @@ class Trainer:
             cfg.train.global_batch, self.world_size, self.layout.micro_batch, self.layout.grad_accum,
             tokens_per_step, self.step, cfg.train.max_steps,
         )
+        plan_device = "cpu" if self.device_type == "cpu" else self.device_type
+        self.logger.info("%s", describe(cfg, self.world_size, plan_device, device_memory_of(plan_device)))
         stop = self.guard
         self.engine.train()
         batches = iter(self.streams)
