@@ -158,9 +158,13 @@ def test_evaluation_on_two_ranks_and_on_one_each_score_their_own_stream_layout(z
     assert one["tokens"] == two["tokens"] == len(tokens) - 1
     model = load_model(export)
     expected = {streams: _full_context_loss(model, tokens, streams) for streams in (3, 4)}
-    assert one["loss"] == pytest.approx(expected[3], rel=1e-5)
-    assert two["loss"] == pytest.approx(expected[4], rel=1e-5)
-    assert abs(expected[3] - expected[4]) > 1e-4 * expected[3]
+    # Each layout agrees with its oracle to ~5e-11 (float64 sums of the same float32 losses). The model has trained
+    # for 12 steps only, so the context lost at the 2 or 3 stream starts moves the mean by ~2e-6: the tolerance
+    # lies far from both.
+    tolerance = 1e-8
+    assert one["loss"] == pytest.approx(expected[3], rel=tolerance)
+    assert two["loss"] == pytest.approx(expected[4], rel=tolerance)
+    assert abs(expected[3] - expected[4]) > 20 * tolerance * expected[3]
 
 
 def test_generate_and_score_from_the_command_line(export):

@@ -241,13 +241,17 @@ def test_two_nodes_of_one_process_on_localhost(reference, ptb_word_shards, tmp_p
         assert two_nodes[step]["loss"] == straight[step]["loss"], step
 
 
-def _refused_in_process(argv: list[str], capsys) -> str:
+def _refused_in_process(argv: list[str], capsys, monkeypatch) -> str:
     """launchers/train.py's main called in this process with ``argv``, which it must refuse before any process
     group or output exists, giving the signal handlers back: its one error line."""
     import torch.distributed as dist
 
     from launchers import train
 
+    def started() -> None:  # were the arguments accepted, a run would start in this process
+        pytest.fail(f"launchers/train.py accepted {argv}")
+
+    monkeypatch.setattr(train, "_single_process_environment", started)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as exited:
         train.main(argv)
@@ -258,15 +262,17 @@ def _refused_in_process(argv: list[str], capsys) -> str:
     return lines[-1]
 
 
-def test_bad_config_fails_before_any_process_group(ptb_word_shards, tmp_path, capsys):
-    error = _refused_in_process(args(ptb_word_shards, tmp_path / "bad", "train.micro_batch=3"), capsys)
+def test_bad_config_fails_before_any_process_group(ptb_word_shards, tmp_path, capsys, monkeypatch):
+    error = _refused_in_process(args(ptb_word_shards, tmp_path / "bad", "train.micro_batch=3"), capsys,
+                                monkeypatch)
     assert error.startswith("launchers/train.py: error: train.micro_batch") and "global_batch" in error, error
     assert not (tmp_path / "bad").exists()
 
 
 def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_before_start_up(first_half,
                                                                                                ptb_word_shards,
-                                                                                               tmp_path, capsys):
+                                                                                               tmp_path, capsys,
+                                                                                               monkeypatch):
     """What the trainer would find only after every rank started is refused by the command line, from the files:
     the run directory's newest checkpoint has another architecture, or checkpoints are there under
     checkpoint.resume=false, or data.tokenizer is not the shards' tokenizer. Nothing in the run changes."""
@@ -275,10 +281,11 @@ def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_be
     output = tmp_path / "changed"
     shutil.copytree(first_half, output)
     before = sorted(p.relative_to(output).as_posix() for p in output.rglob("*"))
-    error = _refused_in_process(args(ptb_word_shards, output, "train.max_steps=30", "model.d_inner=48"), capsys)
+    refused = lambda argv: _refused_in_process(argv, capsys, monkeypatch)
+    error = refused(args(ptb_word_shards, output, "train.max_steps=30", "model.d_inner=48"))
     assert error.endswith(f"{output / 'checkpoints' / 'step00000020'} was trained with another architecture: "
                           f"d_inner: checkpoint 32, config 48"), error
-    error = _refused_in_process(args(ptb_word_shards, output, "train.max_steps=30", "checkpoint.resume=false"), capsys)
+    error = refused(args(ptb_word_shards, output, "train.max_steps=30", "checkpoint.resume=false"))
     assert error.endswith(f"checkpoint.resume=false, but {output / 'checkpoints'} holds checkpoints (newest "
                           f"step00000020): choose another train.output_dir, or remove them"), error
     # A damaged newest marker is left to the trainer's verification (which then looks at older checkpoints).
@@ -293,8 +300,8 @@ def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_be
     assert train_tokenizer.main(["--kind", "word", "--input", str(tmp_path / "other.txt"), "--output",
                                  str(tmp_path / "other_tokenizer"), "--no-progress"]) == 0
     capsys.readouterr()
-    error = _refused_in_process(args(ptb_word_shards, tmp_path / "other", "train.max_steps=4",
-                                     f"data.tokenizer={tmp_path / 'other_tokenizer'}"), capsys)
+    error = refused(args(ptb_word_shards, tmp_path / "other", "train.max_steps=4",
+                         f"data.tokenizer={tmp_path / 'other_tokenizer'}"))
     assert f"data.tokenizer='{tmp_path / 'other_tokenizer'}': its fingerprint " in error, error
     assert "the shards were built with another tokenizer" in error and str(ptb_word_shards / "manifest.json") in error
     assert sorted(p.relative_to(output).as_posix() for p in output.rglob("*")) == before
