@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launcher import in_process, launcher_command, run
+from tests.launcher import in_process, run, torchrun_command
 
 pytestmark = pytest.mark.launcher
 
@@ -22,7 +22,7 @@ def zero3_run(ptb_word_shards, ptb_word_tokenizer, tmp_path_factory) -> tuple[Pa
     """(run folder, live parameters gathered at the end of training) of 12 steps of ZeRO-3 on 2 ranks."""
     root = tmp_path_factory.mktemp("zero3")
     live = root / "live.pt"
-    run(launcher_command("tests/scripts/train_and_gather.py", [
+    run(torchrun_command("tests/scripts/train_and_gather.py", [
         str(live), "--config", "configs/tiny_cpu.yaml", "--config", "configs/variants/zero3.yaml",
         # Else every parameter of the tiny model stays whole. Partitioned, each forward gathers every parameter:
         # the final validation pass takes 19 segments of 64 streams instead of 2,300 of 4.
@@ -98,7 +98,7 @@ def test_round_trips_through_huggingface_and_the_original_layout_are_exact(expor
 
 
 def test_evaluate_export_equals_checkpoint(zero3_run, export, tmp_path):
-    settings = ["--split", "valid", "--mem-len", "24", "--batch-size", "4", "--no-progress"]
+    settings = ["--split", "valid", "--mem-len", "24", "--batch-size", "32", "--no-progress"]
     in_process("launchers/evaluate.py", str(export), *settings, "--output", str(tmp_path / "export.json"))
     in_process("launchers/evaluate.py", str(zero3_run[0]), *settings, "--output", str(tmp_path / "checkpoint.json"))
     results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("export", "checkpoint")}
@@ -149,7 +149,7 @@ def test_evaluation_on_two_ranks_and_on_one_each_score_their_own_stream_layout(z
     settings = ["--split", "valid", "--shards", str(short_valid_shards), "--mem-len", "4096", "--batch-size", "3",
                 "--no-progress"]
     in_process("launchers/evaluate.py", str(export), *settings, "--output", str(tmp_path / "one.json"))
-    run(launcher_command("launchers/evaluate.py", [str(zero3_run[0]), *settings, "--output",
+    run(torchrun_command("launchers/evaluate.py", [str(zero3_run[0]), *settings, "--output",
                                                    str(tmp_path / "two.json")]))
     one, two = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "two"))
     tokens = stream_tokens(short_valid_shards, "valid")

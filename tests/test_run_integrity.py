@@ -482,16 +482,16 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     issue): evaluate.py and zero-to-export refuse it in one line naming the file, and write nothing, where before
     they read its fp32 masters and reported a finite perplexity. A checkpoint whose record alone is wrong (the
     files intact) is read with --no-verify, which says so, and gives the result of an intact one."""
-    from tests.launcher import run, tail
+    from tests.launcher import in_process, run, tail
 
     output = tmp_path / "run"
     run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}",
          f"train.output_dir={output}", "train.max_steps=2", "schedule.warmup_steps=1", "eval.every=0",
-         "log.every=1", "checkpoint.every=0", "train.micro_batch=4"])
+         "log.every=1", "checkpoint.every=0", "train.micro_batch=4", "eval.batch_size=64", "eval.tgt_len=32"])
     tag_dir = output / "checkpoints" / "step00000002"
-    evaluate = [sys.executable, "launchers/evaluate.py", str(output), "--split", "valid", "--batch-size", "8",
-                "--no-progress"]
-    intact = run([*evaluate, "--output", str(tmp_path / "intact.json")])
+    # evaluate.py and convert.py called in this process (one rank, no process group), their output captured.
+    evaluate = ["launchers/evaluate.py", str(output), "--split", "valid", "--batch-size", "8", "--no-progress"]
+    intact = in_process(*evaluate, "--output", str(tmp_path / "intact.json"))
     assert "warning" not in intact.stderr
     expected_loss = json.loads((tmp_path / "intact.json").read_text())["loss"]
 
@@ -502,9 +502,8 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     assert model_states.stat().st_size == len(original)
     for name, command in (("evaluate.py", [*evaluate, "--output", str(tmp_path / "damaged.json")]),
                           ("convert.py zero-to-export",
-                           [sys.executable, "launchers/convert.py", "zero-to-export", str(output),
-                            str(tmp_path / "export")])):
-        result = run(command, check=False)
+                           ["launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")])):
+        result = in_process(*command, check=False)
         errors = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode != 0 and len(errors) == 1, tail(result)
         assert errors[0].startswith(f"{name}: error: {tag_dir} fails verification"), errors[0]
@@ -517,12 +516,12 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     record = complete["files"][model_states.name]
     record["crc32"] = f"{(int(record['crc32'], 16) ^ 1):08x}"
     (tag_dir / COMPLETE).write_text(json.dumps(complete))
-    assert run([*evaluate, "--output", str(tmp_path / "refused.json")], check=False).returncode != 0
-    unverified = run([*evaluate, "--no-verify", "--output", str(tmp_path / "unverified.json")])
+    assert in_process(*evaluate, "--output", str(tmp_path / "refused.json"), check=False).returncode != 0
+    unverified = in_process(*evaluate, "--no-verify", "--output", str(tmp_path / "unverified.json"))
     assert "warning: --no-verify" in unverified.stderr
     assert json.loads((tmp_path / "unverified.json").read_text())["loss"] == expected_loss
-    converted = run([sys.executable, "launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"),
-                     "--no-verify"])
+    converted = in_process("launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"),
+                           "--no-verify")
     assert "warning: --no-verify" in converted.stderr and (tmp_path / "export" / "config.json").is_file()
 
 

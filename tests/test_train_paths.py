@@ -1,6 +1,6 @@
-"""Trainer paths through the real launcher (2 CPU ranks), each checked against an oracle computed here without the
-trainer: every micro-batch slot feeds its own streams' memory, train.max_epochs, eval.max_batches, resume on
-another number of ranks, and resume after the global batch changed.
+"""Trainer paths on 2 CPU ranks (started by torchrun: what is tested is the trainer, not the launcher), each checked
+against an oracle computed here without the trainer: every micro-batch slot feeds its own streams' memory,
+train.max_epochs, eval.max_batches, resume on another number of ranks, and resume after the global batch changed.
 
 The oracles read the token stream straight from the shards (webdataset), cut it as DESIGN.md says, and run the
 model of a checkpoint's weights over it. Dropout is off in these runs, so a loss depends only on the weights, the
@@ -10,14 +10,13 @@ tokens and the memory.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launcher import launcher_command, records, run
+from tests.launcher import copy_at_step, records, run, torchrun_command
 from tests.oracles import checkpoint_model, stream_tokens
 
 pytestmark = pytest.mark.launcher
@@ -50,7 +49,7 @@ def still(ptb_word_shards, tmp_path_factory) -> Path:
     were drawn, so that every step's loss follows from the first checkpoint's weights and the tokens. The weights
     are drawn with std 0.5 (not 0.02), which makes the loss depend on the memory by ~1e-3 (at 0.02, by ~1e-6)."""
     output = tmp_path_factory.mktemp("still")
-    run(launcher_command(TRAIN, [
+    run(torchrun_command(TRAIN, [
         "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}", f"train.output_dir={output}",
         "data.train_split=test", f"model.tgt_len={TGT_LEN}", f"model.mem_len={MEM_LEN}", "model.dropout=0.0",
         "model.init_std=0.5", f"train.global_batch={2 * SLOTS * ROWS}", f"train.micro_batch={ROWS}",
@@ -136,43 +135,59 @@ def test_sampled_evaluations_score_the_first_max_batches_windows_of_every_stream
 # ---- resume on another number of ranks, and with another global batch -------------------------------------------
 
 def settled_args(shards: Path, output_dir: Path, *extra: str) -> list[str]:
-    """The tiny model as in tests/test_train_launcher.py's reference run, without dropout."""
+    """The tiny model as in tests/test_train_launcher.py's reference run, without dropout, its weights drawn with
+    std 0.5: at 0.02 another stream's memory moves a step's loss by at most ~1e-5, too little to tell."""
     return ["--config", "configs/tiny_cpu.yaml", f"data.shards={shards}", f"train.output_dir={output_dir}",
-            "model.dropout=0.0", "optim.lr=5e-3", "schedule.warmup_steps=2", "schedule.total_steps=40",
-            "log.every=1", "eval.every=0", "eval.batch_size=64", "eval.tgt_len=32", "checkpoint.every=10",
-            "checkpoint.keep_last=0", *extra]
+            "model.dropout=0.0", "model.init_std=0.5", "optim.lr=5e-3", "schedule.warmup_steps=2",
+            "schedule.total_steps=40", "log.every=1", "eval.every=0", "eval.batch_size=64", "eval.tgt_len=32",
+            "checkpoint.every=10", "checkpoint.keep_last=0", *extra]
 
 
 @pytest.fixture(scope="module")
 def settled(ptb_word_shards, tmp_path_factory) -> Path:
     """20 steps on 2 ranks, checkpoints at steps 10 and 20."""
     output = tmp_path_factory.mktemp("settled")
-    run(launcher_command(TRAIN, settled_args(ptb_word_shards, output, "train.max_steps=20")))
+    run(torchrun_command(TRAIN, settled_args(ptb_word_shards, output, "train.max_steps=20")))
     return output
-
-
-def at_step_10(settled: Path, copy: Path) -> Path:
-    """A copy of the run as it was after its step-10 checkpoint."""
-    shutil.copytree(settled, copy)
-    shutil.rmtree(copy / "checkpoints" / "step00000020")
-    (copy / "checkpoints" / "latest").write_text("step00000010\n")
-    return copy
 
 
 def test_resume_on_one_rank_equals_the_two_rank_continuation(settled, ptb_word_shards, tmp_path):
     """The 2-rank ZeRO-2 checkpoint goes through DeepSpeed's universal format to one plain `python` process (4
     accumulation steps instead of 2); the same streams continue with their memory and Adam's moments, so the
-    losses equal those of the 2-rank run up to the order of the sums."""
-    output = at_step_10(settled, tmp_path / "one_rank")
+    losses equal those of the 2-rank run up to the order of the sums (here they come out equal). The first step
+    after the resume is also the loss of the step-10 weights on the streams' next windows with the memory the
+    checkpoint holds for each stream; with every stream's memory moved to the next column it would differ."""
+    from txl_dist.data import ResumeKind, TrainStreams
+
+    output = copy_at_step(settled, 10, tmp_path / "one_rank")
     result = run([sys.executable, TRAIN, *settled_args(ptb_word_shards, output, "train.max_steps=20")])
     assert "universal format for 1 ranks" in result.stderr and "at step 10 (exact" in result.stderr
     assert "on 1 rank(s): global batch 8 = 1 ranks x micro-batch 2 x 4 accumulation" in result.stderr
     two, one = records(settled), records(output)
     assert sorted(one) == list(range(1, 21))
+    tolerance = 1e-5
     for step in range(11, 21):
         assert one[step]["data_checksum"] == two[step]["data_checksum"], step
-        assert one[step]["loss"] == pytest.approx(two[step]["loss"], rel=1e-5), step
+        assert one[step]["loss"] == pytest.approx(two[step]["loss"], rel=tolerance), step
     assert not any(p.name.endswith("_universal") for p in (output / "checkpoints").iterdir())
+
+    model, checkpoint = checkpoint_model(output, "step00000010")
+    with TrainStreams(ptb_word_shards, "train", tgt_len=8, micro_batch=2, grad_accum=4, world_size=1,
+                      rank=0) as streams:
+        assert streams.load_state_dict(checkpoint.client["data"]) == ResumeKind.EXACT
+        windows = iter(streams)
+        batches = [next(windows) for _ in range(4)]
+    assert torch.cat([batch.stream_ids for batch in batches]).tolist() == list(range(8))
+    inputs, targets = (torch.cat(parts) for parts in zip(*((batch.inputs, batch.targets) for batch in batches)))
+    states = [torch.load(output / "checkpoints" / "step00000010" / "txl_rank_states" / f"rank{rank:05d}.pt",
+                         weights_only=True) for rank in range(2)]
+    assert [state["stream_ids"].tolist() for state in states] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    mems = [torch.cat(layers, dim=1) for layers in zip(*(state["mems"] for state in states))]  # [mem_len, 8, d]
+    with torch.no_grad():
+        expected = model(inputs, targets, mems)[0].double().mean().item()
+        moved = model(inputs, targets, [m.roll(1, dims=1) for m in mems])[0].double().mean().item()
+    assert one[11]["loss"] == pytest.approx(expected, rel=tolerance)
+    assert abs(moved - expected) > 10 * tolerance * expected
 
 
 def test_resume_with_another_global_batch_repartitions_the_rest_and_starts_without_memory(settled, ptb_word_shards,
@@ -183,8 +198,8 @@ def test_resume_with_another_global_batch_repartitions_the_rest_and_starts_witho
     step-10 weights on those windows without memory."""
     from txl_dist.data import ResumeKind, TrainStreams
 
-    output = at_step_10(settled, tmp_path / "wider")
-    result = run(launcher_command(TRAIN, settled_args(ptb_word_shards, output, "train.max_steps=13",
+    output = copy_at_step(settled, 10, tmp_path / "wider")
+    result = run(torchrun_command(TRAIN, settled_args(ptb_word_shards, output, "train.max_steps=13",
                                                       "train.global_batch=16")))
     log = result.stderr
     assert "resume with 16 streams instead of 8: epoch 0 re-partitioned" in log
