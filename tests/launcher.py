@@ -42,6 +42,18 @@ def free_port() -> int:
     return port
 
 
+def remove_shm_buffers(directory: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove the shared-memory buffers of the DeepSpeed runs this session started (named
+    ``deepspeed_allreduce_buffer_{...}_{master address}_{master port}_{rank}``), and only those; return them."""
+    removed = []
+    for port in sorted(PORTS_USED):
+        for path in directory.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    PORTS_USED.clear()
+    return removed
+
+
 def launcher_command(script: str, args: list[str], nprocs: int = 2, launcher_flags: list[str] | None = None) -> list[str]:
     flags = launcher_flags if launcher_flags is not None else ["--num_gpus", str(nprocs), "--master_port", str(free_port())]
     return [DEEPSPEED, *flags, script, *args]

@@ -44,6 +44,23 @@ def _checkpoint(directory: Path) -> Path:
     return tag_dir
 
 
+def test_only_the_shared_memory_buffers_of_this_sessions_runs_are_removed(tmp_path):
+    """What the autouse fixture of conftest.py runs after each test: DeepSpeed's buffers named by a master port
+    this session handed out go; another session's (another port, or a port that only ends in the same digits)
+    stay, since removing a live one hangs that session's ranks."""
+    from tests.launcher import PORTS_USED, free_port, remove_shm_buffers
+
+    port = free_port()
+    ours = {f"deepspeed_allreduce_buffer_0_127.0.0.1_{port}_{rank}" for rank in (0, 1)}
+    theirs = {f"deepspeed_allreduce_buffer_0_127.0.0.1_{port + 1}_0",
+              f"deepspeed_allreduce_buffer_0_127.0.0.1_1{port}_0", f"deepspeed_allreduce_buffer_0_10.0.0.2_{port}0_1"}
+    for name in ours | theirs:
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(path.name for path in remove_shm_buffers(tmp_path)) == sorted(ours)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(theirs)
+    assert not PORTS_USED
+
+
 def test_checksums_computed_while_writing_equal_a_read_back(tmp_path):
     data = os.urandom(3 * 2**20 + 17)
     written = fileio.atomic_write_checksummed(tmp_path / "f", lambda handle: handle.write(data))
