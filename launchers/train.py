@@ -60,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     from txl_dist.training.cli import parse_run_args
 
-    cfg, args = parse_run_args(argv)  # exits 2 with the offending key before any process group exists
+    try:
+        cfg, args = parse_run_args(argv)  # exits 2 with the offending key before any process group exists
+    except BaseException:
+        # Nothing started: give the caller (a test calling main in-process) its own signal handlers back and stop
+        # the guard's watch thread.
+        guard.close()
+        raise
     _single_process_environment()
     _configure_logging()
     try:

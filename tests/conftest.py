@@ -86,10 +86,7 @@ def _remove_deepspeed_shm_buffers():
     each, named ``..._{master address}_{master port}_{rank}``): remove this test's after it so they do not pile up
     in memory. Only the ports this session handed out: removing another session's live buffer (a parallel run on a
     shared machine) makes its ranks wait for each other forever in DeepSpeed's start-up."""
-    from tests.launcher import PORTS_USED
+    from tests.launcher import remove_shm_buffers
 
     yield
-    for port in sorted(PORTS_USED):
-        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            path.unlink(missing_ok=True)
-    PORTS_USED.clear()
+    remove_shm_buffers()

@@ -434,6 +434,100 @@ def test_resume_refuses_a_damaged_shard(ptb_word_tokenizer, ptb_text_dir, tmp_pa
     assert f"{shard}: sha256" in capsys.readouterr().err
 
 
+def test_resume_refuses_changed_input_a_missing_shard_and_an_unreadable_journal(ptb_word_tokenizer, ptb_text_dir,
+                                                                                 tmp_path, capsys):
+    """Each refusal names the file and changes nothing: after it, the unchanged build still resumes to the shards
+    of an uninterrupted one."""
+    text = tmp_path / "train.txt"
+    text.write_bytes((ptb_text_dir / "ptb.train.txt").read_bytes())
+    bad_offset = text.stat().st_size // 2
+    output = tmp_path / "shards"
+    args = _interrupted_build(ptb_word_tokenizer, text, bad_offset, output, "--tokens-per-shard", 100000)
+    _repair(text, bad_offset)
+    state_path = output / build_shards.STATE_NAME
+    kept = files_of(output)
+    assert "train-000001.tar" in kept
+    capsys.readouterr()
+
+    original = text.read_bytes()
+    text.write_bytes(original + b"one more line\n")
+    assert run_build(*args, "--resume") == 1
+    error = capsys.readouterr().err
+    assert f"{state_path}: the interrupted build used other settings (inputs differ: " in error
+    assert f'"size": {len(original)}' in error and f'"size": {len(original) + 14}' in error
+    text.write_bytes(original)
+    assert files_of(output) == kept
+
+    shard = output / "train-000001.tar"
+    shard.unlink()
+    assert run_build(*args, "--resume") == 1
+    assert f"{shard}: missing, but {state_path} lists it as written" in capsys.readouterr().err
+    shard.write_bytes(kept["train-000001.tar"])
+
+    state_path.write_text('{"settings": {"builder"')
+    assert run_build(*args, "--resume") == 1
+    assert f"{state_path}: unreadable resume state (" in capsys.readouterr().err
+    state_path.write_bytes(kept[build_shards.STATE_NAME])
+    assert files_of(output) == kept
+
+    assert run_build(*args, "--resume") == 0
+    clean = tmp_path / "clean"
+    assert run_build(*[a if a != str(output) else str(clean) for a in args]) == 0
+    assert files_of(output) == files_of(clean)
+
+
+def test_input_that_changed_under_a_resume_inside_a_document_is_refused(ptb_word_tokenizer, tmp_path, capsys):
+    """The size is the same, but the documents before the one the build stopped inside were merged: the split
+    cannot continue inside that document."""
+    sentences = ptb_sentences("valid")
+    text = tmp_path / "paragraphs.txt"
+    text.write_text("\n\n".join("\n".join(sentences[i:i + 12]) for i in range(0, 1200, 12)) + "\n")
+    bad_offset = int(text.stat().st_size * 0.6)
+    output = tmp_path / "resumed"
+    args = _interrupted_build(ptb_word_tokenizer, text, bad_offset, output, "--doc-per", "blank-line",
+                              "--chunk-bytes", 4096, "--tokens-per-block", 64, "--tokens-per-shard", 192)
+    _repair(text, bad_offset)
+    state = json.loads((output / build_shards.STATE_NAME).read_text())
+    position, read_from = state["streams"]["train"]["position"], state["sources"]["train"]["read_from"]
+    assert position["skip_tokens"] > 0 and position["document"] > 0
+    data = text.read_bytes()
+    # Join every paragraph of the chunk the build continues in up to its end: same bytes count, fewer documents.
+    end = data.index(b"\n\n", read_from["offset"] + 4096)
+    merged = data[:read_from["offset"]] + data[read_from["offset"]:end].replace(b"\n\n", b" \n") + data[end:]
+    assert len(merged) == len(data)
+    text.write_bytes(merged)
+    capsys.readouterr()
+    assert run_build(*args, "--resume") == 1
+    assert (f"the input no longer matches the journal: the split should continue inside document "
+            f"{position['document']} of chunk {position['chunk']}") in capsys.readouterr().err
+    assert not (output / MANIFEST_NAME).exists() and (output / build_shards.STATE_NAME).exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--split", "train=X", "--input", "."], "--input is for --format lm1b|ptb; give text inputs with --split"),
+    (["--format", "lm1b", "--split", "train=X"], "--split is for --format text; --format lm1b defines"),
+    (["--format", "ptb", "--doc-per", "blank-line"], "--doc-per blank-line: --format ptb has one sentence per line"),
+    (["--format", "lm1b"], "--format lm1b needs --input DIR"),
+    ([], "no split to build: give --split NAME=GLOB"),
+    (["--split", "train-1=X"], "split name 'train-1': use letters, digits and '_' only"),
+    (["--split", "train=X", "--tokens-per-block", "0"], "--tokens-per-block 0: must be positive"),
+    (["--split", "train=X", "--chunk-bytes", "-1"], "--chunk-bytes -1: must be positive"),
+    (["--split", "train=X", "--tokens-per-block", "4096", "--tokens-per-shard", "4095"],
+     "--tokens-per-shard 4095 is smaller than --tokens-per-block 4096"),
+    (["--split", "train=X", "--holdout", "valid=1.5"], "--holdout valid=1.5: the fraction must lie in (0, 1)"),
+    (["--split", "main=X", "--holdout", "valid=0.1"], "--holdout takes documents from split 'train', which is not"),
+    (["--split", "train=X", "--workers", "0"], "--workers 0: must be at least 1"),
+])
+def test_flag_combinations_that_cannot_build_are_refused(flags, message, ptb_word_tokenizer, ptb_text_dir, tmp_path,
+                                                         capsys):
+    flags = [flag.replace("X", str(ptb_text_dir / "ptb.test.txt")) for flag in flags]
+    output = tmp_path / "shards"
+    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, *flags) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("build_shards: error: ") and message in lines[0], lines
+    assert not output.exists() or not any(output.iterdir())
+
+
 def test_an_interrupt_while_a_shard_is_being_opened_leaves_no_partial_file(tmp_path, monkeypatch):
     # Ctrl-C can land between the creation of a shard's partial file and the writer's note of it.
     from data_tools import shard_writer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,32 @@ def test_weights_that_do_not_match_the_config_are_named(tmp_path):
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
+def test_config_files_of_another_format_version_or_tokenizer_record_are_refused(tmp_path):
+    model = _model()
+    out = write_export(model, model.config, tmp_path / "export")
+    path = out / "config.json"
+    written = json.loads(path.read_text())
+    for changes, message in (
+        ({"format": "txl_dist.checkpoint"}, "key 'format' is 'txl_dist.checkpoint', expected 'txl_dist.export'"),
+        ({"version": 2}, "key 'version' is 2; this txl_dist reads version 1"),
+        ({"tokenizer": "vocab.txt"}, "key 'tokenizer' must be null or an object with the keys"),
+        ({"tokenizer": {"kind": "word", "vocab_size": 1000}}, "key 'tokenizer' must be null or an object with the keys"),
+    ):
+        path.write_text(json.dumps({**written, **changes}))
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+            load_model(out)
+    incomplete = {k: v for k, v in written.items() if k not in ("n_head", "dropatt")}
+    path.write_text(json.dumps(incomplete))
+    with pytest.raises(ValueError, match=r"missing key\(s\) \['n_head', 'dropatt'\]"):
+        read_config_file(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        read_config_file(path)
+    path.write_text("{\"n_token\": ")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        read_config_file(path)
+
+
 def test_missing_files_are_named(tmp_path):
     model = _model()
     out = write_export(model, model.config, tmp_path / "export")
@@ -259,11 +286,12 @@ def test_load_pretrained(tmp_path):
     out = write_export(model, model.config, tmp_path / "export")
     loaded, tokenizer = txl_dist.load_pretrained(out, mem_len=12)
     assert tokenizer is None and loaded.config.mem_len == 12
-    tokenizer_module = pytest.importorskip("txl_dist.tokenizer")
+    from txl_dist.tokenizer import Tokenizer
+
     with_tokenizer = write_export(model, model.config, tmp_path / "with",
                                   tokenizer_dir=_word_tokenizer(tmp_path / "tok", model.config.n_token))
     loaded, tokenizer = txl_dist.load_pretrained(with_tokenizer)
-    assert isinstance(tokenizer, tokenizer_module.Tokenizer) and tokenizer.encode("w5 w7") == [7, 9]
+    assert isinstance(tokenizer, Tokenizer) and tokenizer.encode("w5 w7") == [7, 9]
 
 
 def test_import_txl_dist_does_not_import_torch():

@@ -6,15 +6,13 @@ resumes exactly, and its export equals the parameters gathered from the live eng
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from data_tools import build_shards, synthetic_lm1b, train_tokenizer
-from tests.launcher import launcher_command, records, run
+from tests.launcher import copy_at_step, in_process, records, run, torchrun_command
 
 pytestmark = pytest.mark.launcher
 
@@ -51,29 +49,13 @@ def lm1b_args(shards: Path, output: Path, *extra: str) -> list[str]:
             "eval.every=0", "checkpoint.every=6", "checkpoint.keep_last=0", *extra]
 
 
-def _back_to_step(run_dir: Path, step: int) -> None:
-    """Leave a run as if it had been stopped after the checkpoint of ``step``: later checkpoints and log lines
-    gone."""
-    checkpoints = run_dir / "checkpoints"
-    for folder in checkpoints.iterdir():
-        if folder.name.startswith("step") and int(folder.name.removeprefix("step")) > step:
-            shutil.rmtree(folder)
-    if (checkpoints / "latest").exists():
-        (checkpoints / "latest").write_text(f"step{step:08d}\n")
-    metrics = run_dir / "metrics.jsonl"
-    kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
-    metrics.write_text("".join(line + "\n" for line in kept))
-
-
 def test_lm1b_shape_on_zero3_resumes_exactly_and_exports_the_live_parameters(lm1b_like, tmp_path):
     tokenizer, shards = lm1b_like
     straight = tmp_path / "straight"
-    run(launcher_command("launchers/train.py", lm1b_args(shards, straight, f"train.max_steps={STEPS}")))
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    _back_to_step(resumed, STEPS // 2)
+    run(torchrun_command("launchers/train.py", lm1b_args(shards, straight, f"train.max_steps={STEPS}")))
+    resumed = copy_at_step(straight, STEPS // 2, tmp_path / "resumed")
     live = tmp_path / "live.pt"
-    result = run(launcher_command("tests/scripts/train_and_gather.py", [str(live), *lm1b_args(
+    result = run(torchrun_command("tests/scripts/train_and_gather.py", [str(live), *lm1b_args(
         shards, resumed, f"train.max_steps={STEPS}", f"data.tokenizer={tokenizer}")]))
     assert f"at step {STEPS // 2} (exact" in result.stdout + result.stderr
 
@@ -93,7 +75,7 @@ def test_lm1b_shape_on_zero3_resumes_exactly_and_exports_the_live_parameters(lm1
 
     # The export of the last checkpoint equals the live parameters, the adaptive head's clusters included.
     export = tmp_path / "export"
-    run([sys.executable, "launchers/convert.py", "zero-to-export", str(resumed), str(export)])
+    in_process("launchers/convert.py", "zero-to-export", str(resumed), str(export))
     from txl_dist.export import load_model
 
     model = load_model(export)

@@ -262,11 +262,35 @@ def test_tied_parameters_share_storage(div_val, d_embed):
             continue
         emb_proj = model.word_emb.emb_projs[0 if div_val == 1 else i]
         assert (proj.data_ptr() == emb_proj.data_ptr()) == tied
-    # A tied parameter is one parameter: its gradient collects both uses.
-    (x, y), = _segments(config, n_segments=1)
-    model(x, y)[0].mean().backward()
     names = [n for n, _ in model.named_parameters()]
     assert not any(n.startswith("crit.out_layers") and n.endswith("weight") for n in names)
+    # A tied parameter is one parameter: its gradient collects both uses. The same weights in an untied model
+    # give each use its own gradient; the tied gradient is their sum.
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    untied = TransformerXLLM(dataclasses.replace(config, tie_weight=False,
+                                                 tie_projs=[False] * len(config.tie_projs_resolved)))
+    untied.load_state_dict(model.state_dict(), strict=True)
+    (x, y), = _segments(config, n_segments=1)
+    model(x, y)[0].mean().backward()
+    untied(x, y)[0].mean().backward()
+    # shared parameter -> (its use as an input embedding or projection, its uses in the softmax), in the untied model
+    uses = {id(model.word_emb.emb_layers[i].weight): (model.word_emb.emb_layers[i].weight,
+                                                       untied.word_emb.emb_layers[i].weight,
+                                                       [untied.crit.out_layers[i].weight])
+            for i in range(len(model.word_emb.emb_layers))}
+    for i, tied in enumerate(config.tie_projs_resolved):
+        if tied and model.crit.out_projs[i] is not None:
+            emb = 0 if div_val == 1 else i  # with div_val 1, every tied cluster shares the one input projection
+            shared = model.word_emb.emb_projs[emb]
+            uses.setdefault(id(shared), (shared, untied.word_emb.emb_projs[emb], []))[2].append(untied.crit.out_projs[i])
+    assert len(uses) > len(model.word_emb.emb_layers) or not any(
+        tied and p is not None for tied, p in zip(config.tie_projs_resolved, model.crit.out_projs))
+    for shared, as_input, as_outputs in uses.values():
+        assert as_input.grad.abs().max() > 0 and all(p.grad.abs().max() > 0 for p in as_outputs)
+        torch.testing.assert_close(shared.grad, as_input.grad + sum(p.grad for p in as_outputs), rtol=1e-5, atol=1e-7)
 
 
 def test_untied_weights_are_separate():
@@ -282,8 +306,15 @@ def test_initialisation_follows_the_authors():
     assert abs(qkv.std().item() - 0.02) < 0.002
     assert abs(model.layers[0].pos_ff.layer_norm.weight.mean().item() - 1.0) < 0.01
     assert model.layers[0].pos_ff.CoreNet[0].bias.abs().max().item() == 0.0
-    assert abs(model.crit.out_projs[0].std().item() - 0.01) < 0.001 if model.crit.out_projs[0] is not None else True
     assert model.crit.cluster_bias.abs().max().item() == 0.0
+    # ptb_small (div_val 1, d_embed = d_model) has no projection at all; with div_val 2 every cluster has one,
+    # drawn from N(0, proj_init_std), not from the weights' N(0, init_std).
+    assert all(p is None for p in model.crit.out_projs) and all(p is None for p in model.word_emb.emb_projs)
+    projected = TransformerXLLM(preset("ptb_small", div_val=2))
+    projections = [p for p in list(projected.word_emb.emb_projs) + list(projected.crit.out_projs) if p is not None]
+    assert len(projections) == 6  # 3 clusters, tied in pairs except the head's
+    for projection in projections:
+        assert abs(projection.std().item() - 0.01) < 0.001 and abs(projection.mean().item()) < 0.001
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,7 +334,7 @@ HF_CASES = {
 
 @pytest.mark.parametrize("case", sorted(HF_CASES))
 def test_huggingface_gives_the_same_losses(case):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.deprecated.transfo_xl import TransfoXLConfig, TransfoXLLMHeadModel
 
     from txl_dist.convert.hf import from_hf_state_dict, to_hf_config, to_hf_state_dict
@@ -343,7 +374,6 @@ def test_huggingface_gives_the_same_losses(case):
 
 
 def test_huggingface_full_vocabulary_log_probs_match():
-    pytest.importorskip("transformers")
     from transformers.models.deprecated.transfo_xl import TransfoXLConfig, TransfoXLLMHeadModel
 
     from txl_dist.convert.hf import to_hf_config, to_hf_state_dict

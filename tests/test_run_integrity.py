@@ -44,6 +44,23 @@ def _checkpoint(directory: Path) -> Path:
     return tag_dir
 
 
+def test_only_the_shared_memory_buffers_of_this_sessions_runs_are_removed(tmp_path):
+    """What the autouse fixture of conftest.py runs after each test: DeepSpeed's buffers named by a master port
+    this session handed out go; another session's (another port, or a port that only ends in the same digits)
+    stay, since removing a live one hangs that session's ranks."""
+    from tests.launcher import PORTS_USED, free_port, remove_shm_buffers
+
+    port = free_port()
+    ours = {f"deepspeed_allreduce_buffer_0_127.0.0.1_{port}_{rank}" for rank in (0, 1)}
+    theirs = {f"deepspeed_allreduce_buffer_0_127.0.0.1_{port + 1}_0",
+              f"deepspeed_allreduce_buffer_0_127.0.0.1_1{port}_0", f"deepspeed_allreduce_buffer_0_10.0.0.2_{port}0_1"}
+    for name in ours | theirs:
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(path.name for path in remove_shm_buffers(tmp_path)) == sorted(ours)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(theirs)
+    assert not PORTS_USED
+
+
 def test_checksums_computed_while_writing_equal_a_read_back(tmp_path):
     data = os.urandom(3 * 2**20 + 17)
     written = fileio.atomic_write_checksummed(tmp_path / "f", lambda handle: handle.write(data))
@@ -224,8 +241,9 @@ def export_dir(tmp_path_factory) -> Path:
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launchers/convert.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    from tests.launcher import in_process
+
+    return in_process("launchers/convert.py", *args, check=False)
 
 
 def test_export_to_hf_into_itself_or_its_parent_is_refused_and_the_input_kept(export_dir, tmp_path):
@@ -481,16 +499,16 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     issue): evaluate.py and zero-to-export refuse it in one line naming the file, and write nothing, where before
     they read its fp32 masters and reported a finite perplexity. A checkpoint whose record alone is wrong (the
     files intact) is read with --no-verify, which says so, and gives the result of an intact one."""
-    from tests.launcher import run, tail
+    from tests.launcher import in_process, run, tail
 
     output = tmp_path / "run"
     run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}",
          f"train.output_dir={output}", "train.max_steps=2", "schedule.warmup_steps=1", "eval.every=0",
-         "log.every=1", "checkpoint.every=0", "train.micro_batch=4"])
+         "log.every=1", "checkpoint.every=0", "train.micro_batch=4", "eval.batch_size=64", "eval.tgt_len=32"])
     tag_dir = output / "checkpoints" / "step00000002"
-    evaluate = [sys.executable, "launchers/evaluate.py", str(output), "--split", "valid", "--batch-size", "8",
-                "--no-progress"]
-    intact = run([*evaluate, "--output", str(tmp_path / "intact.json")])
+    # evaluate.py and convert.py called in this process (one rank, no process group), their output captured.
+    evaluate = ["launchers/evaluate.py", str(output), "--split", "valid", "--batch-size", "8", "--no-progress"]
+    intact = in_process(*evaluate, "--output", str(tmp_path / "intact.json"))
     assert "warning" not in intact.stderr
     expected_loss = json.loads((tmp_path / "intact.json").read_text())["loss"]
 
@@ -501,9 +519,8 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     assert model_states.stat().st_size == len(original)
     for name, command in (("evaluate.py", [*evaluate, "--output", str(tmp_path / "damaged.json")]),
                           ("convert.py zero-to-export",
-                           [sys.executable, "launchers/convert.py", "zero-to-export", str(output),
-                            str(tmp_path / "export")])):
-        result = run(command, check=False)
+                           ["launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")])):
+        result = in_process(*command, check=False)
         errors = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode != 0 and len(errors) == 1, tail(result)
         assert errors[0].startswith(f"{name}: error: {tag_dir} fails verification"), errors[0]
@@ -516,12 +533,12 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     record = complete["files"][model_states.name]
     record["crc32"] = f"{(int(record['crc32'], 16) ^ 1):08x}"
     (tag_dir / COMPLETE).write_text(json.dumps(complete))
-    assert run([*evaluate, "--output", str(tmp_path / "refused.json")], check=False).returncode != 0
-    unverified = run([*evaluate, "--no-verify", "--output", str(tmp_path / "unverified.json")])
+    assert in_process(*evaluate, "--output", str(tmp_path / "refused.json"), check=False).returncode != 0
+    unverified = in_process(*evaluate, "--no-verify", "--output", str(tmp_path / "unverified.json"))
     assert "warning: --no-verify" in unverified.stderr
     assert json.loads((tmp_path / "unverified.json").read_text())["loss"] == expected_loss
-    converted = run([sys.executable, "launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"),
-                     "--no-verify"])
+    converted = in_process("launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"),
+                           "--no-verify")
     assert "warning: --no-verify" in converted.stderr and (tmp_path / "export" / "config.json").is_file()
 
 

@@ -303,9 +303,44 @@ def test_states_of_another_split_tokenizer_shard_set_or_seed_are_refused(shards,
     assert TrainStreams(shards, "train", seed=4, **kwargs).load_state_dict(state) == ResumeKind.EXACT
     with pytest.raises(StreamStateError, match="key 'layout_spans'"):
         streams.load_state_dict({**state, "layout_spans": [[0, TRAIN_TOKENS + 1]]})
+    # A state of the other shuffle setting would read the epoch's blocks in another order.
+    with pytest.raises(StreamStateError, match="key 'shuffle_blocks' is False, this loader has True: the epoch's "
+                                               "block order would differ"):
+        TrainStreams(shards, "train", shuffle_blocks=True, **kwargs).load_state_dict(state)
+    with pytest.raises(StreamStateError, match="key 'shuffle_blocks' is True, this loader has False"):
+        TrainStreams(shards, "train", **kwargs).load_state_dict(shuffled.state_dict())
     # Moving the shards behind pipe: URLs does not change what a position refers to.
     piped = copy_with_manifest(shards, tmp_path / "piped", paths=lambda path: f"pipe:cat {path}")
     assert TrainStreams(piped, "train", **kwargs).load_state_dict(state) == ResumeKind.EXACT
+
+
+def test_states_that_are_not_stream_states_or_point_past_the_streams_are_refused(shards):
+    kwargs = dict(tgt_len=5, micro_batch=2, grad_accum=1, world_size=1, rank=0)
+    streams = TrainStreams(shards, "train", **kwargs)
+    take(iter(streams), 3)
+    state = streams.state_dict()
+    fresh = TrainStreams(shards, "train", **kwargs)
+    for bad, message in (
+        (["not", "a", "dict"], "not a stream state: key 'format' must be 'txl_dist.streams'"),
+        ({**state, "format": "other.streams"}, "not a stream state: key 'format' must be 'txl_dist.streams'"),
+        ({**state, "version": 2}, "stream state: version 2, this reader reads 1"),
+        ({k: v for k, v in state.items() if k != "version"}, "stream state: version None, this reader reads 1"),
+        ({**state, "num_streams": 0}, "key 'num_streams' must be a positive integer, got 0"),
+        ({**state, "tgt_len": "5"}, "key 'tgt_len' must be a positive integer, got '5'"),
+        ({**state, "position": -5}, "key 'position' must be a non-negative integer, got -5"),
+        ({**state, "epoch": None}, "key 'epoch' must be a non-negative integer, got None"),
+        ({**state, "layout_spans": []}, "key 'layout_spans' must be a non-empty list"),
+        ({**state, "layout_spans": [[0, 100], [50, 200]]}, r"key 'layout_spans' has \[50, 200\]"),
+    ):
+        with pytest.raises(StreamStateError, match=message):
+            fresh.load_state_dict(bad)
+    # The streams of that state hold TRAIN_TOKENS // 2 tokens each: a position past them is no place to continue.
+    per_stream = TRAIN_TOKENS // 2
+    with pytest.raises(StreamStateError, match=f"position {per_stream + 1} lies beyond the streams' {per_stream} "
+                                               f"tokens"):
+        fresh.load_state_dict({**state, "position": per_stream + 1})
+    # A refused state changes nothing: the loader still reads from the start.
+    assert_same_batches(take(iter(TrainStreams(shards, "train", **kwargs)), 4), take(iter(fresh), 4))
 
 
 def test_a_tokenizer_other_than_the_configured_one_is_refused(shards):

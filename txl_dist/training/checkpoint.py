@@ -57,6 +57,27 @@ FILES_KEY = "files"
 _TAG_RE = re.compile(r"step(\d{8})")
 
 
+def refuse_fresh_start(directory: str | os.PathLike, newest: str) -> None:
+    """checkpoint.resume=false where ``directory`` holds checkpoints (the newest is ``newest``): a fresh start
+    would interleave its checkpoints with the old run's."""
+    raise ValueError(f"checkpoint.resume=false, but {directory} holds checkpoints (newest {newest}): choose another "
+                     f"train.output_dir, or remove them")
+
+
+def refuse_another_architecture(directory: str | os.PathLike, tag: str, marker: dict[str, Any],
+                                architecture: dict[str, Any]) -> None:
+    """ValueError naming every key on which the architecture recorded in checkpoint ``tag``'s COMPLETE.json
+    (``marker``) differs from ``architecture``. The command line checks the newest complete checkpoint before any
+    process group starts; the trainer checks the one it resumes from after verifying it."""
+    saved = marker.get("architecture")
+    if not isinstance(saved, dict):
+        raise CheckpointVerificationError(f"{Path(directory) / tag / COMPLETE}: no architecture recorded")
+    differences = [f"{key}: checkpoint {saved.get(key)!r}, config {architecture.get(key)!r}"
+                   for key in sorted(set(saved) | set(architecture)) if saved.get(key) != architecture.get(key)]
+    if differences:
+        raise ValueError(f"{Path(directory) / tag} was trained with another architecture: " + "; ".join(differences))
+
+
 def tag_for_step(step: int) -> str:
     return f"step{step:08d}"
 

@@ -90,6 +90,7 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
             sys.stdout.flush()
             raise SystemExit(0)
         _require_run_paths(cfg)
+        _require_a_run_that_can_start(cfg)
     except ValueError as error:
         parser.error(str(error))
     return cfg, args
@@ -109,3 +110,36 @@ def _require_run_paths(cfg: RunConfig) -> None:
     if not Path(shards, MANIFEST_NAME).is_file():
         raise ValueError(f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
                          f"finished data_tools.build_shards output; its shard paths may be pipe: URLs)")
+
+
+def _require_a_run_that_can_start(cfg: RunConfig) -> None:
+    """What the trainer would refuse only after every rank has started, found here from the files alone: a
+    data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
+    checkpoint.resume=false, and a newest complete checkpoint of another architecture. (The trainer checks again
+    on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
+    from txl_dist.tokenizer import load_tokenizer
+    from txl_dist.training.checkpoint import (
+        CheckpointManager, CheckpointVerificationError, read_marker, refuse_another_architecture,
+        refuse_fresh_start,
+    )
+
+    if cfg.data.tokenizer is not None:
+        expected = read_manifest(cfg.data.shards).tokenizer.fingerprint
+        try:
+            found = load_tokenizer(cfg.data.tokenizer).fingerprint
+        except ValueError as error:
+            raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: {error}") from error
+        if found != expected:
+            raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: its fingerprint {found} differs from "
+                             f"{Path(cfg.data.shards, MANIFEST_NAME)}'s {expected}: the shards were built with another "
+                             f"tokenizer")
+    directory = Path(cfg.train.output_dir) / "checkpoints"
+    tags = CheckpointManager(directory, rank=0, world_size=1, keep_last=0).complete_tags()
+    if not tags:
+        return
+    if not cfg.checkpoint.resume:
+        refuse_fresh_start(directory, tags[-1])
+    try:
+        refuse_another_architecture(directory, tags[-1], read_marker(directory / tags[-1]), cfg.model.architecture())
+    except CheckpointVerificationError:
+        pass  # a damaged marker: the trainer's verification names what is wrong and looks at the older ones

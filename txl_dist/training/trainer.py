@@ -49,6 +49,8 @@ from txl_dist.training.checkpoint import (
     CLIENT_KEY,
     CheckpointManager,
     RankState,
+    refuse_another_architecture,
+    refuse_fresh_start,
     rng_state,
     set_rng_state,
     tag_for_step,
@@ -89,11 +91,6 @@ def _loss_scale(optimizer: Any) -> float | None:
     """The dynamic loss scale of DeepSpeed's fp16 optimizers (ZeRO 0 keeps it in loss_scale_config)."""
     config = getattr(optimizer, "loss_scale_config", None)
     return _as_float(getattr(config, "cur_scale", None) if config is not None else getattr(optimizer, "cur_scale", None))
-
-
-def _architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    return [f"{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}"
-            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
 
 
 def _tokenizer_fingerprint(directory: str | None) -> str | None:
@@ -272,17 +269,13 @@ class Trainer:
         if not self.cfg.checkpoint.resume:
             existing = self.checkpoints.complete_tags()
             if existing:
-                raise ValueError(f"checkpoint.resume=false, but {self.checkpoints.directory} holds checkpoints "
-                                 f"(newest {existing[-1]}): choose another train.output_dir, or remove them")
+                refuse_fresh_start(self.checkpoints.directory, existing[-1])
             return None
         tag = self.checkpoints.choose_resume_tag(verify=self.cfg.checkpoint.verify)
         if tag is None:
             return None
-        differences = _architecture_differences(self.checkpoints.marker(tag)["architecture"],
-                                                self.cfg.model.architecture())
-        if differences:
-            raise ValueError(f"{self.checkpoints.directory / tag} was trained with another architecture: "
-                             + "; ".join(differences))
+        refuse_another_architecture(self.checkpoints.directory, tag, self.checkpoints.marker(tag),
+                                    self.cfg.model.architecture())
         return tag
 
     def _resume(self) -> str | None:
