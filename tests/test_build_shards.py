@@ -401,14 +401,21 @@ def test_interrupted_build_resumes_to_the_shards_of_an_uninterrupted_one(ptb_sen
     assert files_of(output) == files_of(clean)
 
 
-def test_resume_inside_long_documents(ptb_word_tokenizer, tmp_path):
+def _stopped_inside_a_document(tokenizer: Path, tmp_path: Path) -> tuple[Path, int, Path, list]:
+    """Paragraphs of 12 PTB sentences (documents per blank line), built until a damaged byte at 60% of the text
+    stops the build inside a document: (text, the damaged offset, output, the build's arguments)."""
     sentences = ptb_sentences("valid")
     text = tmp_path / "paragraphs.txt"
     text.write_text("\n\n".join("\n".join(sentences[i:i + 12]) for i in range(0, 1200, 12)) + "\n")
     bad_offset = int(text.stat().st_size * 0.6)
     output = tmp_path / "resumed"
-    args = _interrupted_build(ptb_word_tokenizer, text, bad_offset, output, "--doc-per", "blank-line",
+    args = _interrupted_build(tokenizer, text, bad_offset, output, "--doc-per", "blank-line",
                               "--chunk-bytes", 4096, "--tokens-per-block", 64, "--tokens-per-shard", 192)
+    return text, bad_offset, output, args
+
+
+def test_resume_inside_long_documents(ptb_word_tokenizer, tmp_path):
+    text, bad_offset, output, args = _stopped_inside_a_document(ptb_word_tokenizer, tmp_path)
     state = json.loads((output / build_shards.STATE_NAME).read_text())
     assert state["streams"]["train"]["position"]["skip_tokens"] > 0  # the build stopped inside a document
     _repair(text, bad_offset)
@@ -479,13 +486,7 @@ def test_resume_refuses_changed_input_a_missing_shard_and_an_unreadable_journal(
 def test_input_that_changed_under_a_resume_inside_a_document_is_refused(ptb_word_tokenizer, tmp_path, capsys):
     """The size is the same, but the documents before the one the build stopped inside were merged: the split
     cannot continue inside that document."""
-    sentences = ptb_sentences("valid")
-    text = tmp_path / "paragraphs.txt"
-    text.write_text("\n\n".join("\n".join(sentences[i:i + 12]) for i in range(0, 1200, 12)) + "\n")
-    bad_offset = int(text.stat().st_size * 0.6)
-    output = tmp_path / "resumed"
-    args = _interrupted_build(ptb_word_tokenizer, text, bad_offset, output, "--doc-per", "blank-line",
-                              "--chunk-bytes", 4096, "--tokens-per-block", 64, "--tokens-per-shard", 192)
+    text, bad_offset, output, args = _stopped_inside_a_document(ptb_word_tokenizer, tmp_path)
     _repair(text, bad_offset)
     state = json.loads((output / build_shards.STATE_NAME).read_text())
     position, read_from = state["streams"]["train"]["position"], state["sources"]["train"]["read_from"]
