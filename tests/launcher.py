@@ -108,6 +108,23 @@ def start(command: list[str]) -> subprocess.Popen:
                             text=True)
 
 
+def finish(process: subprocess.Popen, timeout: float = 120) -> str:
+    """The output of a job started by `start`, once it has ended. A job still running after ``timeout`` seconds
+    (ranks that wait for each other forever: the failure some tests exist to catch) is killed, its ranks with it,
+    so that the failing test leaves nothing running."""
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        tree = psutil.Process(process.pid)
+        for member in [*tree.children(recursive=True), tree]:
+            try:
+                member.kill()
+            except psutil.NoSuchProcess:
+                pass
+        output = process.communicate()[0] or ""
+        pytest.fail(f"{' '.join(process.args)} still ran after {timeout} s (killed):\n{output[-3000:]}")
+
+
 def tail(result, lines: int = 60) -> str:
     text = (result.stdout or "") + (result.stderr or "")
     return "\n".join(text.splitlines()[-lines:])

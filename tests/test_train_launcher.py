@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.launcher import (
-    REPO, copy_at_step, free_port, in_process, launcher_command, rank_processes, records, run, start, tail,
-    torchrun_command, wait_for_step,
+    REPO, copy_at_step, finish, free_port, in_process, launcher_command, rank_processes, records, run, start,
+    tail, torchrun_command, wait_for_step,
 )
 
 pytestmark = pytest.mark.launcher
@@ -101,7 +101,7 @@ def test_a_signal_to_one_rank_stops_both_and_validation_leaves_training_unchange
         resumed_from = max(records(output), default=0)
         wait_for_step(output, after or resumed_from + 4, process)
         rank_processes(process)[rank].send_signal(signum)
-        out, _ = process.communicate(timeout=120)
+        out = finish(process)
         assert process.returncode == 0, out[-3000:]
         # Rank 0 writes the summary: its own signal, or the other rank's stop request.
         assert ("stopped by SIGTERM" if rank == 0 else "stopped by a stop request on another rank") in out, out[-3000:]
@@ -150,7 +150,7 @@ def test_kill9_fails_the_launcher_and_resume_uses_the_last_complete_checkpoint(r
     process = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400", "checkpoint.every=5")))
     wait_for_step(output, 12, process)
     rank_processes(process)[1].kill()
-    process.communicate(timeout=120)
+    finish(process)
     assert process.returncode != 0
     complete = latest(output)
     assert (output / "checkpoints" / complete / "COMPLETE.json").is_file()
@@ -232,7 +232,7 @@ def test_two_nodes_of_one_process_on_localhost(reference, ptb_word_shards, tmp_p
     nodes = [start(launcher_command(TRAIN, node_args, launcher_flags=[
         "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
         "--master_port", port])) for rank in (0, 1)]
-    outs = [node.communicate(timeout=180)[0] for node in nodes]
+    outs = [finish(node, timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "on 2 rank(s)" in outs[0]
     straight, two_nodes = records(reference), records(output)
@@ -480,7 +480,7 @@ def test_nodes_that_see_different_output_directories_are_refused(ptb_word_shards
             "--master_port", port])
         nodes.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    outs = [node.communicate(timeout=180)[0] for node in nodes]
+    outs = [finish(node, timeout=180) for node in nodes]
     assert all(node.returncode != 0 for node in nodes)
     _one_error(outs[0] + outs[1], "train.output_dir must be on a filesystem shared by all nodes: rank 1 on")
     # Rank 1 finds the problem and every rank raises it; whichever reports first prints it, in its node's output.
