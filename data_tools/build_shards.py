@@ -25,8 +25,8 @@ read little-endian) is below F * 2**64: the same document always lands in the sa
 
 How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), ``--workers``
 processes decode and tokenise them, the parent and ``--workers - 1`` spawned ones (the tokenizer is loaded once
-per worker; `data_tools.workers.ordered_map`: results in input order, two chunks in flight per spawned worker,
-the parent takes a chunk when they are all busy), and the parent packs the documents into blocks and blocks into
+per worker; `data_tools.workers.ordered_map`: results in input order, up to 16 unanswered chunks per spawned
+worker, so that none runs dry while the parent writes; the parent takes a chunk when they are all busy), and the parent packs the documents into blocks and blocks into
 shards. With ``--workers 1`` all of it runs in one process, and so does a source of fewer than 32 chunks (32 MB
 with the default ``--chunk-bytes``). With a
 word tokenizer, plain one-document-per-line text is tokenised with numpy (`txl_dist.word_scan`; the same tokens

@@ -10,6 +10,13 @@ The calling process works too: of ``workers``, ``workers - 1`` are spawned, and 
 them busy is computed by the caller. Sending a chunk of text and receiving its tokens costs about 2 ms per MB
 each way; a task kept here costs nothing of it, and the caller's core, which would otherwise wait for results,
 is used.
+
+A worker is busy when it holds ``in_flight_per_worker`` tasks it has not answered yet; answers already received
+but not yet handed over do not count. The caller also does serial work between results (the shard builder
+packs, writes, hashes and fsyncs), and a worker must not run dry meanwhile: with 16 tasks of about 25 ms each
+it has some 0.4 s of work in hand. Measured on a 99-file corpus of One-Billion-Word shape (2 cores, a 1M-word
+vocabulary), 2 workers against 1: 1.07x when a worker counted as busy with 2 tasks, received ones included,
+1.67x with 16 unanswered ones.
 """
 
 from __future__ import annotations
@@ -36,12 +43,12 @@ _LOCAL = -1  # the caller's own "worker" id in the queue of pending results
 
 
 def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, initializer: Callable,
-                initargs: tuple = (), in_flight_per_worker: int = 2, finalizer: Callable[[], Any] | None = None,
+                initargs: tuple = (), in_flight_per_worker: int = 16, finalizer: Callable[[], Any] | None = None,
                 local_initargs: tuple | None = None) -> Iterator:
     """``map(function, tasks)`` over ``workers`` processes, this one included; results come in task order.
 
-    ``workers - 1`` processes are spawned; each holds at most ``in_flight_per_worker`` tasks, and a task that
-    finds all of them full is computed here. Results wait here until all earlier ones are handed over (at most
+    ``workers - 1`` processes are spawned; each holds at most ``in_flight_per_worker`` unanswered tasks, and a
+    task that finds all of them full is computed here. Results wait here until all earlier ones are handed over (at most
     about ``2 * workers * in_flight_per_worker`` of them), so memory does not grow with the number of tasks.
     ``initializer(*initargs)`` runs once in each spawned worker (load a tokenizer there) and
     ``initializer(*local_initargs)`` (default: ``initargs``) here. An exception raised by ``function`` is raised
@@ -131,9 +138,12 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
                 raise value
             return value
 
+        def unanswered(worker: int) -> int:
+            return queued[worker] - replies[worker].qsize()
+
         for task in tasks:
-            worker = min(range(len(senders)), key=queued.__getitem__)
-            if queued[worker] < in_flight_per_worker:
+            worker = min(range(len(senders)), key=unanswered)
+            if unanswered(worker) < in_flight_per_worker:
                 send(worker, task)
             else:
                 compute_here(function, task)

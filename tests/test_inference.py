@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from txl_dist.inference import IncrementalDecoder, TokenSampler, generate_ids, generate_ids_recompute, nucleus_mask, score_ids
-from txl_dist.model import TransformerXLLM, preset
+from txl_dist.model import TransformerXLLM, preset, transformer
 
 PROMPT = [5, 17, 230, 999, 42, 640, 3, 3, 77, 501, 12, 800, 9]  # 13 tokens: two segments of tgt_len 8
 
@@ -67,6 +67,36 @@ def test_one_forward_of_one_token_per_new_token():
     # The prompt in segments of tgt_len = 8, then each new token but the last is fed once, alone.
     assert len(new) == 10
     assert embedded_lengths == [8, 5] + [1] * 9
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"pre_lnorm": True}, {"untie_r": True}, {"same_length": True}, {"clamp_len": 3}, {"mem_len": 0},
+    {"dtype": torch.bfloat16},
+], ids=["default", "pre_lnorm", "untie_r", "same_length", "clamp_len", "mem_len_0", "bf16"])
+def test_one_token_steps_with_the_cache_equal_the_memory_path(overrides, monkeypatch):
+    """Every one-token step of `hidden_states_cached` (`decode_step`: no mask, no shift, no module calls)
+    gives the hidden states of `hidden_states` with the memory, for a batch of 3, past several moves of the
+    cache's buffer, in every attention variant."""
+    overrides = dict(overrides)
+    dtype = overrides.pop("dtype", torch.float32)
+    model = _model(**{"mem_len": 6, **overrides}).to(dtype)
+    steps = []
+    original = transformer.decode_step
+    monkeypatch.setattr(transformer, "decode_step", lambda *args: steps.append(1) or original(*args))
+    tokens = torch.randint(0, 1000, (3, 48), generator=torch.Generator().manual_seed(5))
+    hidden, cache = model.hidden_states_cached(tokens[:, :8])
+    expected, mems = model.hidden_states(tokens[:, :8])
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for t in range(8, tokens.shape[1]):
+        hidden, cache = model.hidden_states_cached(tokens[:, t:t + 1], cache)
+        expected, mems = model.hidden_states(tokens[:, t:t + 1], mems)
+        assert hidden.shape == expected.shape == (1, 3, model.config.d_model)
+        scale = 1.0 if dtype == torch.float32 else expected.abs().max().item()
+        assert (hidden.float() - expected.float()).abs().max().item() <= tolerance * scale, t
+        if t == 30:  # a position bias changed in place between steps: the cache's scaled copy follows
+            with torch.no_grad():
+                (model.r_w_bias if model.r_w_bias is not None else model.layers[1].dec_attn.r_w_bias).add_(0.5)
+    assert len(steps) == model.config.n_layer * 40
 
 
 def test_sampling_is_seeded_and_leaves_the_global_generator_alone():

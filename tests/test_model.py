@@ -239,6 +239,38 @@ def test_adaptive_log_probs_sum_to_one_and_match_the_loss(cutoffs, div_val, d_em
     assert torch.allclose(nll, -log_probs.gather(1, target[:, None]).squeeze(1), atol=1e-5)
 
 
+@pytest.mark.parametrize("cutoffs,div_val,d_embed", [([], 1, 16), ([100, 300], 1, 16), ([50, 200, 600], 4, 64)])
+@pytest.mark.parametrize("cluster_bias", [-20.0, 4.0, 8.0])
+def test_adaptive_argmax_equals_the_full_argmax_and_skips_clusters_that_cannot_win(cutoffs, div_val, d_embed,
+                                                                                     cluster_bias, monkeypatch):
+    """Greedy decoding's exact argmax: the lowest id of the maximum of `log_prob`, for rows whose winner lies in
+    the head or in a tail; a cluster whose head log-probability is below the best word is never computed."""
+    torch.manual_seed(0)
+    crit = ProjectedAdaptiveLogSoftmax(1000, d_embed, 16, cutoffs, div_val)
+    for p in crit.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    hidden = torch.randn(64, 16)
+    if cutoffs:
+        with torch.no_grad():
+            crit.cluster_bias.fill_(cluster_bias)
+    computed = []
+    original = ProjectedAdaptiveLogSoftmax._cluster_logits
+    monkeypatch.setattr(ProjectedAdaptiveLogSoftmax, "_cluster_logits",
+                        lambda self, h, i, *w: computed.append((i, h.shape[0])) or original(self, h, i, *w))
+    chosen = crit.argmax(hidden)
+    tail_rows = sum(rows for i, rows in computed if i > 0)
+    computed.clear()
+    expected = crit.log_prob(hidden).argmax(dim=-1)
+    assert torch.equal(chosen, expected)
+    in_tail = int((expected >= (cutoffs[0] if cutoffs else 1000)).sum())
+    if cluster_bias == -20.0 and cutoffs:
+        assert in_tail == 0 and tail_rows == 0  # no cluster can win: none is computed
+    if cutoffs and cluster_bias == 4.0:
+        assert in_tail >= 1 and 0 < tail_rows < 64 * len(cutoffs)  # a few rows need a tail, not all rows all tails
+    if cutoffs and cluster_bias == 8.0:
+        assert in_tail > 10  # the tails hold many winners, and they were found
+
+
 def test_full_softmax_without_cutoffs():
     torch.manual_seed(0)
     crit = ProjectedAdaptiveLogSoftmax(300, 8, 12, [], 1)

@@ -22,11 +22,12 @@ from txl_dist.model import TransformerXLLM
 
 @contextlib.contextmanager
 def _inference(model: TransformerXLLM) -> Iterator[None]:
-    """Eval mode and no autograd, then the model's previous mode back."""
+    """Eval mode and inference mode (no autograd, no version counting: less work per operation, which is most
+    of the cost of decoding a small model), then the model's previous mode back."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.inference_mode():
             yield
     finally:
         model.train(was_training)
@@ -71,6 +72,14 @@ class TokenSampler:
         else:
             self.generator.manual_seed(seed)
 
+    def from_hidden(self, model: TransformerXLLM, hidden: torch.Tensor) -> int:
+        """The final hidden state of the newest position [1, d_model] -> a token id. Greedy takes the adaptive
+        softmax's exact argmax (`ProjectedAdaptiveLogSoftmax.argmax`: tail clusters that cannot hold the winner
+        are skipped); sampling needs the whole distribution."""
+        if self.greedy:
+            return int(model.crit.argmax(hidden)[0])
+        return self(model.crit.log_prob(hidden)[0])
+
     def __call__(self, log_probs: torch.Tensor) -> int:
         """log_probs [V] -> a token id."""
         if self.greedy:
@@ -110,8 +119,14 @@ class IncrementalDecoder:
         self.cache = None
         self.mems: list[torch.Tensor] | None = None
 
-    @torch.no_grad()
     def feed(self, ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities [V] of the token after ``ids`` (and everything fed before)."""
+        with torch.no_grad():
+            return self.model.crit.log_prob(self.feed_hidden(ids))[0]
+
+    @torch.no_grad()
+    def feed_hidden(self, ids: Sequence[int]) -> torch.Tensor:
+        """Like `feed`, but the final hidden state of the newest position [1, d_model]."""
         if not ids:
             raise ValueError("feed: no token ids given")
         _check_ids(self.model, ids, "ids")
@@ -122,7 +137,7 @@ class IncrementalDecoder:
                 hidden, self.cache = self.model.hidden_states_cached(tokens[:, start:start + segment], self.cache)
             else:
                 hidden, self.mems = self.model.hidden_states(tokens[:, start:start + segment], self.mems)
-        return self.model.crit.log_prob(hidden[-1])[0]  # hidden [L, 1, d_model]: the newest position
+        return hidden[-1]  # hidden [L, 1, d_model]: the newest position
 
 
 def iter_generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
@@ -136,13 +151,13 @@ def iter_generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new
         return
     with _inference(model):
         decoder = IncrementalDecoder(model, kv_cache=kv_cache)
-        log_probs = decoder.feed(prompt_ids)
+        hidden = decoder.feed_hidden(prompt_ids)
         for count in range(1, max_new_tokens + 1):
-            token = choose(log_probs)
+            token = choose.from_hidden(model, hidden)
             yield token
             if token in stop_ids or count == max_new_tokens:
                 break
-            log_probs = decoder.feed([token])
+            hidden = decoder.feed_hidden([token])
 
 
 def generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
@@ -176,7 +191,7 @@ def generate_ids_recompute(model: TransformerXLLM, prompt_ids: Sequence[int], ma
         while len(new_ids) < max_new_tokens:
             context = ids if max_context is None else ids[-max_context:]
             hidden, _ = model.hidden_states(torch.tensor([context], dtype=torch.long, device=device))
-            token = choose(model.crit.log_prob(hidden[-1])[0])
+            token = choose.from_hidden(model, hidden[-1])
             new_ids.append(token)
             ids.append(token)
             if token in stop_ids:

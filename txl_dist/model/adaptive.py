@@ -112,6 +112,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             return list(zip(self.out_layers[0].weight.split(sizes), self.out_layers[0].bias.split(sizes)))
         return [(layer.weight, layer.bias) for layer in self.out_layers]
 
+    def _cluster_weight(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, bias) of cluster i alone (for inference, which may not need every cluster)."""
+        if self.div_val == 1:
+            start, end = self.bounds[i]
+            layer = self.out_layers[0]
+            return layer.weight.narrow(0, start, end - start), layer.bias.narrow(0, start, end - start)
+        return self.out_layers[i].weight, self.out_layers[i].bias
+
     def _cluster_logits(self, hidden: torch.Tensor, i: int, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Logits of cluster i's words; for i == 0 the head words', then one logit per tail cluster."""
         proj = self.out_projs[i]
@@ -173,6 +181,35 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             local = (target.index_select(0, rows) - self.bounds[i][0]).unsqueeze(1)
             nll = nll.index_add(0, rows, -tail_logprob.gather(1, local).squeeze(1))
         return nll
+
+    @torch.no_grad()
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d_proj] -> the most probable word of each row [N], exactly ``log_prob(hidden).argmax(-1)``
+        (the lowest id among equals), computing a tail cluster only where it can hold the winner.
+
+        A tail word's log-probability is its cluster's log-probability in the head plus its own within the
+        cluster, which is at most 0; so a cluster whose head log-probability is below the best word found so far
+        cannot win and its logits are never computed. Greedy decoding mostly emits head words, and the tail
+        clusters hold most of the vocabulary's weights: for a 10k-word model that saves most of the output
+        layer. Which clusters are needed is read on the host once (one synchronisation), and rows of a needed
+        cluster once more each."""
+        head_logprob = F.log_softmax(self._cluster_logits(hidden, 0, *self._cluster_weight(0)).float(), dim=-1)
+        if self.n_clusters == 0:
+            return head_logprob.argmax(dim=-1)
+        best_value, best = head_logprob[:, :self.shortlist_size].max(dim=-1)
+        may_win = head_logprob[:, self.shortlist_size:] >= best_value.unsqueeze(1)  # [N, clusters]
+        for i, needed in enumerate(may_win.any(dim=0).tolist(), start=1):
+            if not needed:
+                continue
+            cluster_logprob = head_logprob[:, self.shortlist_size + i - 1]
+            rows = may_win[:, i - 1].nonzero().squeeze(1)
+            tail_logprob = F.log_softmax(
+                self._cluster_logits(hidden.index_select(0, rows), i, *self._cluster_weight(i)).float(), dim=-1)
+            value, local = (cluster_logprob.index_select(0, rows).unsqueeze(1) + tail_logprob).max(dim=-1)
+            wins = value > best_value.index_select(0, rows)  # strictly: on a tie the lower id (earlier) stays
+            best_value = best_value.index_copy(0, rows, torch.where(wins, value, best_value.index_select(0, rows)))
+            best = best.index_copy(0, rows, torch.where(wins, local + self.bounds[i][0], best.index_select(0, rows)))
+        return best
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d_proj] -> log-probabilities over the whole vocabulary [N, n_token] (float32)."""

@@ -8,8 +8,10 @@ Shapes: the public `forward` takes tokens batch-first, [B, L]; inside, hidden st
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from txl_dist.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, TargetPlan
@@ -59,53 +61,126 @@ class DecoderLayer(nn.Module):
     def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=True):
         return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=may_mask_rows))
 
+    def step_weights(self, r_w_bias: torch.Tensor | None, r_r_bias: torch.Tensor | None) -> "StepWeights":
+        """The tensors and settings `decode_step` needs, gathered once per decoding (looking parameters up through
+        the modules for every token would cost more than some of the operations). The position biases are the
+        layer's own (untie_r) or the given shared ones."""
+        attn, ff = self.dec_attn, self.pos_ff
+        own = attn.r_w_bias is not None
+        return StepWeights(
+            attn.r_w_bias if own else r_w_bias, attn.r_r_bias if own else r_r_bias,
+            attn.pre_lnorm, attn.n_head, attn.d_head, attn.scale, attn.layer_norm.normalized_shape,
+            (attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps), attn.qkv_net.weight,
+            attn.o_net.weight, ff.CoreNet[0].weight, ff.CoreNet[0].bias, ff.CoreNet[3].weight, ff.CoreNet[3].bias,
+            (ff.layer_norm.weight, ff.layer_norm.bias, ff.layer_norm.eps))
+
+
+class StepWeights(NamedTuple):
+    u: torch.Tensor
+    v: torch.Tensor
+    pre_lnorm: bool
+    n_head: int
+    d_head: int
+    scale: float
+    norm_shape: tuple[int, ...]
+    attn_norm: tuple[torch.Tensor, torch.Tensor, float]
+    qkv: torch.Tensor
+    out: torch.Tensor
+    ff_in: torch.Tensor
+    ff_in_bias: torch.Tensor
+    ff_out: torch.Tensor
+    ff_out_bias: torch.Tensor
+    ff_norm: tuple[torch.Tensor, torch.Tensor, float]
+
+
+def decode_step(w: StepWeights, x: torch.Tensor, buffer: torch.Tensor, merged: tuple[torch.Tensor, torch.Tensor],
+                at: int, first: int, columns: torch.Tensor, query_bias: torch.Tensor) -> torch.Tensor:
+    """A decoder layer (``w`` = its `DecoderLayer.step_weights`) for one new position per sequence, in inference
+    (no dropout, no autograd): x [B, d_model] -> [B, d_model], equal to the layer's `forward` of that position
+    with the memory.
+
+    The new key and value go to ``buffer`` [2, H, B, capacity, D] at index ``at`` (``merged``: its keys and values
+    as [H*B, capacity, D] views); the query attends to keys ``first`` .. ``at``. A single query needs no mask and
+    no relative shift: ``columns`` [H, D, klen] holds the projected encodings of distances klen-1 .. 0, the
+    distances of those keys in order. ``query_bias`` = [u, v] / sqrt(D), [2, H, 1, D]. About fifteen operations
+    and no module call: decoding a small model is bound by their dispatch, not by arithmetic."""
+    n_head, d_head = w.n_head, w.d_head
+    bsz, klen = x.shape[0], at + 1 - first
+    qkv = F.linear(torch.layer_norm(x, w.norm_shape, *w.attn_norm) if w.pre_lnorm else x, w.qkv)
+    qkv = qkv.view(bsz, 3, n_head, d_head)
+    buffer.select(3, at).copy_(qkv[:, 1:].permute(1, 2, 0, 3))
+    q_uv = torch.add(query_bias, qkv[:, 0].transpose(0, 1), alpha=w.scale)  # [(q + u), (q + v)] / sqrt(D)
+    position = torch.bmm(q_uv[1], columns).view(n_head * bsz, 1, klen)  # (b) + (d)
+    scores = torch.baddbmm(position, q_uv[0].reshape(n_head * bsz, 1, d_head),
+                           merged[0].narrow(1, first, klen).transpose(1, 2))  # + (a) + (c)
+    prob = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    attn_vec = torch.bmm(prob.to(x.dtype), merged[1].narrow(1, first, klen))
+    out = F.linear(attn_vec.view(n_head, bsz, d_head).transpose(0, 1).reshape(bsz, n_head * d_head), w.out)
+    if w.pre_lnorm:
+        x = x + out
+        inner = torch.layer_norm(x, w.norm_shape, *w.ff_norm)
+        return x + F.linear(F.linear(inner, w.ff_in, w.ff_in_bias).relu_(), w.ff_out, w.ff_out_bias)
+    x = torch.layer_norm(x + out, w.norm_shape, *w.attn_norm)
+    inner = F.linear(F.linear(x, w.ff_in, w.ff_in_bias).relu_(), w.ff_out, w.ff_out_bias)
+    return torch.layer_norm(x + inner, w.norm_shape, *w.ff_norm)
+
 
 class KVCache:
     """What `TransformerXLLM.hidden_states_cached` carries between calls: per layer the keys and values of the
     memory, and the position encodings projected by every layer's r_net.
 
-    Keys and values live in preallocated buffers [H, B, capacity, D] per layer; a call writes the new positions
-    after the memory and attends over a view of [memory ; new], so the memory is neither projected nor copied
-    again. When the buffer is full the memory (at most mem_len positions) moves to its front, once every
-    capacity - mem_len positions."""
+    Keys and values live in one preallocated buffer [2, H, B, capacity, D] per layer (keys at 0, values at 1); a
+    call writes the new positions after the memory and attends over a view of [memory ; new], so the memory is
+    neither projected nor copied again. When the buffer is full the memory (at most mem_len positions) moves to
+    its front, once every capacity - mem_len positions."""
 
     def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []
+        self.merged: list[tuple[torch.Tensor, torch.Tensor]] = []  # per buffer: keys, values as [H*B, capacity, D]
         self.end = 0  # buffer index after the newest position
         self.mlen = 0  # positions of memory before ``end``
-        self._position_table: tuple[tuple, list[torch.Tensor]] | None = None
+        # (clamp_len, dtype, device) -> per layer r_net of the encodings of distances longest-1 .. 0: [longest, H, D]
+        # and the same as [H, D, longest] (contiguous, for one-token steps).
+        self._position_table: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._position_heads: tuple[int, list[torch.Tensor]] | None = None
+        self._query_biases: tuple[tuple, list[torch.Tensor]] | None = None
+        self.step_weights: list[StepWeights] | None = None  # per layer, for one-token steps (`decode_step`)
 
     @property
     def batch_size(self) -> int | None:
-        return self.keys[0].shape[1] if self.keys else None
+        return self.buffers[0].shape[2] if self.buffers else None
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer][0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer][1]
 
     def reserve(self, model: "TransformerXLLM", bsz: int, qlen: int, dtype: torch.dtype, device: torch.device) -> None:
         """Room for qlen more positions after the memory."""
         c = model.config
-        capacity = self.keys[0].shape[2] if self.keys else 0
+        capacity = self.buffers[0].shape[3] if self.buffers else 0
         if self.end + qlen <= capacity:
             return
         needed = 2 * (c.mem_len + max(qlen, c.tgt_len))
-        if capacity < self.mlen + qlen or not self.keys:
+        if capacity < self.mlen + qlen or not self.buffers:
             capacity = max(needed, capacity)
-        shape = (c.n_head, bsz, capacity, c.d_head)
-        for store in (self.keys, self.values):
-            for i in range(c.n_layer):
-                fresh = torch.empty(shape, dtype=dtype, device=device)
-                if i < len(store):
-                    fresh[:, :, :self.mlen] = store[i][:, :, self.end - self.mlen:self.end]
-                    store[i] = fresh
-                else:
-                    store.append(fresh)
+        shape = (2, c.n_head, bsz, capacity, c.d_head)
+        for i in range(c.n_layer):
+            fresh = torch.empty(shape, dtype=dtype, device=device)
+            if i < len(self.buffers):
+                fresh[..., :self.mlen, :] = self.buffers[i][..., self.end - self.mlen:self.end, :]
+                self.buffers[i] = fresh
+            else:
+                self.buffers.append(fresh)
+        self.merged = [(b[0].view(-1, capacity, c.d_head), b[1].view(-1, capacity, c.d_head)) for b in self.buffers]
         self.end = self.mlen
 
     def extend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new positions' keys and values [H, B, qlen, D] after the memory; views [H, B, mlen + qlen, D]
         of memory and new positions."""
         qlen = k_new.shape[2]
-        keys, values = self.keys[layer], self.values[layer]
+        keys, values = self.keys(layer), self.values(layer)
         keys.narrow(2, self.end, qlen).copy_(k_new)
         values.narrow(2, self.end, qlen).copy_(v_new)
         start = self.end - self.mlen
@@ -116,10 +191,9 @@ class KVCache:
         self.end += qlen
         self.mlen = min(mem_len, self.mlen + qlen)
 
-    def position_heads(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Per layer [klen + 1, H, D]: a zero row, then r_net of the encodings of distances klen-1 .. 0."""
-        if self._position_heads is not None and self._position_heads[0] == klen:
-            return self._position_heads[1]
+    def _positions(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The per-layer position tables (see ``_position_table``), made once for at least klen distances."""
         c = model.config
         device = next(model.parameters()).device
         key = (c.clamp_len, dtype, device)
@@ -128,12 +202,41 @@ class KVCache:
             longest = max(klen, c.mem_len + c.tgt_len)
             pos_emb = sinusoid_encoding(relative_positions(longest, c.clamp_len, device), c.d_model,
                                         dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
-            # Distances longest-1 .. 0 per layer, [longest, H, D]; a key length klen takes the last klen rows.
-            table = self._position_table = (key, [layer.dec_attn.project_positions(pos_emb)[1:]
-                                                  for layer in model.layers])
-        heads = [torch.cat([rows.new_zeros(1, *rows.shape[1:]), rows[rows.shape[0] - klen:]]) for rows in table[1]]
+            rows = [layer.dec_attn.project_positions(pos_emb)[1:] for layer in model.layers]
+            table = self._position_table = (key, rows, [r.permute(1, 2, 0).contiguous() for r in rows])
+        return table[1], table[2]
+
+    def position_heads(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per layer [klen + 1, H, D]: a zero row, then r_net of the encodings of distances klen-1 .. 0."""
+        if self._position_heads is not None and self._position_heads[0] == klen:
+            return self._position_heads[1]
+        rows, _ = self._positions(model, klen, dtype)
+        heads = [torch.cat([r.new_zeros(1, *r.shape[1:]), r[r.shape[0] - klen:]]) for r in rows]
         self._position_heads = (klen, heads)
         return heads
+
+    def position_columns(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per layer [H, D, klen] (views): r_net of the encodings of distances klen-1 .. 0, which are the distances
+        of keys 0 .. klen-1 from a single query after them, so a one-token step needs no relative shift."""
+        _, columns = self._positions(model, klen, dtype)
+        return [t[..., t.shape[-1] - klen:] for t in columns]
+
+    def layer_weights(self, model: "TransformerXLLM") -> list["StepWeights"]:
+        """Per layer `DecoderLayer.step_weights`, gathered on first use."""
+        if self.step_weights is None:
+            self.step_weights = [layer.step_weights(model.r_w_bias, model.r_r_bias) for layer in model.layers]
+            self._biases = list({id(t): t for w in self.step_weights for t in (w.u, w.v)}.values())
+        return self.step_weights
+
+    def query_biases(self, model: "TransformerXLLM", dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per layer [2, H, 1, D]: u and v scaled by 1/sqrt(d_head) in ``dtype``, remade whenever a bias changes
+        (an optimizer step in between bumps its version)."""
+        weights = self.layer_weights(model)
+        key = (dtype, tuple(t._version for t in self._biases))
+        if self._query_biases is None or self._query_biases[0] != key:
+            self._query_biases = (key, [(torch.stack([w.u, w.v]) * w.scale).to(dtype)[:, :, None, :]
+                                        for w in weights])
+        return self._query_biases[1]
 
 
 class TransformerXLLM(nn.Module):
@@ -278,12 +381,24 @@ class TransformerXLLM(nn.Module):
         core_out = self.drop(self.word_emb(inp))
         cache.reserve(self, bsz, qlen, core_out.dtype, inp.device)
         mlen = cache.mlen
+        store = _MEM_DTYPES.get(c.mem_dtype)
+        if (qlen == 1 and not self.training and (store is None or store == core_out.dtype)
+                and not may_mask_whole_rows(c.mem_len, c.same_length)):
+            # One new token (every step of generation): `decode_step`, a few operations per layer.
+            full = c.same_length and mlen >= c.mem_len  # same_length: the oldest memory position drops out of view
+            first = cache.end - mlen + int(full)
+            columns = cache.position_columns(self, cache.end + 1 - first, core_out.dtype)
+            biases = cache.query_biases(self, core_out.dtype)
+            x = core_out[0]
+            for i, weights in enumerate(cache.step_weights):
+                x = decode_step(weights, x, cache.buffers[i], cache.merged[i], cache.end, first, columns[i], biases[i])
+            cache.advance(1, c.mem_len)
+            return x.unsqueeze(0), cache
         # A single new token sees every key, unless same_length drops the oldest once the memory is full.
         masks_nothing = qlen == 1 and not (c.same_length and mlen >= c.mem_len)
         mask = None if masks_nothing else cached_attention_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
         may_mask_rows = may_mask_whole_rows(c.mem_len, c.same_length)
         r_heads = cache.position_heads(self, mlen + qlen, core_out.dtype)
-        store = _MEM_DTYPES.get(c.mem_dtype)
         for i, layer in enumerate(self.layers):
             attn = layer.dec_attn
             q, k_new, v_new = attn.project(core_out, None)
