@@ -70,7 +70,7 @@ def eval_sliding_window(model: TransformerXLLM, data: torch.Tensor, length: int,
             start = clock()
         window = data[:, index:index + length]
         hidden, _ = model.hidden_states(window)  # [length, B, d_model], no memory
-        model.crit(hidden[-1], data[:, index + length])
+        model.crit(hidden[-1], data[:, index + length].contiguous())
     _sync(data.device)
     return data.shape[0] * predictions / (clock() - start)
 

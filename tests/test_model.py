@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from txl_dist.model import ModelConfig, TransformerXLLM, preset
+from txl_dist.model import adaptive
 from txl_dist.model.adaptive import ProjectedAdaptiveLogSoftmax
 from txl_dist.model.attention import RelPartialLearnableMultiHeadAttn, attention_mask, relative_positions, sinusoid_encoding
 
@@ -269,6 +270,46 @@ def test_adaptive_argmax_equals_the_full_argmax_and_skips_clusters_that_cannot_w
         assert in_tail >= 1 and 0 < tail_rows < 64 * len(cutoffs)  # a few rows need a tail, not all rows all tails
     if cutoffs and cluster_bias == 8.0:
         assert in_tail > 10  # the tails hold many winners, and they were found
+
+
+def test_padded_tail_rows_keep_few_shapes_and_add_at_most_an_eighth():
+    lengths = set()
+    for n in range(0, 5000):
+        rows = torch.arange(n) + 7
+        padded = adaptive._padded(rows)
+        assert torch.equal(padded[:n], rows) and (padded[n:] == 7).all()
+        assert n <= padded.shape[0] <= max(n, n * 9 // 8 + 1)
+        lengths.add(padded.shape[0])
+    assert len(lengths) < 17 + 8 * 9  # up to 16 exact, then 8 per octave
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bf16_tail_rows_padded_on_cpu_give_the_unpadded_losses_and_gradients(autocast, monkeypatch):
+    """The padding rows are computed and dropped: losses and gradients are those of the unpadded clusters."""
+    torch.manual_seed(0)
+    crit = ProjectedAdaptiveLogSoftmax(1000, 32, 32, [100, 300], 1)
+    for p in crit.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    if not autocast:
+        crit = crit.to(torch.bfloat16)
+    hidden = torch.randn(300, 32, dtype=torch.float32 if autocast else torch.bfloat16)
+    target = torch.randint(0, 1000, (300,))  # about 210 rows in the last cluster: padded to 224
+
+    def run(pads: bool):
+        monkeypatch.setattr(adaptive, "_pads_rows", lambda h: pads)
+        h = hidden.clone().requires_grad_()
+        crit.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = crit(h, target)
+        loss.sum().backward()
+        return loss.detach(), h.grad, crit.out_layers[0].weight.grad.clone()
+
+    monkeypatch.undo()
+    assert adaptive._pads_rows(hidden.to(torch.bfloat16)) and not adaptive._pads_rows(hidden.float())
+    padded, unpadded = run(True), run(False)
+    assert adaptive._padded(crit.plan(target).rows[1]).shape[0] > crit.plan(target).rows[1].shape[0]
+    for a, b in zip(padded, unpadded):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_full_softmax_without_cutoffs():

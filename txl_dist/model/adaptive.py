@@ -29,6 +29,28 @@ class TargetPlan:
     rows: list[torch.Tensor]
 
 
+def _pads_rows(hidden: torch.Tensor) -> bool:
+    """Whether the tail clusters' row counts are rounded up (`_padded`): for bf16/fp16 matmuls on CPU, where
+    oneDNN compiles a kernel for every new matrix shape (5-10 ms each, measured for [~300, 6000] x [6000, 128],
+    against 0.9 ms to run it) and a tail cluster's row count changes with every batch: three new shapes per
+    cluster per step, forward and backward, would cost more than the step. Rounding keeps a few shapes per
+    octave, and the kernels are compiled once."""
+    if hidden.device.type != "cpu":
+        return False
+    return hidden.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")
+
+
+def _padded(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` followed by copies of rows[0] up to the next multiple of an eighth of the largest power of two not
+    above their number (at most 12.5% more rows; 8 lengths per octave)."""
+    n = rows.shape[0]
+    if n <= 16:
+        return rows
+    step = 1 << (n.bit_length() - 4)
+    extra = -n % step
+    return torch.cat([rows, rows[:1].expand(extra)]) if extra else rows
+
+
 def _bounds(n_token: int, cutoffs: list[int]) -> list[tuple[int, int]]:
     ends = [0] + list(cutoffs) + [n_token]
     return list(zip(ends[:-1], ends[1:]))
@@ -174,10 +196,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                                                                    right=True)
         head_column = torch.where(target < self.shortlist_size, target, cluster_column)
         nll = -head_logprob.gather(1, head_column.unsqueeze(1)).squeeze(1)
+        pad = _pads_rows(hidden)
         for i in range(1, self.n_clusters + 1):
             rows = plan.rows[i - 1]
-            tail_logprob = F.log_softmax(self._cluster_logits(hidden.index_select(0, rows), i, *weights[i]).float(),
-                                         dim=-1)
+            selected = _padded(rows) if pad else rows
+            tail_logprob = F.log_softmax(
+                self._cluster_logits(hidden.index_select(0, selected), i, *weights[i]).float(), dim=-1)
+            if pad:
+                tail_logprob = tail_logprob[:rows.shape[0]]  # the padding rows get no gradient
             local = (target.index_select(0, rows) - self.bounds[i][0]).unsqueeze(1)
             nll = nll.index_add(0, rows, -tail_logprob.gather(1, local).squeeze(1))
         return nll
