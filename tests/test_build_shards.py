@@ -138,11 +138,11 @@ def test_worker_processes_return_results_in_order_and_report_errors_and_deaths()
     # The caller works too: a task that finds the spawned workers busy is computed here, in order all the same.
     from tests.worker_tasks import slow_pid
 
-    results = list(ordered_map(slow_pid, range(40), workers=3, initializer=int))
+    results = list(ordered_map(slow_pid, range(40), workers=3, initializer=int, in_flight_per_worker=2))
     assert [task for task, _ in results] == list(range(40))
     processes = collections.Counter(pid for _, pid in results)
     assert len(processes) == 3 and processes[os.getpid()] > 0
-    results = ordered_map(int, ["1", "2", "x", "4"], workers=2, initializer=int)
+    results = ordered_map(int, ["1", "2", "x", "4"], workers=2, initializer=int, in_flight_per_worker=2)
     assert next(results) == 1 and next(results) == 2
     with pytest.raises(ValueError, match="invalid literal for int"):
         next(results)  # "x" was computed here (the one spawned worker held "1" and "2"); raised in its turn
