@@ -16,7 +16,7 @@ import treebank
 from data_tools import corpus, train_tokenizer
 from tests.conftest import ptb_sentences
 from txl_dist.data.format import TokenizerIdentity
-from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
+from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer, verified_fingerprint
 
 
 def test_ptb_word_vocabulary_is_the_standard_10000_words(ptb_word_tokenizer):
@@ -216,6 +216,24 @@ def test_description_disagreeing_with_the_files_is_named(word_tokenizer_copy):
     path.write_text(json.dumps({**description, "eos_id": 5}))
     with pytest.raises(TokenizerError, match="'eos_id' 5 is 'to' in .*vocab.txt, but key 'pieces.eos' says '<eos>'"):
         load_tokenizer(word_tokenizer_copy)
+
+
+def test_verified_fingerprint_checks_the_files_but_does_not_read_the_vocabulary(word_tokenizer_copy):
+    """What training compares with the shards: the loaded tokenizer's fingerprint, refused for a changed or
+    missing file as `load_tokenizer` refuses it, without building the vocabulary (a description that disagrees
+    with the vocabulary's contents is `load_tokenizer`'s to find)."""
+    assert verified_fingerprint(word_tokenizer_copy) == load_tokenizer(word_tokenizer_copy).fingerprint
+    path = word_tokenizer_copy / "tokenizer.json"
+    description = json.loads(path.read_text())
+    path.write_text(json.dumps({**description, "vocab_size": 9999}))
+    assert verified_fingerprint(word_tokenizer_copy) == description["fingerprint"]
+    vocab = word_tokenizer_copy / "vocab.txt"
+    vocab.write_text(vocab.read_text() + "extra\t1\n")
+    with pytest.raises(TokenizerError, match=f"{vocab}: sha256 is .* the file changed after training"):
+        verified_fingerprint(word_tokenizer_copy)
+    vocab.unlink()
+    with pytest.raises(TokenizerError, match=f"{vocab}: missing tokenizer file"):
+        verified_fingerprint(word_tokenizer_copy)
 
 
 def test_find_tokenizer_dir_by_fingerprint(ptb_word_tokenizer, ptb_sentencepiece_tokenizer, tmp_path):

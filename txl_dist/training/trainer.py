@@ -96,9 +96,9 @@ def _loss_scale(optimizer: Any) -> float | None:
 def _tokenizer_fingerprint(directory: str | None) -> str | None:
     if directory is None:
         return None
-    from txl_dist.tokenizer import load_tokenizer
+    from txl_dist.tokenizer import verified_fingerprint
 
-    return load_tokenizer(directory).fingerprint
+    return verified_fingerprint(directory)
 
 
 def _finite_mems(mems: list[torch.Tensor], resets: torch.Tensor) -> list[torch.Tensor]:
