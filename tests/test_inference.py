@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from txl_dist.inference import IncrementalDecoder, TokenSampler, generate_ids, generate_ids_recompute, nucleus_mask, score_ids
+from txl_dist.inference import (
+    IncrementalDecoder, TokenSampler, generate_ids, generate_ids_recompute, iter_generate_ids, nucleus_mask, score_ids,
+)
 from txl_dist.model import TransformerXLLM, preset, transformer
 
 PROMPT = [5, 17, 230, 999, 42, 640, 3, 3, 77, 501, 12, 800, 9]  # 13 tokens: two segments of tgt_len 8
@@ -42,6 +44,20 @@ def test_incremental_log_probs_equal_one_segment_over_the_whole_prefix():
         whole, _ = model(torch.tensor([PROMPT + continuation]))
     for step, log_probs in enumerate(incremental):
         assert (log_probs - whole[0, len(PROMPT) - 1 + step]).abs().max().item() <= 1e-5
+
+
+def test_one_token_steps_after_mem_len_is_lowered_see_what_the_masked_path_sees():
+    """same_length with a cache holding more positions than a lowered mem_len: the one-token step sees the newest
+    mem_len positions (itself included), as the masked general path does."""
+    model = _model(mem_len=12, same_length=True)
+    tokens = torch.randint(0, 1000, (2, 20), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _, cache = model.hidden_states_cached(tokens[:, :16])
+        _, mems = model.hidden_states(tokens[:, :16])
+        model.reset_length(mem_len=5)
+        step, _ = model.hidden_states_cached(tokens[:, 16:17], cache)
+        expected, _ = model.hidden_states(tokens[:, 16:17], mems)
+    assert (step - expected).abs().max().item() <= 1e-5
 
 
 def test_a_short_memory_forgets_so_the_comparison_can_fail():
@@ -97,6 +113,18 @@ def test_one_token_steps_with_the_cache_equal_the_memory_path(overrides, monkeyp
             with torch.no_grad():
                 (model.r_w_bias if model.r_w_bias is not None else model.layers[1].dec_attn.r_w_bias).add_(0.5)
     assert len(steps) == model.config.n_layer * 40
+
+
+def test_a_model_made_under_inference_mode_generates_and_callers_tensors_stay_ordinary():
+    """Biases without a version counter (made under inference mode) are scaled anew for every token, and the
+    generator does not switch inference mode on around the caller's code between tokens."""
+    with torch.inference_mode():
+        model = _model(mem_len=40)
+        inside = generate_ids(model, PROMPT, 8, greedy=True)
+    assert inside == generate_ids(_model(mem_len=40), PROMPT, 8, greedy=True)
+    for _ in iter_generate_ids(_model(mem_len=40), PROMPT, 3, greedy=True):
+        made_between_tokens = torch.ones(2)
+        assert not made_between_tokens.is_inference()
 
 
 def test_sampling_is_seeded_and_leaves_the_global_generator_alone():

@@ -311,8 +311,9 @@ def write_tokenizer_json(directory: str | os.PathLike, kind: str, files: list[st
 
 def verified_fingerprint(directory: str | os.PathLike) -> str:
     """The fingerprint of a tokenizer directory, checked against its files (the checks of `load_tokenizer` up to
-    the sha256), without reading the vocabulary into a tokenizer: what a training run compares with its shards'
-    manifest, at a fraction of the cost for a 1M-word vocabulary."""
+    the sha256), without reading the vocabulary into a tokenizer: 16 ms against 0.87 s for a 779k-word
+    vocabulary. For a directory `load_tokenizer` has checked already; it does not check the description's
+    vocabulary size and special ids against the vocabulary."""
     return _checked_description(directory)[5]
 
 
@@ -392,8 +393,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
 def find_tokenizer_dir(fingerprint: str, candidates: Iterable[str | os.PathLike | None], strict: bool = False) -> Path:
     """The first candidate directory holding a tokenizer with ``fingerprint``.
 
-    ``None`` candidates are skipped. A candidate is checked as far as its fingerprint (`verified_fingerprint`);
-    load it to check the rest. Without ``strict`` a candidate that is missing, damaged or of another
+    ``None`` candidates are skipped. Without ``strict`` a candidate that is missing, damaged or of another
     fingerprint is passed over; with ``strict`` it is an error. When none fits, the error names every candidate
     and why it was passed over.
     """
@@ -403,7 +403,7 @@ def find_tokenizer_dir(fingerprint: str, candidates: Iterable[str | os.PathLike 
             continue
         directory = Path(candidate)
         try:
-            found = verified_fingerprint(directory)
+            found = load_tokenizer(directory).fingerprint  # the whole check: a copy to keep or convert with
         except TokenizerError as error:
             if strict:
                 raise

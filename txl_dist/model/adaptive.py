@@ -217,8 +217,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         cluster, which is at most 0; so a cluster whose head log-probability is below the best word found so far
         cannot win and its logits are never computed. Greedy decoding mostly emits head words, and the tail
         clusters hold most of the vocabulary's weights: for a 10k-word model that saves most of the output
-        layer. Which clusters are needed is read on the host once (one synchronisation), and rows of a needed
-        cluster once more each."""
+        layer. Which clusters are needed is read on the host once (one synchronisation); a needed cluster is
+        computed for every row, as `log_prob` computes it, so that the values are the same to the last bit."""
         head_logprob = F.log_softmax(self._cluster_logits(hidden, 0, *self._cluster_weight(0)).float(), dim=-1)
         if self.n_clusters == 0:
             return head_logprob.argmax(dim=-1)
@@ -227,14 +227,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         for i, needed in enumerate(may_win.any(dim=0).tolist(), start=1):
             if not needed:
                 continue
-            cluster_logprob = head_logprob[:, self.shortlist_size + i - 1]
-            rows = may_win[:, i - 1].nonzero().squeeze(1)
-            tail_logprob = F.log_softmax(
-                self._cluster_logits(hidden.index_select(0, rows), i, *self._cluster_weight(i)).float(), dim=-1)
-            value, local = (cluster_logprob.index_select(0, rows).unsqueeze(1) + tail_logprob).max(dim=-1)
-            wins = value > best_value.index_select(0, rows)  # strictly: on a tie the lower id (earlier) stays
-            best_value = best_value.index_copy(0, rows, torch.where(wins, value, best_value.index_select(0, rows)))
-            best = best.index_copy(0, rows, torch.where(wins, local + self.bounds[i][0], best.index_select(0, rows)))
+            # Every row, as `log_prob` computes it: a matmul over a subset of rows may round differently.
+            tail_logprob = F.log_softmax(self._cluster_logits(hidden, i, *self._cluster_weight(i)).float(), dim=-1)
+            cluster_logprob = head_logprob[:, self.shortlist_size + i - 1:self.shortlist_size + i]
+            value, local = (cluster_logprob + tail_logprob).max(dim=-1)
+            wins = may_win[:, i - 1] & (value > best_value)  # strictly: on a tie the lower id (earlier) stays
+            best_value = torch.where(wins, value, best_value)
+            best = torch.where(wins, local + self.bounds[i][0], best)
         return best
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:

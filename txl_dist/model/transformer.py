@@ -230,10 +230,13 @@ class KVCache:
 
     def query_biases(self, model: "TransformerXLLM", dtype: torch.dtype) -> list[torch.Tensor]:
         """Per layer [2, H, 1, D]: u and v scaled by 1/sqrt(d_head) in ``dtype``, remade whenever a bias changes
-        (an optimizer step in between bumps its version)."""
+        in place (an optimizer step in between bumps its version counter; a write through ``.data`` does not, so
+        make a new cache after one). Biases made under ``torch.inference_mode`` have no version counter: remade
+        for every token then (two operations per layer)."""
         weights = self.layer_weights(model)
-        key = (dtype, tuple(t._version for t in self._biases))
-        if self._query_biases is None or self._query_biases[0] != key:
+        key = None if any(t.is_inference() for t in self._biases) else (
+            dtype, tuple(t._version for t in self._biases))
+        if key is None or self._query_biases is None or self._query_biases[0] != key:
             self._query_biases = (key, [(torch.stack([w.u, w.v]) * w.scale).to(dtype)[:, :, None, :]
                                         for w in weights])
         return self._query_biases[1]
@@ -385,8 +388,8 @@ class TransformerXLLM(nn.Module):
         if (qlen == 1 and not self.training and (store is None or store == core_out.dtype)
                 and not may_mask_whole_rows(c.mem_len, c.same_length)):
             # One new token (every step of generation): `decode_step`, a few operations per layer.
-            full = c.same_length and mlen >= c.mem_len  # same_length: the oldest memory position drops out of view
-            first = cache.end - mlen + int(full)
+            # The query sees the whole memory, or with same_length the newest mem_len - 1 of it (and itself).
+            first = cache.end - (min(mlen, c.mem_len - 1) if c.same_length else mlen)
             columns = cache.position_columns(self, cache.end + 1 - first, core_out.dtype)
             biases = cache.query_biases(self, core_out.dtype)
             x = core_out[0]

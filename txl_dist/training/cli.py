@@ -117,7 +117,7 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
     checkpoint.resume=false, and a newest complete checkpoint of another architecture. (The trainer checks again
     on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
-    from txl_dist.tokenizer import verified_fingerprint
+    from txl_dist.tokenizer import load_tokenizer
     from txl_dist.training.checkpoint import (
         CheckpointManager, CheckpointVerificationError, read_marker, refuse_another_architecture,
         refuse_fresh_start,
@@ -126,7 +126,7 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     if cfg.data.tokenizer is not None:
         expected = read_manifest(cfg.data.shards).tokenizer.fingerprint
         try:
-            found = verified_fingerprint(cfg.data.tokenizer)
+            found = load_tokenizer(cfg.data.tokenizer).fingerprint  # the whole check (the trainer then hashes only)
         except ValueError as error:
             raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: {error}") from error
         if found != expected:

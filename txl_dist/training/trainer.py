@@ -94,6 +94,8 @@ def _loss_scale(optimizer: Any) -> float | None:
 
 
 def _tokenizer_fingerprint(directory: str | None) -> str | None:
+    """data.tokenizer's fingerprint, checked against its files only: the command line has loaded and checked the
+    whole tokenizer already, and every rank parsing a 1M-word vocabulary again costs about a second."""
     if directory is None:
         return None
     from txl_dist.tokenizer import verified_fingerprint
