@@ -23,7 +23,7 @@ from txl_dist.config import (
 from txl_dist.data.format import Manifest, TokenizerIdentity, write_manifest
 from txl_dist.model.config import PRESETS, ModelConfig
 from txl_dist.training.cli import parse_run_args
-from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.deepspeed_config import bucket_elements, build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.schedule import build_lr_scheduler, learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -321,6 +321,21 @@ def test_deepspeed_dict_maps_every_section():
     assert d["wall_clock_breakdown"] is False and d["steps_per_print"] >= 10**9
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_buckets_are_capped_at_the_models_size(stage):
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"zero.stage={stage}"])
+
+    def zero_section(num_parameters):
+        return build_deepspeed_config(train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
+                                      world_size=2, device="cpu", num_parameters=num_parameters)["zero_optimization"]
+
+    keys = ["reduce_bucket_size"] + (["allgather_bucket_size"] if stage < 3 else [])
+    assert [zero_section(None)[k] for k in keys] == [cfg.zero.bucket_size] * len(keys)
+    assert [zero_section(59_602)[k] for k in keys] == [59_904] * len(keys)  # rounded up to a multiple of 512
+    assert [zero_section(10**12)[k] for k in keys] == [cfg.zero.bucket_size] * len(keys)
+    assert bucket_elements(cfg.zero, 59_904) == 59_904 and bucket_elements(cfg.zero, None) == cfg.zero.bucket_size
+
+
 def test_optimizer_choice_follows_implementation_device_and_offload():
     cfg = load_config(REPO / "configs" / "lm1b_base.yaml")
     assert "optimizer" not in ds_dict(cfg, 8, "cuda")
@@ -374,15 +389,15 @@ ENGINE_PROBE = """
 import json, sys
 import deepspeed, torch
 from txl_dist.config import load_config
-from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.deepspeed_config import bucket_elements, build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.schedule import build_lr_scheduler
 deepspeed.init_distributed(dist_backend="gloo")
 for files in json.loads(sys.argv[1]):
     cfg = load_config(files, ["schedule.warmup_steps=2"])
-    ds = build_deepspeed_config(train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
-                                world_size=1, device="cpu")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    ds = build_deepspeed_config(train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
+                                world_size=1, device="cpu", num_parameters=sum(p.numel() for p in model.parameters()))
     optimizer = None if "optimizer" in ds else build_torch_optimizer(cfg.optim, model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, optimizer=optimizer,
         lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps))
@@ -395,7 +410,8 @@ for files in json.loads(sys.argv[1]):
         lrs.append(engine.get_lr()[0])
     print("RESULT", json.dumps({"optimizer": type(engine.basic_optimizer).__name__, "lrs": lrs,
                                 "fused": bool(engine.basic_optimizer.defaults.get("fused")),
-                                "steps": engine.global_steps}), flush=True)
+                                "steps": engine.global_steps,
+                                "bucket": getattr(engine.optimizer, "reduce_bucket_size", None)}), flush=True)
 """
 
 
@@ -420,6 +436,9 @@ def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path):
     results = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["optimizer"] for r in results] == ["AdamW"] * 5 + ["Adam", "AdamW"]
     assert [r["fused"] for r in results] == [True] * 6 + [False]
+    # ZeRO 1-3 (all but the first: tiny_cpu is ZeRO-2) reduce gradients in buckets of the model's 161 elements
+    # (rounded up to 512), not zero.bucket_size (200M, allocated at every step)
+    assert [r["bucket"] for r in results] == [None] + [512] * 6
     for files, result in zip(runs, results):
         cfg = load_config(files)
         peak, total = cfg.optim.lr, cfg.schedule.total_steps or cfg.train.max_steps

@@ -278,6 +278,33 @@ def test_adaptive_argmax_equals_the_full_argmax_and_skips_clusters_that_cannot_w
     assert (crit.argmax(hidden) == 5).all() and (crit.log_prob(hidden).argmax(dim=-1) == 5).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_picked_nll_equals_the_composed_log_softmax_in_value_and_gradient(dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(37, 501) * 4).to(dtype)
+    index = torch.randint(0, 501, (37,))
+    index[:3] = torch.tensor([0, 500, 0])
+    weights = torch.rand(37) + 0.5  # a different upstream gradient per row, one of them zero
+    weights[5] = 0.0
+
+    def run(nll_of):
+        x = logits.clone().requires_grad_()
+        nll = nll_of(x)
+        (nll * weights).sum().backward()
+        return nll.detach(), x.grad
+
+    nll, grad = run(lambda x: adaptive.picked_nll(x, index))
+    expected_nll, expected_grad = run(lambda x: -torch.log_softmax(x.float(), -1).gather(1, index[:, None])[:, 0])
+    assert nll.dtype == torch.float32 and grad.dtype == dtype
+    assert torch.equal(nll, expected_nll)
+    tolerance = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
+    assert torch.allclose(grad.float(), expected_grad.float(), **tolerance)
+    assert (grad[5] == 0).all()
+    empty = torch.zeros(0, 8, dtype=dtype, requires_grad=True)  # a tail cluster without rows this step
+    adaptive.picked_nll(empty, torch.zeros(0, dtype=torch.long)).sum().backward()
+    assert empty.grad.shape == (0, 8)
+
+
 def test_padded_tail_rows_keep_few_shapes_and_add_at_most_an_eighth():
     lengths = set()
     for n in range(0, 5000):

@@ -20,7 +20,7 @@ What is counted, per rank (P parameters, N ranks, b bytes per element of the com
   torch's fused Adam (``optim.implementation=torch``) and DeepSpeed's keep the same states. ZeRO 1-3 keep a
   fp32 master partition even in fp32 training. With ``zero.offload_optimizer=cpu`` both live in host memory.
 - Gradients, as DeepSpeed keeps them: ZeRO 0 and 1 hold them for every parameter (P b), ZeRO-2 its partition
-  (Pn b) and a reduction bucket (``zero.bucket_size`` elements), ZeRO-3 its partition and a fp32 buffer of the
+  (Pn b) and a reduction bucket (``zero.bucket_size`` elements, at most P), ZeRO-3 its partition and a fp32 buffer of the
   model's size (DeepSpeed 0.19's stage-3 optimizer sizes it by the unpartitioned parameters); the fp32 gradient
   of the partition made at the optimizer step.
 - Activations saved for the backward pass of one micro-batch of tgt_len tokens with mem_len of memory (klen =
@@ -48,6 +48,7 @@ from typing import Sequence
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.model.config import ModelConfig
+from txl_dist.training.deepspeed_config import BUCKET_ALIGNMENT, bucket_elements
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -192,13 +193,14 @@ def head_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: i
 
 def head_transient_bytes(model: ModelConfig, micro_batch: int, compute_bytes: int) -> int:
     """The largest short-lived block on top of the saved tensors, at the start of the backward pass: the
-    gradient of the head cluster's log-probabilities and of its fp32 logits while the log-probabilities are
-    still held (2 N C0, fp32), and the gradient of the head's weight with the cluster logits' rows (C0 E_0,
-    compute dtype).
-    Measured on CPU with PyTorch's profiler, within 7% (benchmarks/plan_check.py)."""
+    gradient of the head cluster's logits, written in fp32 while the log-probabilities are still held (N C0),
+    and its copy in the compute dtype when that is narrower (N C0, compute dtype), and the gradient of the
+    head's weight with the cluster logits' rows (C0 E_0, compute dtype).
+    Measured on CPU with PyTorch's profiler (benchmarks/plan_check.py)."""
     N = micro_batch * model.tgt_len
     head_logits = model.cluster_bounds()[0][1] + model.n_clusters
-    return 2 * N * head_logits * FP32 + head_logits * model.cluster_dims()[0] * compute_bytes
+    logits_grad = N * head_logits * (FP32 + (compute_bytes if compute_bytes < FP32 else 0))
+    return logits_grad + head_logits * model.cluster_dims()[0] * compute_bytes
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------
@@ -306,10 +308,10 @@ def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None,
         add("fp32 master weights", partition * FP32, "steady", f"{part} x 4", states_at)
     add("Adam moments (fp32)", partition * 2 * FP32, "steady", f"{part} x 8", states_at)
 
-    # Gradients and DeepSpeed's buffers. DeepSpeed allocates its reduction bucket whole; a GPU counts all of it,
-    # a CPU's resident memory only the part gradients were written to (at most the model's size).
-    bucket = min(zero.bucket_size, P) if device == "cpu" else zero.bucket_size
-    bucket_formula = f"min(zero.bucket_size, P) x {b}" if device == "cpu" else f"zero.bucket_size x {b}"
+    # Gradients and DeepSpeed's buffers. DeepSpeed allocates its reduction bucket whole, which the trainer caps at
+    # the model's size (`bucket_elements`).
+    bucket = bucket_elements(zero, P)
+    bucket_formula = f"min(zero.bucket_size, P rounded up to {BUCKET_ALIGNMENT}) x {b}"
     # ZeRO 0 and 1 hold every gradient once the backward pass is over (the "step" phase); during the pass, the
     # gradients of the layers done grow as their activations are freed, so the pass's peak is at its start.
     if stage == 0:

@@ -51,6 +51,36 @@ def _padded(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows[:1].expand(extra)]) if extra else rows
 
 
+class _PickedNLL(torch.autograd.Function):
+    """``-log_softmax(logits.float(), -1).gather(1, index[:, None])[:, 0]``, with a shorter backward.
+
+    The gradient of the logits is ``g * (softmax - onehot)``, written into one buffer: the exponential of the saved
+    log-probabilities, a product and a scatter, in place. Composed, autograd would fill an [N, V] zero gradient,
+    scatter into it and run log-softmax's backward over it (two more passes over the largest tensors of a small
+    model's step: 1.5x-2.3x faster for [512, 2002] and [320, 6000] in fp32 on one CPU thread). The forward and
+    what it saves (the float32 log-probabilities) are the composed version's."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        logprob = F.log_softmax(logits.float(), dim=-1)
+        ctx.save_for_backward(logprob, index)
+        ctx.logits_dtype = logits.dtype
+        return -logprob.gather(1, index.unsqueeze(1)).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logprob, index = ctx.saved_tensors
+        grad = grad.to(logprob.dtype).unsqueeze(1)
+        logits_grad = torch.exp(logprob).mul_(grad)
+        logits_grad.scatter_add_(1, index.unsqueeze(1), -grad)
+        return logits_grad.to(ctx.logits_dtype), None
+
+
+def picked_nll(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] (any float dtype), index [N] -> -log_softmax(logits)[n, index[n]] [N], float32."""
+    return _PickedNLL.apply(logits, index)
+
+
 def _bounds(n_token: int, cutoffs: list[int]) -> list[tuple[int, int]]:
     ends = [0] + list(cutoffs) + [n_token]
     return list(zip(ends[:-1], ends[1:]))
@@ -185,9 +215,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         here, which on an accelerator waits for the device once. Every tail cluster runs, also on zero rows: every
         parameter then gets a gradient, zeros included, on every rank, which data-parallel reduction relies on."""
         weights = self._cluster_weights()
-        head_logprob = F.log_softmax(self._cluster_logits(hidden, 0, *weights[0]).float(), dim=-1)
+        head_logits = self._cluster_logits(hidden, 0, *weights[0])
         if self.n_clusters == 0:
-            return -head_logprob.gather(1, target.unsqueeze(1)).squeeze(1)
+            return picked_nll(head_logits, target)
         if plan is None:
             plan = self.plan(target)
         # One gather from the head for every row: the target's log-probability for head words, its cluster's
@@ -195,17 +225,16 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         cluster_column = self.shortlist_size - 1 + torch.bucketize(target, self._cutoffs_on(target.device),
                                                                    right=True)
         head_column = torch.where(target < self.shortlist_size, target, cluster_column)
-        nll = -head_logprob.gather(1, head_column.unsqueeze(1)).squeeze(1)
+        nll = picked_nll(head_logits, head_column)
         pad = _pads_rows(hidden)
         for i in range(1, self.n_clusters + 1):
             rows = plan.rows[i - 1]
             selected = _padded(rows) if pad else rows
-            tail_logprob = F.log_softmax(
-                self._cluster_logits(hidden.index_select(0, selected), i, *weights[i]).float(), dim=-1)
+            local = target.index_select(0, selected) - self.bounds[i][0]
+            tail_nll = picked_nll(self._cluster_logits(hidden.index_select(0, selected), i, *weights[i]), local)
             if pad:
-                tail_logprob = tail_logprob[:rows.shape[0]]  # the padding rows get no gradient
-            local = (target.index_select(0, rows) - self.bounds[i][0]).unsqueeze(1)
-            nll = nll.index_add(0, rows, -tail_logprob.gather(1, local).squeeze(1))
+                tail_nll = tail_nll[:rows.shape[0]]  # the padding rows get no gradient
+            nll = nll.index_add(0, rows, tail_nll)
         return nll
 
     @torch.no_grad()

@@ -172,6 +172,7 @@ class Trainer:
         ds_config = build_deepspeed_config(
             train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
             world_size=self.world_size, device=self.device_type, overlay_path=deepspeed_overlay,
+            num_parameters=self.num_parameters,
         )
         self.resume_tag = self._resume_tag()
         self.load_tag = self.resume_tag
