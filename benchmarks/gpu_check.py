@@ -230,7 +230,7 @@ def _engine_syncs() -> dict:
     model = TransformerXLLM(config)
     ds_config = build_deepspeed_config(train=TrainConfig(global_batch=8), optim=OptimConfig(),
                                        precision=PrecisionConfig(dtype="bf16"), zero=ZeroConfig(stage=2),
-                                       world_size=1, device="cuda")
+                                       world_size=1, device="cuda", num_parameters=model.num_parameters())
     optimizer = build_torch_optimizer(OptimConfig(), model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
                                       config=ds_config)
