@@ -286,7 +286,8 @@ class ZeroConfig(_Section):
     """"cpu": keep optimizer states in host memory and step them with DeepSpeed's CPU Adam (stage 1-3)."""
     bucket_size: int = 200_000_000
     """Elements per gradient-reduction bucket (and per all-gather bucket in stages 1-2): larger overlaps
-    communication better and costs memory."""
+    communication better and costs memory. The trainer caps it at the model's parameters (rounded up to 512),
+    since DeepSpeed allocates the whole bucket at every step."""
     stage3_prefetch_bucket_size: int = 50_000_000
     """Stage 3: elements of parameters fetched ahead of their use."""
     stage3_param_persistence_threshold: int = 100_000
