@@ -200,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"evaluate.py: error: {message}", file=sys.stderr)
         return 2
     if dist.is_initialized():
-        dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
+        # Every rank past its last collective before any tears gloo down (a rank that destroyed its group while
+        # the other still finished its part aborted once at exit, "terminate called without an active
+        # exception"); one left to interpreter shutdown can abort the process at exit too.
+        dist.barrier()
+        dist.destroy_process_group()
     if summary:
         try:
             atomic_write_text(summary["output"], json.dumps(summary, indent=1) + "\n")
