@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         from txl_dist.training.trainer import Trainer
 
         summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config, guard=guard).run()
+        # Every rank done before any tears gloo down: rank 1 of a 2-rank run aborted once at exit ("terminate
+        # called without an active exception") after a finished run.
+        import torch.distributed as dist
+
+        dist.barrier()
     except BaseException as error:  # noqa: BLE001 -- every failure ends every rank, with one message
         guard.fail(error)
     import torch.distributed as dist
