@@ -39,10 +39,11 @@ $(HF_STAMP):
 	$(HF_VENV)/bin/python -m pip install -q $(HF_SPEC)
 	touch $@
 
-# DeepSpeed compiles its shared-memory communication op on first use (30-45 s, cached in
-# ~/.cache/torch_extensions); build it once here so no test pays for it.
+# DeepSpeed compiles its shared-memory communication op on first use (30-70 s); build it once here, into this
+# environment's own cache ($(VENV)/torch_extensions, with its own ninja: txl_dist.training.world), so that no
+# launch compiles, whatever PATH a node gives its ranks.
 warm: venv
-	$(CPU_ENV) $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(CPU_ENV) $(BIN)/python -m txl_dist.training.world
 
 test: warm hf-venv
 	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q tests

@@ -28,15 +28,19 @@ import socket
 import sys
 
 
-def _single_process_environment() -> None:
-    """A plain ``python launchers/train.py`` run is a world of one: give torch.distributed what a launcher would."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _launch_environment() -> None:
+    """Rank, world and rendezvous address from whichever launcher started this process (torchrun, deepspeed,
+    srun, mpirun; a plain ``python launchers/train.py`` is a world of one), written as torch's variables."""
+    from txl_dist import launch_env
+
+    launch = launch_env.apply()
+    tasks = launch_env.single_task_in_multi_task_allocation(os.environ)
+    if tasks:
+        logging.getLogger("txl_dist.training").warning(
+            "running as one process inside a Slurm allocation of %d tasks: start the ranks with "
+            "`srun python launchers/train.py ...` (or sbatch launchers/slurm.sbatch) to train on all of them", tasks)
+    if launch.launcher != "torch":
+        os.environ.setdefault("TXL_LAUNCHER", launch.launcher)
 
 
 def _configure_logging() -> None:
@@ -67,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         # the guard's watch thread.
         guard.close()
         raise
-    _single_process_environment()
+    try:
+        _launch_environment()
+    except ValueError as error:  # a launch whose processes cannot form one world: nothing has started
+        guard.close()
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
     _configure_logging()
     try:
         from txl_dist.training.trainer import Trainer

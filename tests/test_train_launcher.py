@@ -252,7 +252,7 @@ def _refused_in_process(argv: list[str], capsys, monkeypatch) -> str:
     def started() -> None:  # were the arguments accepted, a run would start in this process
         pytest.fail(f"launchers/train.py accepted {argv}")
 
-    monkeypatch.setattr(train, "_single_process_environment", started)
+    monkeypatch.setattr(train, "_launch_environment", started)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as exited:
         train.main(argv)

@@ -152,8 +152,14 @@ class TrainConfig(_Section):
     """Streams per rank per forward pass; null means global_batch / world_size (no gradient accumulation).
     Gradient accumulation steps = global_batch / (micro_batch * world_size)."""
 
+    stall_timeout: float = 120.0
+    """Seconds after which a rank whose heartbeat has stopped (a stopped process, a hung host, a dead link) is
+    named and the job ends with status 1, so that the scheduler can requeue it; keep it well under the collective
+    timeout (DEEPSPEED_TIMEOUT, 10 minutes by default)."""
+
     def _check_ranges(self) -> None:
         self._non_empty("output_dir", optional=True)
+        self._at_least("stall_timeout", 5)
         self._at_least("seed", 0)
         self._at_least("max_steps", 1)
         self._at_least("max_epochs", 1, optional=True)
