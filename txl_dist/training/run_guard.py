@@ -78,6 +78,11 @@ class RunFailure(Exception):
     """A failure the ranks agreed on (every rank raises it with the same message)."""
 
 
+class ReportedByRankZero(Exception):
+    """A failure every rank found alike before the failure channel existed; rank 0 prints it, the others end
+    with status 1 without a word."""
+
+
 def _describe(error: BaseException) -> str:
     from txl_dist.fileio import describe_os_error
 
@@ -402,6 +407,9 @@ class RunGuard:
         """End this rank after ``error``: print it (one line for the errors that say everything, else with the
         traceback) unless another rank's failure came first, run the cleanups, exit with status 1."""
         self._closed.set()
+        if isinstance(error, ReportedByRankZero):
+            self.run_cleanups()
+            self._exit(1)
         caused_elsewhere = not isinstance(error, RunFailure) and self.failure_reported(wait_s=0.5)
         if not caused_elsewhere:
             one_line = isinstance(error, ONE_LINE_ERRORS + (RunFailure,))

@@ -51,7 +51,14 @@ def prepare_extension_cache(environ: dict[str, str] | None = None) -> Path:
     own tools first on PATH; return the cache directory."""
     environ = os.environ if environ is None else environ
     if not environ.get("TORCH_EXTENSIONS_DIR"):
-        environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
+        import torch
+
+        # One folder per Python, accelerator build and torch release: a torch reinstalled in the environment
+        # (a CUDA build over the CPU one) never loads an op compiled against the other.
+        accelerator = ("cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}") \
+            if getattr(torch.version, "hip", None) is None else f"rocm{torch.version.hip.replace('.', '')}"
+        folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_torch{torch.__version__.split('+')[0]}"
+        environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions" / folder)
     tools = str(venv_bin())
     path = environ.get("PATH", "")
     if (venv_bin() / "ninja").exists() and path.split(os.pathsep)[:1] != [tools]:
@@ -60,11 +67,8 @@ def prepare_extension_cache(environ: dict[str, str] | None = None) -> Path:
 
 
 def _build_directory(cache: Path, name: str) -> Path:
-    """Where torch's JIT loader builds ``name`` (its own layout: one folder per Python and CUDA version)."""
-    import torch
-
-    cuda = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
-    return cache / f"py{sys.version_info.major}{sys.version_info.minor}_{cuda}" / name
+    """Where torch's JIT loader builds ``name`` when TORCH_EXTENSIONS_DIR is ``cache`` (as it always is here)."""
+    return cache / name
 
 
 @contextmanager
@@ -152,7 +156,9 @@ def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
     records = [json.loads(store.get(key)) for key in keys]
     problem = environment_disagreement(records)
     if problem:
-        raise launch_env.LaunchError(problem)
+        from txl_dist.training.run_guard import ReportedByRankZero
+
+        raise launch_env.LaunchError(problem) if rank == 0 else ReportedByRankZero(problem)
     return records
 
 
