@@ -399,7 +399,7 @@ class Cluster:
             (self.state_dir / "nodes" / node).mkdir(parents=True, exist_ok=True)
         self.jobcomp_log.unlink(missing_ok=True)
 
-        os.chmod(self.munge_dir, 0o700)
+        os.chmod(self.munge_dir, 0o755)  # munged wants its socket's directory searchable
         key = self.munge_dir / "munge.key"
         if not key.exists():
             key.write_bytes(os.urandom(1024))
@@ -502,6 +502,9 @@ class Cluster:
             "SchedulerParameters=sched_interval=5\n"
             "SlurmdParameters=config_overrides\n"
             "MpiDefault=none\n"
+            # A default memory per CPU, as most clusters set: a job gets 2000 MB per allocated CPU, and a step
+            # asks for its CPUs times that (SLURM_MEM_PER_CPU is exported into the batch script).
+            f"DefMemPerCPU={NODE_MEMORY_MB // NODE_CPUS}\n"
             "JobRequeue=1\n"
             "ReturnToService=2\n"
             "KillWait=10\n"
@@ -562,7 +565,7 @@ class Cluster:
         process = self._spawn("munged", [
             "munged", "--foreground", "--force", f"--socket={socket_path}",
             f"--key-file={self.munge_dir / 'munge.key'}", f"--pid-file={self.munge_dir / 'munged.pid'}",
-            f"--log-file={log}", f"--seed-file={self.munge_dir / 'munged.seed'}", "--num-threads=4"], log)
+            f"--log-file={log}", f"--seed-file={self.munge_dir / 'munged.seed'}", "--num-threads=10"], log)
 
         def works() -> bool:
             credential = subprocess.run(["munge", "-n", "-S", str(socket_path)], capture_output=True, timeout=10)
