@@ -104,12 +104,12 @@ def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0, env:
 
 
 def _process_start_time(pid: int) -> str | None:
-    """The start time of a process (field 22 of /proc/PID/stat), or None when there is no such process."""
+    """The start time of a live process (field 22 of /proc/PID/stat); None when there is none, or a zombie."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _tail(path: Path, lines: int) -> str:
