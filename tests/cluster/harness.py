@@ -209,6 +209,7 @@ class Cluster:
         self.ssh_config = self.ssh_dir / "ssh_config"
         self.jobcomp_log = self.log_dir / "jobcomp.txt"
         self.shared_dir = self.state_dir / "shared"
+        self.bin_dir = self.ssh_dir / "bin"
         self._daemons: dict[str, _Daemon] = {}
         self._lock_handle = None
         self.start_seconds: float | None = None
@@ -449,6 +450,12 @@ class Cluster:
                 "MaxStartups 100:30:200\n"
                 "Subsystem sftp internal-sftp\n")
         (self.ssh_dir / "known_hosts").write_text("\n".join(known_hosts) + "\n")
+        # `ssh` for the root namespace (first on PATH in ssh_env()): the harness's config, so that tools that run
+        # plain `ssh HOST` (deepspeed's ssh check and `hostname -I` probe, mpirun's rsh agent) reach the nodes.
+        self.bin_dir.mkdir(exist_ok=True)
+        wrapper = self.bin_dir / "ssh"
+        wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('ssh') or '/usr/bin/ssh'} -F {self.ssh_config} \"$@\"\n")
+        os.chmod(wrapper, 0o755)
         host_blocks = "".join(f"Host {node}\n    HostName {node_address(node)}\n" for node in self.nodes)
         self.ssh_config.write_text(
             host_blocks +
@@ -676,14 +683,17 @@ class Cluster:
         return env
 
     def ssh_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment in which ``pdsh -w txlnode1,txlnode2`` (and deepspeed's pdsh runner) reach the nodes.
+        """The environment in which ssh, ``pdsh -w txlnode1,txlnode2``, deepspeed and mpirun reach the nodes.
 
-        pdsh's ssh module gets ``-F <state>/ssh/ssh_config`` (node names -> addresses, the harness's key and
-        known_hosts, no prompts). Plain ``ssh`` in the root namespace needs ``ssh -F self.ssh_config``; inside
-        the nodes the same file is /etc/ssh/ssh_config, so ``ssh txlnode2`` works there as is.
+        ``env()`` plus PDSH_RCMD_TYPE=ssh, PDSH_SSH_ARGS_APPEND=``-F <state>/ssh/ssh_config`` (node names ->
+        addresses, the harness's key and known_hosts, no prompts) and, first on PATH, an ``ssh`` that reads the
+        same file (for tools that run plain ``ssh HOST``). Root's ~/.ssh is not touched. Inside the nodes that
+        file is /etc/ssh/ssh_config, so there ``ssh txlnode2`` and pdsh work without any of this.
         """
-        return self.env({"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {self.ssh_config}",
-                         **(extra or {})})
+        env = self.env({"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {self.ssh_config}"})
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+        env.update(extra or {})
+        return env
 
     def address(self, node: str) -> str:
         """The node's address on the test subnet."""
@@ -797,6 +807,14 @@ class Cluster:
         marks it DOWN after SlurmdTimeout (20 s) without an answer.
         """
         self._kill_recorded(f"node-{node}")
+
+    def disconnect_node(self, node: str) -> None:
+        """Takes NODE's link to the bridge down (a dead NIC or cable): its processes run on, nothing reaches it."""
+        _run(["ip", "link", "set", host_veth(node), "down"])
+
+    def reconnect_node(self, node: str) -> None:
+        """Brings NODE's link to the bridge up again (after ``disconnect_node``)."""
+        _run(["ip", "link", "set", host_veth(node), "up"])
 
     def restart_node(self, node: str, timeout: float = START_TIMEOUT_S) -> None:
         """Starts a killed (or running: it is killed first) NODE again and waits until its new slurmd registered.

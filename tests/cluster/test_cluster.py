@@ -7,8 +7,10 @@ no memory of its own.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -69,6 +71,10 @@ def test_pdsh_over_ssh_reaches_both_nodes(slurm_cluster):
         [f"{node}:" for node in slurm_cluster.nodes] + [slurm_cluster.address(node) for node in slurm_cluster.nodes])
     hop = slurm_cluster.run_on(first, ["ssh", second, "hostname"], timeout=30)
     assert (hop.returncode, hop.stdout.strip()) == (0, second), hop.stderr
+    # Plain `ssh NODE` from the root namespace (what deepspeed's runner runs before pdsh) with ssh_env().
+    probe = subprocess.run(["ssh", "-o", "PasswordAuthentication=no", first, "hostname -I"], capture_output=True,
+                           text=True, env=slurm_cluster.ssh_env(), timeout=30)
+    assert (probe.returncode, probe.stdout.split()) == (0, [slurm_cluster.address(first)]), probe.stderr
 
 
 def test_run_on_sees_the_node_as_a_job_step_does(slurm_cluster):
@@ -79,6 +85,9 @@ def test_run_on_sees_the_node_as_a_job_step_does(slurm_cluster):
     assert (name, addresses.split()) == (first, [slurm_cluster.address(first)])
     assert peer.split() == [slurm_cluster.address(second), second]
     assert "node_init.py" in init  # PID 1 of the node's own PID namespace
+    # Slurm's client commands find the cluster's slurm.conf as /etc/slurm/slurm.conf on a node, as on a cluster.
+    sinfo = slurm_cluster.run_on(first, ["env", "-u", "SLURM_CONF", "sinfo", "-h", "-N", "-o", "%N"], timeout=30)
+    assert (sinfo.returncode, sinfo.stdout.split()) == (0, sorted(slurm_cluster.nodes)), sinfo.stderr
 
 
 def test_step_memory_under_cr_core_memory(slurm_cluster, job_dir):
@@ -139,6 +148,7 @@ def test_kill_node_kills_every_process_and_restart_brings_it_back(slurm_cluster)
     with pytest.raises(ClusterError, match=f"node {second} is not running"):
         slurm_cluster.run_on(second, ["true"])
     slurm_cluster.restart_node(second)
+    assert slurm_cluster.node_info(second)["State"] == "IDLE"
     result = slurm(slurm_cluster, ["srun", "-N2", "--ntasks-per-node=1", "hostname"])
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split()) == sorted(slurm_cluster.nodes)
@@ -151,3 +161,21 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_disconnect_node_cuts_its_network_until_reconnected(slurm_cluster):
+    second = slurm_cluster.nodes[1]
+    slurm_cluster.disconnect_node(second)
+    try:
+        with pytest.raises(OSError):
+            socket.create_connection((slurm_cluster.address(second), 22), timeout=1.0).close()
+    finally:
+        slurm_cluster.reconnect_node(second)
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            socket.create_connection((slurm_cluster.address(second), 22), timeout=1.0).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"{second} not reachable 10 s after reconnect_node"
+            time.sleep(0.2)
