@@ -98,8 +98,8 @@ def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0, env:
     except subprocess.TimeoutExpired as error:
         raise ClusterError(f"{shlex.join(argv)} did not finish within {timeout:.0f} s") from error
     if check and result.returncode != 0:
-        raise ClusterError(f"{shlex.join(argv)} failed (exit {result.returncode}): "
-                           f"{(result.stderr or result.stdout).strip().splitlines()[-1:] or ''}")
+        last_line = ((result.stderr or result.stdout).strip().splitlines() or [""])[-1]
+        raise ClusterError(f"{shlex.join(argv)} failed (exit {result.returncode}): {last_line}")
     return result
 
 
@@ -110,6 +110,15 @@ def _process_start_time(pid: int) -> str | None:
     except OSError:
         return None
     return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _command_line(pid: int) -> str:
+    """The command line of a process, shortened, or '?'."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
+        return " ".join(words)[:120]
+    except OSError:
+        return "?"
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -150,7 +159,8 @@ def check_machine() -> None:
     """Raises ClusterUnavailable with one line when this machine cannot host the cluster."""
     if os.geteuid() != 0:
         raise ClusterUnavailable("the test cluster needs root (network, UTS, mount and PID namespaces, slurmd)")
-    missing = [name for name in REQUIRED_COMMANDS if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
+    missing = [name for name in REQUIRED_COMMANDS
+               if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
     if missing:
         raise ClusterUnavailable(f"missing commands for the test cluster: {' '.join(missing)} "
                                  "(run `make cluster-packages` as root)")
@@ -235,7 +245,8 @@ class Cluster:
                 raise ClusterUnavailable(f"the test subnet {SUBNET} is already routed on this machine: {in_use}")
             try:
                 cluster._prepare_files()
-                REGISTRY_FILE.write_text(json.dumps({"state_dir": str(cluster.state_dir), "pid": os.getpid()}))
+                REGISTRY_FILE.write_text(json.dumps({"state_dir": str(cluster.state_dir), "pid": os.getpid(),
+                                                     "pid_start": _process_start_time(os.getpid())}))
                 cluster._make_network()
                 cluster._start_munge(timeout)
                 cluster._start_slurmctld(timeout)
@@ -290,6 +301,13 @@ class Cluster:
             previous = json.loads(REGISTRY_FILE.read_text())
         except (OSError, ValueError):
             previous = None
+        owner = previous.get("pid") if previous else None
+        if owner and owner != os.getpid() and _process_start_time(owner) == previous.get("pid_start"):
+            # Another live process (a test session) started the cluster that is up, and may be using it now.
+            raise ClusterUnavailable(
+                f"the test cluster of {previous['state_dir']} is in use by process {owner} "
+                f"({_command_line(owner)}); wait for it, or stop it: python -m tests.cluster.harness down "
+                f"{previous['state_dir']}")
         if previous and Path(previous["state_dir"]).resolve() != self.state_dir:
             other = Cluster(Path(previous["state_dir"]))
             if other._live_pids():
