@@ -8,9 +8,11 @@ namespace holds the bridge address, ``munged`` (own key and socket under the sta
 The filesystem is shared by all, as a cluster's shared filesystem is.
 
 Slurm is configured as most real clusters are: proctrack/cgroup, task/cgroup with memory and core constraints,
-select/cons_tres with CR_Core_Memory, requeue allowed; times are short so that the tests are quick (a requeued job
-restarts in ~15 s, a lost node is noticed in ~20-30 s). There is no accounting daemon; finished jobs are kept in a
-jobcomp/filetxt log (``Cluster.job_history``).
+select/cons_tres with CR_Core_Memory, DefMemPerCPU (2 CPUs and 4000 MB per node, so 2000 MB per allocated CPU),
+requeue allowed; times are short so that the tests are quick (measured here: a requeued job runs again ~12 s after
+``scontrol requeue``; a killed node is DOWN ~28 s after ``kill_node`` and its job, NODE_FAIL, is requeued at ~30 s).
+There is no accounting daemon; the end of every run of a job is kept in a jobcomp/filetxt log
+(``Cluster.job_history``), so finished jobs stay visible after slurmctld forgets them (MinJobAge=60).
 
 Use: ``cluster = Cluster.start(state_dir)`` ... ``cluster.stop()``; from a shell
 ``python -m tests.cluster.harness up|down|status [STATE_DIR]``. Needs root, ``ip netns``, ``unshare``, ``nsenter``
@@ -680,8 +682,7 @@ class Cluster:
 
         def registered() -> bool:
             info = self.node_info(node)
-            state = info.get("State", "")
-            if "*" in state or "NOT_RESPONDING" in state or state.startswith(("UNKNOWN", "DOWN", "FUTURE")):
+            if self._unusable(info.get("State", "*")):
                 return False
             started = info.get("SlurmdStartTime", "None")
             if since and started not in ("None", ""):
@@ -781,7 +782,11 @@ class Cluster:
         return _parse_scontrol(result.stdout.splitlines()[0])
 
     def job_history(self, job_id: int) -> list[dict[str, str]]:
-        """Every end of JOB_ID recorded by jobcomp/filetxt (one per run: a requeued job ends more than once)."""
+        """Every end of a run of JOB_ID recorded by jobcomp/filetxt, oldest first, as dicts (JobState, ExitCode, ...).
+
+        A requeued job has one record per run: JobState=PENDING for a run ended by ``scontrol requeue``,
+        NODE_FAIL for one ended by a lost node, then the final state of the last run.
+        """
         try:
             lines = self.jobcomp_log.read_text().splitlines()
         except OSError:
@@ -845,10 +850,19 @@ class Cluster:
         self._wait_node_up(node, since=since, timeout=timeout)
 
     def resume_node(self, node: str, timeout: float = 30.0) -> None:
-        """``scontrol update nodename=NODE state=resume`` and waits until it is no longer DOWN or DRAINED."""
+        """``scontrol update nodename=NODE state=resume`` and waits until the node is usable again.
+
+        Usable: not DOWN, DRAIN(ED) or FAIL, and responding (slurmctld marks a resumed node NOT_RESPONDING until
+        its slurmd answers the ping that follows).
+        """
         self.scontrol("update", f"nodename={node}", "state=resume", check=False)
-        self._wait(f"resume of {node}", lambda: not re.search(r"DOWN|DRAIN|\*", self.node_info(node).get("State", "*")),
+        self._wait(f"resume of {node}", lambda: not self._unusable(self.node_info(node).get("State", "*")),
                    self.log_dir / "slurmctld.log", timeout)
+
+    @staticmethod
+    def _unusable(state: str) -> bool:
+        """Whether a node state (``scontrol show node``'s State=) keeps jobs off the node."""
+        return bool(re.search(r"DOWN|DRAIN|FAIL|NOT_RESPONDING|UNKNOWN|FUTURE|\*", state))
 
     def node_pids(self, node: str) -> list[int]:
         """Root-namespace pids of every process in NODE's PID namespace (PID 1 included)."""

@@ -162,6 +162,10 @@ def test_kill_node_kills_every_process_and_restart_brings_it_back(slurm_cluster)
         slurm_cluster.run_on(second, ["true"])
     slurm_cluster.restart_node(second)
     assert slurm_cluster.node_info(second)["State"] == "IDLE"
+    slurm_cluster.scontrol("update", f"nodename={second}", "state=drain", "reason=smoke test")
+    assert slurm_cluster.node_info(second)["State"] == "IDLE+DRAIN"
+    slurm_cluster.resume_node(second)
+    assert slurm_cluster.node_info(second)["State"] == "IDLE"
     result = slurm(slurm_cluster, ["srun", "-N2", "--ntasks-per-node=1", "hostname"])
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split()) == sorted(slurm_cluster.nodes)
