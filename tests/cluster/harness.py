@@ -92,11 +92,20 @@ def node_address(node: str) -> str:
     return str(SUBNET.network_address + 11 + NODE_NAMES.index(node))
 
 
+def _with_sbin(env: Mapping[str, str]) -> dict[str, str]:
+    """ENV with /usr/sbin and /sbin on PATH (the daemons and `ip` live there; a CI shell may not have them)."""
+    env = dict(env)
+    parts = env.get("PATH", os.defpath).split(os.pathsep)
+    env["PATH"] = os.pathsep.join(parts + [part for part in ("/usr/sbin", "/sbin") if part not in parts])
+    return env
+
+
 def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0, env: Mapping[str, str] | None = None,
          input: str | None = None) -> subprocess.CompletedProcess:
     """Runs a command of the harness, capturing its output; a failure raises with the command and its stderr."""
     try:
-        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env, input=input)
+        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                                env=_with_sbin(os.environ if env is None else env), input=input)
     except subprocess.TimeoutExpired as error:
         raise ClusterError(f"{shlex.join(argv)} did not finish within {timeout:.0f} s") from error
     if check and result.returncode != 0:
@@ -161,8 +170,8 @@ def check_machine() -> None:
     """Raises ClusterUnavailable with one line when this machine cannot host the cluster."""
     if os.geteuid() != 0:
         raise ClusterUnavailable("the test cluster needs root (network, UTS, mount and PID namespaces, slurmd)")
-    missing = [name for name in REQUIRED_COMMANDS
-               if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
+    search_path = _with_sbin(os.environ)["PATH"]
+    missing = [name for name in REQUIRED_COMMANDS if shutil.which(name, path=search_path) is None]
     if missing:
         raise ClusterUnavailable(f"missing commands for the test cluster: {' '.join(missing)} "
                                  "(run `make cluster-packages` as root)")
@@ -626,7 +635,7 @@ class Cluster:
             "ssh_config": str(self.ssh_config),
             "cgroups": _own_cgroups_v1(),
             "ready_file": str(ready_file),
-            "sshd_argv": [shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", str(node_dir / "sshd_config")],
+            "sshd_argv": [shutil.which("sshd", path=self.env()["PATH"]) or "/usr/sbin/sshd", "-D", "-e", "-f", str(node_dir / "sshd_config")],
             "sshd_log": str(self.log_dir / f"sshd-{node}.log"),
             "slurmd_argv": ["slurmd", "-D", "-N", node, "-f", str(self.slurm_conf)],
             "slurmd_stdout": str(self.log_dir / f"slurmd-{node}.stdout"),
@@ -696,7 +705,7 @@ class Cluster:
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment for Slurm commands in the root namespace: os.environ + SLURM_CONF (+ EXTRA)."""
-        env = dict(os.environ)
+        env = _with_sbin(os.environ)
         env["SLURM_CONF"] = str(self.slurm_conf)
         env.update(extra or {})
         return env
