@@ -21,6 +21,7 @@ and the Debian packages in ``PACKAGES`` (``make cluster-packages`` installs them
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import json
@@ -232,7 +233,6 @@ class Cluster:
         self.shared_dir = self.state_dir / "shared"
         self.bin_dir = self.ssh_dir / "bin"
         self._daemons: dict[str, _Daemon] = {}
-        self._lock_handle = None
         self.start_seconds: float | None = None
 
     # ------------------------------------------------------------------ set-up and tear-down
@@ -248,6 +248,9 @@ class Cluster:
         """
         check_machine()
         cluster = cls(Path(state_dir))
+        if cluster.state_dir.is_dir() and any(cluster.state_dir.iterdir()) \
+                and not (cluster.state_dir / STATE_MARKER).exists():
+            raise ClusterUnavailable(f"{cluster.state_dir} is not empty and not a test cluster's state directory")
         began = time.monotonic()
         with cluster._locked():
             cluster._stop_previous()
@@ -265,7 +268,9 @@ class Cluster:
                     cluster._start_node(node)
                 for node in cluster.nodes:
                     cluster._wait_node_up(node, since=0.0, timeout=timeout)
-            except BaseException:
+            except BaseException as error:
+                if isinstance(error, ClusterError):
+                    error.add_note(cluster.dump_logs(lines=15))  # shown by pytest and in tracebacks
                 cluster._teardown()
                 raise
         cluster.start_seconds = time.monotonic() - began
@@ -279,29 +284,23 @@ class Cluster:
         with self._locked():
             self._teardown()
 
+    @contextlib.contextmanager
     def _locked(self):
-        """A context that holds the machine-wide harness lock (start and stop of two harnesses do not interleave)."""
-        cluster = self
-
-        class _Lock:
-            def __enter__(self):
-                cluster._lock_handle = open(LOCK_FILE, "a+")
-                deadline = time.monotonic() + 120.0
-                while True:
-                    try:
-                        fcntl.flock(cluster._lock_handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        return cluster
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            raise ClusterError(f"{LOCK_FILE} stayed locked by another harness for 120 s")
-                        time.sleep(0.5)
-
-            def __exit__(self, *exc):
-                fcntl.flock(cluster._lock_handle, fcntl.LOCK_UN)
-                cluster._lock_handle.close()
-                return False
-
-        return _Lock()
+        """Holds the machine-wide harness lock, so that start and stop of two harnesses do not interleave."""
+        with open(LOCK_FILE, "a+") as handle:
+            deadline = time.monotonic() + 120.0
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"{LOCK_FILE} stayed locked by another harness for 120 s") from None
+                    time.sleep(0.5)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _stop_previous(self) -> None:
         """Stops a cluster left up by an earlier harness run, when it ran from this state directory.
@@ -412,8 +411,10 @@ class Cluster:
 
     def _prepare_files(self) -> None:
         """Writes munge key, slurm.conf, cgroup.conf, hosts file, ssh keys and configs into the state directory."""
-        if self.state_dir.exists() and any(self.state_dir.iterdir()) and not (self.state_dir / STATE_MARKER).exists():
-            raise ClusterUnavailable(f"{self.state_dir} is not empty and not a test cluster's state directory")
+        # Fresh logs for each start; the previous start's are kept beside them (a crashed session's, for reading).
+        if self.log_dir.is_dir():
+            shutil.rmtree(self.state_dir / "log.previous", ignore_errors=True)
+            self.log_dir.rename(self.state_dir / "log.previous")
         for directory in (self.state_dir, self.etc_dir, self.log_dir, self.pid_dir, self.ssh_dir, self.munge_dir,
                           self.shared_dir, self.state_dir / "ctld", self.state_dir / "spool"):
             directory.mkdir(parents=True, exist_ok=True)
