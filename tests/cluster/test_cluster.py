@@ -11,7 +11,6 @@ import socket
 import subprocess
 import textwrap
 import time
-import uuid
 
 import pytest
 
@@ -26,11 +25,9 @@ def slurm(cluster, argv: list[str], timeout: float = 60.0, **kwargs) -> subproce
 
 
 @pytest.fixture
-def job_dir(slurm_cluster):
-    """A fresh directory on the shared filesystem, writable by the jobs."""
-    directory = slurm_cluster.shared_dir / f"test-{uuid.uuid4().hex[:8]}"
-    directory.mkdir()
-    return directory
+def job_dir(tmp_path):
+    """A fresh directory for a job's script and outputs (the filesystem is shared by the nodes and the tests)."""
+    return tmp_path
 
 
 def test_srun_runs_one_task_on_each_node(slurm_cluster):
