@@ -385,7 +385,11 @@ class Cluster:
 
     def _remove_cgroups(self) -> None:
         """Removes the (empty) cgroup directories slurmd made for the nodes, deepest first."""
-        for mount_point, relative in _own_cgroups_v1().items():
+        try:  # the cgroups the nodes were nested in when they started (a later `down` may run elsewhere)
+            cgroups = json.loads((self.state_dir / "cgroups.json").read_text())
+        except (OSError, ValueError):
+            cgroups = _own_cgroups_v1()
+        for mount_point, relative in cgroups.items():
             base = Path(mount_point + (relative if relative != "/" else ""))
             for node in self.nodes:
                 top = base / f"slurm_{node}"
@@ -429,6 +433,7 @@ class Cluster:
             (self.state_dir / "spool" / node).mkdir()
             (self.state_dir / "nodes" / node).mkdir(parents=True, exist_ok=True)
         self.jobcomp_log.unlink(missing_ok=True)
+        (self.state_dir / "cgroups.json").write_text(json.dumps(_own_cgroups_v1()))
 
         os.chmod(self.munge_dir, 0o755)  # munged wants its socket's directory searchable
         key = self.munge_dir / "munge.key"
@@ -634,7 +639,7 @@ class Cluster:
             "hosts_file": str(self.etc_dir / "hosts"),
             "slurm_etc": str(self.etc_dir),
             "ssh_config": str(self.ssh_config),
-            "cgroups": _own_cgroups_v1(),
+            "cgroups": json.loads((self.state_dir / "cgroups.json").read_text()),
             "ready_file": str(ready_file),
             "sshd_argv": [shutil.which("sshd", path=self.env()["PATH"]) or "/usr/sbin/sshd", "-D", "-e", "-f", str(node_dir / "sshd_config")],
             "sshd_log": str(self.log_dir / f"sshd-{node}.log"),
