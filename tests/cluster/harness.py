@@ -892,6 +892,23 @@ class Cluster:
                     continue
         return sorted(pids)
 
+    def job_pids(self, job_id: int, node: str) -> list[int]:
+        """Root-namespace pids of every process of JOB_ID on NODE (its slurmstepds, the batch script, the tasks).
+
+        Read from the job's cgroups of the freezer hierarchy, where proctrack/cgroup keeps them; an empty list
+        when the job has no process there (not started, ended, or not on NODE).
+        """
+        cgroups = json.loads((self.state_dir / "cgroups.json").read_text())
+        relative = cgroups.get("/sys/fs/cgroup/freezer", "/")
+        base = Path("/sys/fs/cgroup/freezer" + (relative if relative != "/" else "")) / f"slurm_{node}"
+        pids = set()
+        for procs in base.glob(f"uid_*/job_{job_id}/**/cgroup.procs"):
+            try:
+                pids.update(int(pid) for pid in procs.read_text().split())
+            except OSError:  # the step ended while we read
+                continue
+        return sorted(pids)
+
     def logs(self) -> list[Path]:
         """The log files of the cluster: slurmctld, every slurmd, munged, sshd, node PID 1s."""
         return sorted(self.log_dir.glob("*.log")) + sorted(self.log_dir.glob("*.stdout"))

@@ -193,3 +193,36 @@ def test_disconnect_node_cuts_its_network_until_reconnected(slurm_cluster):
         except OSError:
             assert time.monotonic() < deadline, f"{second} not reachable 10 s after reconnect_node"
             time.sleep(0.2)
+
+
+def test_job_pids_are_the_job_processes_on_each_node(slurm_cluster, job_dir):
+    job_id = slurm_cluster.sbatch(["-N2", "--ntasks-per-node=1", f"--output={job_dir}/out.txt", "--wrap",
+                                   "srun sleep 300"])
+    try:
+        slurm_cluster.wait_job(job_id, "RUNNING", timeout=30)
+        for node in slurm_cluster.nodes:
+            deadline = time.monotonic() + 20.0
+            while "sleep" not in (commands := _commands(slurm_cluster.job_pids(job_id, node))):
+                assert time.monotonic() < deadline, f"no sleep task of job {job_id} on {node}: {commands}"
+                time.sleep(0.2)
+            assert "slurmstepd" in commands
+            assert set(slurm_cluster.job_pids(job_id, node)) <= set(slurm_cluster.node_pids(node))
+    finally:
+        subprocess.run(["scancel", str(job_id)], env=slurm_cluster.env(), timeout=30)
+    slurm_cluster.wait_job(job_id, timeout=60)
+    deadline = time.monotonic() + 20.0  # a cancelled job's processes may take KillWait to go
+    while any(slurm_cluster.job_pids(job_id, node) for node in slurm_cluster.nodes):
+        assert time.monotonic() < deadline, f"processes of job {job_id} left 20 s after it ended"
+        time.sleep(0.2)
+
+
+def _commands(pids: list[int]) -> list[str]:
+    """The command names of PIDS (those still alive)."""
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            continue
+    return names
