@@ -16,9 +16,6 @@ import pytest
 
 from tests.cluster.harness import ClusterError
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-
 def slurm(cluster, argv: list[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
     """Runs a Slurm client command from the root namespace against CLUSTER."""
     return subprocess.run(argv, capture_output=True, text=True, env=cluster.env(), timeout=timeout, **kwargs)
