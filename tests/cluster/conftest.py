@@ -25,11 +25,14 @@ def _unavailable(reason: str) -> None:
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """The running cluster (``harness.Cluster``), torn down at the end of the session."""
+    reason = None
     try:
         check_machine()
         cluster = Cluster.start(os.environ.get("TXL_CLUSTER_STATE_DIR", str(DEFAULT_STATE_DIR)))
     except ClusterUnavailable as error:
-        _unavailable(str(error))
+        reason = str(error)  # skipped (or failed) outside the handler: one line, no chained traceback
+    if reason is not None:
+        _unavailable(reason)
     try:
         yield cluster
     finally:

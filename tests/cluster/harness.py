@@ -8,9 +8,11 @@ namespace holds the bridge address, ``munged`` (own key and socket under the sta
 The filesystem is shared by all, as a cluster's shared filesystem is.
 
 Slurm is configured as most real clusters are: proctrack/cgroup, task/cgroup with memory and core constraints,
-select/cons_tres with CR_Core_Memory, requeue allowed; times are short so that the tests are quick (a requeued job
-restarts in ~15 s, a lost node is noticed in ~20-30 s). There is no accounting daemon; finished jobs are kept in a
-jobcomp/filetxt log (``Cluster.job_history``).
+select/cons_tres with CR_Core_Memory, DefMemPerCPU (2 CPUs and 4000 MB per node, so 2000 MB per allocated CPU),
+requeue allowed; times are short so that the tests are quick (measured here: a requeued job runs again ~12 s after
+``scontrol requeue``; a killed node is DOWN ~28 s after ``kill_node`` and its job, NODE_FAIL, is requeued at ~30 s).
+There is no accounting daemon; the end of every run of a job is kept in a jobcomp/filetxt log
+(``Cluster.job_history``), so finished jobs stay visible after slurmctld forgets them (MinJobAge=60).
 
 Use: ``cluster = Cluster.start(state_dir)`` ... ``cluster.stop()``; from a shell
 ``python -m tests.cluster.harness up|down|status [STATE_DIR]``. Needs root, ``ip netns``, ``unshare``, ``nsenter``
@@ -19,6 +21,7 @@ and the Debian packages in ``PACKAGES`` (``make cluster-packages`` installs them
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import json
@@ -90,16 +93,25 @@ def node_address(node: str) -> str:
     return str(SUBNET.network_address + 11 + NODE_NAMES.index(node))
 
 
+def _with_sbin(env: Mapping[str, str]) -> dict[str, str]:
+    """ENV with /usr/sbin and /sbin on PATH (the daemons and `ip` live there; a CI shell may not have them)."""
+    env = dict(env)
+    parts = env.get("PATH", os.defpath).split(os.pathsep)
+    env["PATH"] = os.pathsep.join(parts + [part for part in ("/usr/sbin", "/sbin") if part not in parts])
+    return env
+
+
 def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0, env: Mapping[str, str] | None = None,
          input: str | None = None) -> subprocess.CompletedProcess:
     """Runs a command of the harness, capturing its output; a failure raises with the command and its stderr."""
     try:
-        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env, input=input)
+        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                                env=_with_sbin(os.environ if env is None else env), input=input)
     except subprocess.TimeoutExpired as error:
         raise ClusterError(f"{shlex.join(argv)} did not finish within {timeout:.0f} s") from error
     if check and result.returncode != 0:
-        raise ClusterError(f"{shlex.join(argv)} failed (exit {result.returncode}): "
-                           f"{(result.stderr or result.stdout).strip().splitlines()[-1:] or ''}")
+        last_line = ((result.stderr or result.stdout).strip().splitlines() or [""])[-1]
+        raise ClusterError(f"{shlex.join(argv)} failed (exit {result.returncode}): {last_line}")
     return result
 
 
@@ -110,6 +122,15 @@ def _process_start_time(pid: int) -> str | None:
     except OSError:
         return None
     return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _command_line(pid: int) -> str:
+    """The command line of a process, shortened, or '?'."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
+        return " ".join(words)[:120]
+    except OSError:
+        return "?"
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -150,7 +171,8 @@ def check_machine() -> None:
     """Raises ClusterUnavailable with one line when this machine cannot host the cluster."""
     if os.geteuid() != 0:
         raise ClusterUnavailable("the test cluster needs root (network, UTS, mount and PID namespaces, slurmd)")
-    missing = [name for name in REQUIRED_COMMANDS if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
+    search_path = _with_sbin(os.environ)["PATH"]
+    missing = [name for name in REQUIRED_COMMANDS if shutil.which(name, path=search_path) is None]
     if missing:
         raise ClusterUnavailable(f"missing commands for the test cluster: {' '.join(missing)} "
                                  "(run `make cluster-packages` as root)")
@@ -209,8 +231,8 @@ class Cluster:
         self.ssh_config = self.ssh_dir / "ssh_config"
         self.jobcomp_log = self.log_dir / "jobcomp.txt"
         self.shared_dir = self.state_dir / "shared"
+        self.bin_dir = self.ssh_dir / "bin"
         self._daemons: dict[str, _Daemon] = {}
-        self._lock_handle = None
         self.start_seconds: float | None = None
 
     # ------------------------------------------------------------------ set-up and tear-down
@@ -226,6 +248,9 @@ class Cluster:
         """
         check_machine()
         cluster = cls(Path(state_dir))
+        if cluster.state_dir.is_dir() and any(cluster.state_dir.iterdir()) \
+                and not (cluster.state_dir / STATE_MARKER).exists():
+            raise ClusterUnavailable(f"{cluster.state_dir} is not empty and not a test cluster's state directory")
         began = time.monotonic()
         with cluster._locked():
             cluster._stop_previous()
@@ -234,7 +259,8 @@ class Cluster:
                 raise ClusterUnavailable(f"the test subnet {SUBNET} is already routed on this machine: {in_use}")
             try:
                 cluster._prepare_files()
-                REGISTRY_FILE.write_text(json.dumps({"state_dir": str(cluster.state_dir), "pid": os.getpid()}))
+                REGISTRY_FILE.write_text(json.dumps({"state_dir": str(cluster.state_dir), "pid": os.getpid(),
+                                                     "pid_start": _process_start_time(os.getpid())}))
                 cluster._make_network()
                 cluster._start_munge(timeout)
                 cluster._start_slurmctld(timeout)
@@ -242,7 +268,9 @@ class Cluster:
                     cluster._start_node(node)
                 for node in cluster.nodes:
                     cluster._wait_node_up(node, since=0.0, timeout=timeout)
-            except BaseException:
+            except BaseException as error:
+                if isinstance(error, ClusterError):
+                    error.add_note(cluster.dump_logs(lines=15))  # shown by pytest and in tracebacks
                 cluster._teardown()
                 raise
         cluster.start_seconds = time.monotonic() - began
@@ -256,29 +284,23 @@ class Cluster:
         with self._locked():
             self._teardown()
 
+    @contextlib.contextmanager
     def _locked(self):
-        """A context that holds the machine-wide harness lock (start and stop of two harnesses do not interleave)."""
-        cluster = self
-
-        class _Lock:
-            def __enter__(self):
-                cluster._lock_handle = open(LOCK_FILE, "a+")
-                deadline = time.monotonic() + 120.0
-                while True:
-                    try:
-                        fcntl.flock(cluster._lock_handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        return cluster
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            raise ClusterError(f"{LOCK_FILE} stayed locked by another harness for 120 s")
-                        time.sleep(0.5)
-
-            def __exit__(self, *exc):
-                fcntl.flock(cluster._lock_handle, fcntl.LOCK_UN)
-                cluster._lock_handle.close()
-                return False
-
-        return _Lock()
+        """Holds the machine-wide harness lock, so that start and stop of two harnesses do not interleave."""
+        with open(LOCK_FILE, "a+") as handle:
+            deadline = time.monotonic() + 120.0
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"{LOCK_FILE} stayed locked by another harness for 120 s") from None
+                    time.sleep(0.5)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _stop_previous(self) -> None:
         """Stops a cluster left up by an earlier harness run, when it ran from this state directory.
@@ -289,6 +311,13 @@ class Cluster:
             previous = json.loads(REGISTRY_FILE.read_text())
         except (OSError, ValueError):
             previous = None
+        owner = previous.get("pid") if previous else None
+        if owner and owner != os.getpid() and _process_start_time(owner) == previous.get("pid_start"):
+            # Another live process (a test session) started the cluster that is up, and may be using it now.
+            raise ClusterUnavailable(
+                f"the test cluster of {previous['state_dir']} is in use by process {owner} "
+                f"({_command_line(owner)}); wait for it, or stop it: python -m tests.cluster.harness down "
+                f"{previous['state_dir']}")
         if previous and Path(previous["state_dir"]).resolve() != self.state_dir:
             other = Cluster(Path(previous["state_dir"]))
             if other._live_pids():
@@ -356,7 +385,11 @@ class Cluster:
 
     def _remove_cgroups(self) -> None:
         """Removes the (empty) cgroup directories slurmd made for the nodes, deepest first."""
-        for mount_point, relative in _own_cgroups_v1().items():
+        try:  # the cgroups the nodes were nested in when they started (a later `down` may run elsewhere)
+            cgroups = json.loads((self.state_dir / "cgroups.json").read_text())
+        except (OSError, ValueError):
+            cgroups = _own_cgroups_v1()
+        for mount_point, relative in cgroups.items():
             base = Path(mount_point + (relative if relative != "/" else ""))
             for node in self.nodes:
                 top = base / f"slurm_{node}"
@@ -382,8 +415,10 @@ class Cluster:
 
     def _prepare_files(self) -> None:
         """Writes munge key, slurm.conf, cgroup.conf, hosts file, ssh keys and configs into the state directory."""
-        if self.state_dir.exists() and any(self.state_dir.iterdir()) and not (self.state_dir / STATE_MARKER).exists():
-            raise ClusterUnavailable(f"{self.state_dir} is not empty and not a test cluster's state directory")
+        # Fresh logs for each start; the previous start's are kept beside them (a crashed session's, for reading).
+        if self.log_dir.is_dir():
+            shutil.rmtree(self.state_dir / "log.previous", ignore_errors=True)
+            self.log_dir.rename(self.state_dir / "log.previous")
         for directory in (self.state_dir, self.etc_dir, self.log_dir, self.pid_dir, self.ssh_dir, self.munge_dir,
                           self.shared_dir, self.state_dir / "ctld", self.state_dir / "spool"):
             directory.mkdir(parents=True, exist_ok=True)
@@ -398,6 +433,7 @@ class Cluster:
             (self.state_dir / "spool" / node).mkdir()
             (self.state_dir / "nodes" / node).mkdir(parents=True, exist_ok=True)
         self.jobcomp_log.unlink(missing_ok=True)
+        (self.state_dir / "cgroups.json").write_text(json.dumps(_own_cgroups_v1()))
 
         os.chmod(self.munge_dir, 0o755)  # munged wants its socket's directory searchable
         key = self.munge_dir / "munge.key"
@@ -449,6 +485,12 @@ class Cluster:
                 "MaxStartups 100:30:200\n"
                 "Subsystem sftp internal-sftp\n")
         (self.ssh_dir / "known_hosts").write_text("\n".join(known_hosts) + "\n")
+        # `ssh` for the root namespace (first on PATH in ssh_env()): the harness's config, so that tools that run
+        # plain `ssh HOST` (deepspeed's ssh check and `hostname -I` probe, mpirun's rsh agent) reach the nodes.
+        self.bin_dir.mkdir(exist_ok=True)
+        wrapper = self.bin_dir / "ssh"
+        wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('ssh') or '/usr/bin/ssh'} -F {self.ssh_config} \"$@\"\n")
+        os.chmod(wrapper, 0o755)
         host_blocks = "".join(f"Host {node}\n    HostName {node_address(node)}\n" for node in self.nodes)
         self.ssh_config.write_text(
             host_blocks +
@@ -597,9 +639,9 @@ class Cluster:
             "hosts_file": str(self.etc_dir / "hosts"),
             "slurm_etc": str(self.etc_dir),
             "ssh_config": str(self.ssh_config),
-            "cgroups": _own_cgroups_v1(),
+            "cgroups": json.loads((self.state_dir / "cgroups.json").read_text()),
             "ready_file": str(ready_file),
-            "sshd_argv": [shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", str(node_dir / "sshd_config")],
+            "sshd_argv": [shutil.which("sshd", path=self.env()["PATH"]) or "/usr/sbin/sshd", "-D", "-e", "-f", str(node_dir / "sshd_config")],
             "sshd_log": str(self.log_dir / f"sshd-{node}.log"),
             "slurmd_argv": ["slurmd", "-D", "-N", node, "-f", str(self.slurm_conf)],
             "slurmd_stdout": str(self.log_dir / f"slurmd-{node}.stdout"),
@@ -655,8 +697,7 @@ class Cluster:
 
         def registered() -> bool:
             info = self.node_info(node)
-            state = info.get("State", "")
-            if "*" in state or "NOT_RESPONDING" in state or state.startswith(("UNKNOWN", "DOWN", "FUTURE")):
+            if self._unusable(info.get("State", "*")):
                 return False
             started = info.get("SlurmdStartTime", "None")
             if since and started not in ("None", ""):
@@ -670,20 +711,23 @@ class Cluster:
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment for Slurm commands in the root namespace: os.environ + SLURM_CONF (+ EXTRA)."""
-        env = dict(os.environ)
+        env = _with_sbin(os.environ)
         env["SLURM_CONF"] = str(self.slurm_conf)
         env.update(extra or {})
         return env
 
     def ssh_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment in which ``pdsh -w txlnode1,txlnode2`` (and deepspeed's pdsh runner) reach the nodes.
+        """The environment in which ssh, ``pdsh -w txlnode1,txlnode2``, deepspeed and mpirun reach the nodes.
 
-        pdsh's ssh module gets ``-F <state>/ssh/ssh_config`` (node names -> addresses, the harness's key and
-        known_hosts, no prompts). Plain ``ssh`` in the root namespace needs ``ssh -F self.ssh_config``; inside
-        the nodes the same file is /etc/ssh/ssh_config, so ``ssh txlnode2`` works there as is.
+        ``env()`` plus PDSH_RCMD_TYPE=ssh, PDSH_SSH_ARGS_APPEND=``-F <state>/ssh/ssh_config`` (node names ->
+        addresses, the harness's key and known_hosts, no prompts) and, first on PATH, an ``ssh`` that reads the
+        same file (for tools that run plain ``ssh HOST``). Root's ~/.ssh is not touched. Inside the nodes that
+        file is /etc/ssh/ssh_config, so there ``ssh txlnode2`` and pdsh work without any of this.
         """
-        return self.env({"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {self.ssh_config}",
-                         **(extra or {})})
+        env = self.env({"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {self.ssh_config}"})
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+        env.update(extra or {})
+        return env
 
     def address(self, node: str) -> str:
         """The node's address on the test subnet."""
@@ -753,7 +797,11 @@ class Cluster:
         return _parse_scontrol(result.stdout.splitlines()[0])
 
     def job_history(self, job_id: int) -> list[dict[str, str]]:
-        """Every end of JOB_ID recorded by jobcomp/filetxt (one per run: a requeued job ends more than once)."""
+        """Every end of a run of JOB_ID recorded by jobcomp/filetxt, oldest first, as dicts (JobState, ExitCode, ...).
+
+        A requeued job has one record per run: JobState=PENDING for a run ended by ``scontrol requeue``,
+        NODE_FAIL for one ended by a lost node, then the final state of the last run.
+        """
         try:
             lines = self.jobcomp_log.read_text().splitlines()
         except OSError:
@@ -798,6 +846,14 @@ class Cluster:
         """
         self._kill_recorded(f"node-{node}")
 
+    def disconnect_node(self, node: str) -> None:
+        """Takes NODE's link to the bridge down (a dead NIC or cable): its processes run on, nothing reaches it."""
+        _run(["ip", "link", "set", host_veth(node), "down"])
+
+    def reconnect_node(self, node: str) -> None:
+        """Brings NODE's link to the bridge up again (after ``disconnect_node``)."""
+        _run(["ip", "link", "set", host_veth(node), "up"])
+
     def restart_node(self, node: str, timeout: float = START_TIMEOUT_S) -> None:
         """Starts a killed (or running: it is killed first) NODE again and waits until its new slurmd registered.
 
@@ -809,10 +865,19 @@ class Cluster:
         self._wait_node_up(node, since=since, timeout=timeout)
 
     def resume_node(self, node: str, timeout: float = 30.0) -> None:
-        """``scontrol update nodename=NODE state=resume`` and waits until it is no longer DOWN or DRAINED."""
+        """``scontrol update nodename=NODE state=resume`` and waits until the node is usable again.
+
+        Usable: not DOWN, DRAIN(ED) or FAIL, and responding (slurmctld marks a resumed node NOT_RESPONDING until
+        its slurmd answers the ping that follows).
+        """
         self.scontrol("update", f"nodename={node}", "state=resume", check=False)
-        self._wait(f"resume of {node}", lambda: not re.search(r"DOWN|DRAIN|\*", self.node_info(node).get("State", "*")),
+        self._wait(f"resume of {node}", lambda: not self._unusable(self.node_info(node).get("State", "*")),
                    self.log_dir / "slurmctld.log", timeout)
+
+    @staticmethod
+    def _unusable(state: str) -> bool:
+        """Whether a node state (``scontrol show node``'s State=) keeps jobs off the node."""
+        return bool(re.search(r"DOWN|DRAIN|FAIL|NOT_RESPONDING|UNKNOWN|FUTURE|\*", state))
 
     def node_pids(self, node: str) -> list[int]:
         """Root-namespace pids of every process in NODE's PID namespace (PID 1 included)."""
@@ -825,6 +890,23 @@ class Cluster:
                         pids.append(int(entry.name))
                 except OSError:
                     continue
+        return sorted(pids)
+
+    def job_pids(self, job_id: int, node: str) -> list[int]:
+        """Root-namespace pids of every process of JOB_ID on NODE (its slurmstepds, the batch script, the tasks).
+
+        Read from the job's cgroups of the freezer hierarchy, where proctrack/cgroup keeps them; an empty list
+        when the job has no process there (not started, ended, or not on NODE).
+        """
+        cgroups = json.loads((self.state_dir / "cgroups.json").read_text())
+        relative = cgroups.get("/sys/fs/cgroup/freezer", "/")
+        base = Path("/sys/fs/cgroup/freezer" + (relative if relative != "/" else "")) / f"slurm_{node}"
+        pids = set()
+        for procs in base.glob(f"uid_*/job_{job_id}/**/cgroup.procs"):
+            try:
+                pids.update(int(pid) for pid in procs.read_text().split())
+            except OSError:  # the step ended while we read
+                continue
         return sorted(pids)
 
     def logs(self) -> list[Path]:
