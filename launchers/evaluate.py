@@ -53,8 +53,14 @@ def _distributed() -> tuple[int, int, Any]:
     import torch
     import torch.distributed as dist
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from txl_dist import launch_env
+
+    # torchrun, deepspeed, srun or mpirun: the same world whichever started the ranks.
+    launch = launch_env.resolve(os.environ)
+    if launch.world_size > 1:
+        launch_env.apply()
+    world_size = launch.world_size
+    local_rank = launch.local_rank
     use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:

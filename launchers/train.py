@@ -3,9 +3,14 @@
     # one node, 8 GPUs
     deepspeed --num_gpus 8 launchers/train.py --config configs/lm1b_base.yaml \\
         data.shards=/data/lm1b/shards train.output_dir=runs/lm1b_base
-    # several nodes: the launcher's flags come before the script
+    # several nodes: the launcher's flags come before the script; .deepspeed_env carries your variables to them
+    python -m txl_dist.launch_env --write-deepspeed-env
     deepspeed --hostfile launchers/hostfile.example launchers/train.py --config configs/lm1b_large.yaml \\
         data.shards=/shared/lm1b/shards train.output_dir=/shared/runs/lm1b_large
+    # Slurm: a batch job (one task per rank), or srun, or DeepSpeed's srun/mpirun launchers
+    sbatch --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 launchers/slurm.sbatch --config ... train.output_dir=...
+    srun --nodes 2 --ntasks-per-node 8 python launchers/train.py --config ... train.output_dir=...
+    deepspeed --hostfile H --launcher slurm launchers/train.py ...      # or --launcher openmpi
     # two CPU ranks (the demo)
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launchers/train.py \\
         --config configs/ptb_small.yaml data.shards=demo/shards train.output_dir=demo/run
@@ -16,7 +21,8 @@
 Rerunning the same command resumes from the newest checkpoint in train.output_dir that verifies. One run per
 output directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the
 process that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank
-stops every rank with one message. `--print-config` prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
+stops every rank with one message; a rank that dies or stops making progress (train.stall_timeout) is named.
+The rank and world come from whichever launcher started the process (txl_dist.launch_env). `--print-config` prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
 ``tensorboard --logdir {output_dir}/tensorboard``.
 """
 

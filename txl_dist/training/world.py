@@ -98,7 +98,11 @@ def load_shm_op() -> object | None:
         return None
     from deepspeed.comm.torch import build_shm_op
 
-    with build_lock(prepare_extension_cache()):
+    import contextlib
+    import io
+
+    # DeepSpeed prints "built successfully" at every load; its own start-up loads the op again and says so once.
+    with build_lock(prepare_extension_cache()), contextlib.redirect_stdout(io.StringIO()):
         return build_shm_op()
 
 
@@ -182,8 +186,10 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
         dist.init_process_group(get_accelerator().communication_backend_name(), store=store, rank=launch.rank,
                                 world_size=launch.world_size, timeout=default_pg_timeout)
     deepspeed.init_distributed()
-    if launch.rank == 0 and _started_over_ssh() and not any(
-            (Path(directory) / ".deepspeed_env").is_file() for directory in (os.path.expanduser("~"), os.getcwd())):
+    # pdsh's ranks have only what .deepspeed_env (wherever DS_ENV_FILE put it) or a login shell gave them.
+    forwarded = any(os.environ.get(key) for key in launch_env.RUN_VARIABLES if key != "TORCH_EXTENSIONS_DIR") or any(
+        (Path(directory) / ".deepspeed_env").is_file() for directory in (os.path.expanduser("~"), os.getcwd()))
+    if launch.rank == 0 and not forwarded and _started_over_ssh():
         log.warning("started over ssh (deepspeed --hostfile) without a .deepspeed_env: the variables set where "
                     "deepspeed was typed (%s) reached no rank unless a login shell sets them; write one with "
                     "`python -m txl_dist.launch_env --write-deepspeed-env`", ", ".join(launch_env.RUN_VARIABLES[:3]))
