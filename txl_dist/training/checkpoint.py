@@ -155,9 +155,11 @@ def _files_on_disk(tag_dir: Path) -> set[str]:
             if path.is_file() and path.name != COMPLETE}
 
 
-def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], threads: int = 1) -> list[str]:
+def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], threads: int = 1,
+                marker: str = COMPLETE) -> list[str]:
     """The problems of the given files (each names the file): missing, another size, another CRC-32. Sizes are
-    all checked before any file is read, so a truncation is found at once."""
+    all checked before any file is read, so a truncation is found at once. ``marker`` names the file that
+    records the checksums (a checkpoint's COMPLETE.json, an export's checksums.json) in the messages."""
     tag_dir = Path(tag_dir)
     problems, to_read = [], []
     for name, want in sorted(expected.items()):
@@ -171,7 +173,7 @@ def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], t
             problems.append(f"{path}: unreadable ({error.strerror})")
             continue
         if size != want.bytes:
-            problems.append(f"{path}: {size} bytes, {COMPLETE} records {want.bytes} (truncated or replaced)")
+            problems.append(f"{path}: {size} bytes, {marker} records {want.bytes} (truncated or replaced)")
         else:
             to_read.append((name, want))
 
@@ -182,7 +184,7 @@ def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], t
         except OSError as error:
             return f"{tag_dir / name}: unreadable ({error.strerror})"
         if got != want:
-            return f"{tag_dir / name}: CRC-32 {got.crc32}, {COMPLETE} records {want.crc32} (damaged)"
+            return f"{tag_dir / name}: CRC-32 {got.crc32}, {marker} records {want.crc32} (damaged)"
         return None
 
     if threads > 1 and len(to_read) > 1:

@@ -1,0 +1,164 @@
+"""Bad input, round two (issue 22): each case ends in one clear line with a non-zero exit, or in correct handling.
+
+Cheap by design: the launchers' main functions in this process, a tiny model, a few hundred PTB sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_tools import build_shards
+from tests.conftest import ptb_sentences
+from tests.launcher import in_process
+
+
+def _one_line(result, *needles: str) -> str:
+    """The single stderr line of a refused command, holding every needle."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if "warning" not in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def small_shards(ptb_word_tokenizer, tmp_path_factory) -> Path:
+    """train/valid/test of 100 PTB sentences each, in the PTB word vocabulary."""
+    root = tmp_path_factory.mktemp("small_text")
+    sentences = ptb_sentences("valid")
+    args = ["--tokenizer", str(ptb_word_tokenizer), "--output", str(root / "shards"), "--no-progress"]
+    for index, split in enumerate(("train", "valid", "test")):
+        (root / f"{split}.txt").write_text("".join(line + "\n" for line in sentences[index * 100:(index + 1) * 100]))
+        args += ["--split", f"{split}={root / f'{split}.txt'}"]
+    assert build_shards.main(args) == 0
+    return root / "shards"
+
+
+@pytest.fixture(scope="module")
+def ptb_export(ptb_word_tokenizer, tmp_path_factory) -> Path:
+    """An export of a tiny untrained model with the PTB word tokenizer."""
+    from txl_dist.export import write_export
+    from txl_dist.model import TransformerXLLM, preset
+    from txl_dist.tokenizer import load_tokenizer
+
+    vocab_size = load_tokenizer(ptb_word_tokenizer).vocab_size
+    torch.manual_seed(0)
+    model = TransformerXLLM(preset("tiny", n_token=vocab_size, cutoffs=[2000, 6000]))
+    return write_export(model, model.config, tmp_path_factory.mktemp("exports") / "ptb_tiny",
+                        tokenizer_dir=ptb_word_tokenizer)
+
+
+def _damage_weights(export: Path) -> None:
+    """1,000 bytes of the first tensors' data set to 0xFF (NaN as float32), the header left intact."""
+    path = export / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    data[start:start + 1000] = b"\xff" * 1000
+    path.write_bytes(bytes(data))
+
+
+# ---- item 2: exports are verified, non-finite weights refused by name -------------------------------------------
+
+def test_a_damaged_export_is_refused_on_load_and_no_verify_names_the_non_finite_tensor(ptb_export, small_shards,
+                                                                                     tmp_path):
+    from safetensors import safe_open
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ptb_export, damaged)
+    _damage_weights(damaged)
+    evaluate = ["launchers/evaluate.py", str(damaged), "--shards", str(small_shards), "--no-progress"]
+    for command in (evaluate, ["launchers/generate.py", str(damaged), "--prompt", "the company"],
+                    ["launchers/convert.py", "export-to-hub", str(damaged), str(tmp_path / "hub")],
+                    ["launchers/convert.py", "export-to-hf", str(damaged), str(tmp_path / "hf")]):
+        _one_line(in_process(*command, check=False), "model.safetensors", "CRC-32", "checksums.json")
+    assert not (tmp_path / "hub").exists() and not (tmp_path / "hf").exists()
+
+    with safe_open(str(damaged / "model.safetensors"), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    nan_tensors = [name for name, tensor in tensors.items() if not torch.isfinite(tensor).all()]
+    assert nan_tensors
+    for command in (evaluate, ["launchers/generate.py", str(damaged), "--prompt", "the company"]):
+        result = in_process(*command, "--no-verify", check=False)
+        _one_line(result, nan_tensors[0], "NaN or infinity")
+        assert "warning: --no-verify" in result.stderr
+    assert not list(damaged.glob("eval_*.json"))
+
+
+def test_an_export_without_checksums_loads_with_a_warning_and_a_good_one_silently(ptb_export, small_shards, tmp_path,
+                                                                                 caplog):
+    result = in_process("launchers/evaluate.py", str(ptb_export), "--shards", str(small_shards), "--no-progress",
+                        "--output", str(tmp_path / "eval.json"))
+    assert "not verified" not in caplog.text + result.stderr
+    json.loads((tmp_path / "eval.json").read_text())
+    listed = json.loads((ptb_export / "checksums.json").read_text())["files"]
+    assert {"config.json", "model.safetensors", "tokenizer/tokenizer.json"} <= set(listed)
+
+    old = tmp_path / "old"
+    shutil.copytree(ptb_export, old)
+    (old / "checksums.json").unlink()
+    result = in_process("launchers/generate.py", str(old), "--prompt", "the company", "--greedy",
+                        "--max-new-tokens", "3")
+    assert result.stdout.startswith("the company")
+    assert "checksums.json" in caplog.text and "not verified" in caplog.text
+
+
+# ---- item 6, item 10 and the smaller ones of generate.py and evaluate.py ------------------------------------------
+
+def test_generate_refuses_zero_samples(ptb_export):
+    _one_line(in_process("launchers/generate.py", str(ptb_export), "--prompt", "the", "--num-samples", "0",
+                         check=False), "--num-samples 0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without CUDA")
+def test_generate_on_cuda_without_cuda_is_one_line(ptb_export):
+    _one_line(in_process("launchers/generate.py", str(ptb_export), "--prompt", "the", "--device", "cuda",
+                         check=False), "--device cuda", "no CUDA device")
+
+
+def test_a_prompt_of_unknown_words_gets_a_warning(ptb_export):
+    result = in_process("launchers/generate.py", str(ptb_export), "--prompt", "zqxv wvvqz", "--greedy",
+                        "--max-new-tokens", "2")
+    assert "warning: 2 of the 2 tokens of the prompt 'zqxv wvvqz' are the unknown token" in result.stderr
+    result = in_process("launchers/generate.py", str(ptb_export), "--prompt", "the company", "--greedy",
+                        "--max-new-tokens", "2")
+    assert "unknown" not in result.stderr
+
+
+def test_evaluate_refuses_batch_size_zero(ptb_export, small_shards):
+    _one_line(in_process("launchers/evaluate.py", str(ptb_export), "--shards", str(small_shards), "--batch-size", "0",
+                         check=False), "--batch-size 0")
+
+
+# ---- item 9: hf-to-export on a crafted pickle or a truncated safetensors file ------------------------------------
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_hf_to_export_refuses_a_crafted_pickle_and_a_truncated_file_in_one_line(ptb_export, tmp_path):
+    hf = tmp_path / "hf"
+    in_process("launchers/convert.py", "export-to-hf", str(ptb_export), str(hf))
+    weights = (hf / "model.safetensors").read_bytes()
+    (hf / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    _one_line(in_process("launchers/convert.py", "hf-to-export", str(hf), str(tmp_path / "a"), check=False),
+              "model.safetensors", "not a readable safetensors file")
+
+    (hf / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    with open(hf / "pytorch_model.bin", "wb") as handle:
+        pickle.dump({"crit.cluster_weight": _RunsCode(marker)}, handle, protocol=2)
+    _one_line(in_process("launchers/convert.py", "hf-to-export", str(hf), str(tmp_path / "b"), check=False),
+              "pytorch_model.bin", "refused to unpickle")
+    assert not marker.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
