@@ -162,3 +162,55 @@ def test_hf_to_export_refuses_a_crafted_pickle_and_a_truncated_file_in_one_line(
     _one_line(in_process("launchers/convert.py", "hf-to-export", str(hf), str(tmp_path / "b"), check=False),
               "pytorch_model.bin", "refused to unpickle")
     assert not marker.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# ---- item 1: build_shards and train_tokenizer never delete their own input ----------------------------------------
+
+def test_build_shards_refuses_inputs_inside_its_output_before_deleting_anything(ptb_word_tokenizer, small_shards,
+                                                                                tmp_path, capsys):
+    shards = tmp_path / "shards"
+    shutil.copytree(small_shards, shards)
+    before = {p.name: p.read_bytes() for p in shards.iterdir()}
+    status = build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(shards), "--overwrite",
+                                "--split", f"train={shards}/train*", "--no-progress"])
+    error = capsys.readouterr().err
+    assert status == 1 and error.count("\n") == 1
+    assert f"output {shards} contains the input {shards}/train-000000.tar" in error
+    assert {p.name: p.read_bytes() for p in shards.iterdir()} == before  # manifest.json and shards kept
+
+
+def test_train_tokenizer_refuses_inputs_inside_its_output(tmp_path, capsys):
+    from data_tools import train_tokenizer
+
+    text = tmp_path / "tok" / "corpus.txt"
+    text.parent.mkdir()
+    text.write_text("a b c\n")
+    assert train_tokenizer.main(["--kind", "word", "--input", str(text), "--output", str(tmp_path / "tok"),
+                                 "--overwrite", "--no-progress"]) == 1
+    assert f"contains the input {text}" in capsys.readouterr().err
+    assert text.read_text() == "a b c\n"
+
+
+def test_train_tokenizer_leaves_no_empty_output_folder_when_it_refuses_its_input(tmp_path, capsys):
+    from data_tools import train_tokenizer
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "new" / "tok"),
+                                 "--no-progress"]) == 1
+    assert "no document in the input" in capsys.readouterr().err
+    assert not (tmp_path / "new" / "tok").exists()
+
+
+# ---- item 5: --holdout given twice ------------------------------------------------------------------------------
+
+def test_a_second_holdout_is_refused_not_dropped(ptb_word_tokenizer, tmp_path, capsys):
+    text = tmp_path / "train.txt"
+    text.write_text("".join(line + "\n" for line in ptb_sentences("valid")[:50]))
+    status = build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(tmp_path / "shards"),
+                                "--split", f"train={text}", "--holdout", "valid=0.05", "--holdout", "test=0.05",
+                                "--no-progress"])
+    error = capsys.readouterr().err
+    assert status == 1 and error.count("\n") == 1
+    assert "--holdout is given 2 times (valid=0.05, test=0.05)" in error
+    assert not (tmp_path / "shards").exists()
