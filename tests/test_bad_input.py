@@ -250,3 +250,57 @@ def test_the_planner_refuses_layouts_the_trainer_refuses_and_exits_non_zero_when
             layout = cfg.train.batch_layout(world_size, fit.micro_batch)
             assert (fit.micro_batch, fit.grad_accum) == (layout.micro_batch, layout.grad_accum)
             assert fit.micro_batch * fit.grad_accum * world_size == 12
+
+
+# ---- item 4: what a run needs is checked before any process group starts ------------------------------------------
+
+from tests.test_run_integrity import _read_only, small_tmpfs  # noqa: E402,F401 -- a 2 MB tmpfs fixture (root)
+
+
+def _parse_run(*overrides: str):
+    from txl_dist.training.cli import parse_run_args
+
+    return parse_run_args(["--config", "configs/tiny_cpu.yaml", *overrides], world_size=2, device="cpu")
+
+
+def test_a_missing_eval_split_is_refused_before_the_run_starts(ptb_word_tokenizer, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("".join(line + "\n" for line in ptb_sentences("valid")[:200]))
+    shards = tmp_path / "shards"
+    assert build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(shards), "--split",
+                              f"train={text}", "--holdout", "test=0.1", "--no-progress"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        _parse_run(f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}")
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.endswith(f"eval.split='valid': {shards / 'manifest.json'} has no such split (it has "
+                                            f"['test', 'train']); build it (data_tools.build_shards --split or "
+                                            f"--holdout) or set eval.split\n")
+    _parse_run(f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}", "eval.split=test")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run_starts(small_shards, small_tmpfs, capsys):
+    _read_only(small_tmpfs)
+    with pytest.raises(SystemExit) as stopped:
+        _parse_run(f"data.shards={small_shards}", f"train.output_dir={small_tmpfs / 'runs' / 'a'}")
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.endswith(f"train.output_dir='{small_tmpfs / 'runs' / 'a'}': cannot write in "
+                                            f"{small_tmpfs}: read-only file system\n")
+
+
+def test_a_memory_plan_over_the_device_is_refused_before_the_run_starts(small_shards, tmp_path):
+    from txl_dist.plan import MiB, plan_memory
+    from txl_dist.training.cli import require_memory_fits
+
+    cfg, _ = _parse_run(f"data.shards={small_shards}", f"train.output_dir={tmp_path / 'run'}")
+    with pytest.raises(ValueError, match=r"micro-batch 2: the memory plan needs 0.\d\d GiB per rank, the cuda device "
+                                         r"has 0.06 GiB; no micro-batch fits: .*train.memory_check=false starts anyway"):
+        require_memory_fits(cfg, 2, "cuda", 64 * MiB)
+    one = plan_memory(cfg, 2, 1, "cuda").needed()
+    assert one < plan_memory(cfg, 2, 2, "cuda").needed()
+    with pytest.raises(ValueError, match=r"train.micro_batch=1 \(4 accumulation steps\) fits"):
+        require_memory_fits(cfg, 2, "cuda", one)
+    require_memory_fits(cfg, 2, "cuda", 80 * 1024 * MiB)
+    cfg.train.memory_check = False
+    require_memory_fits(cfg, 2, "cuda", 64 * MiB)

@@ -151,6 +151,9 @@ class TrainConfig(_Section):
     micro_batch: int | None = None
     """Streams per rank per forward pass; null means global_batch / world_size (no gradient accumulation).
     Gradient accumulation steps = global_batch / (micro_batch * world_size)."""
+    memory_check: bool = True
+    """On accelerators, refuse to start when the memory plan (`txl_dist.plan`) of a rank needs more than its
+    device has, naming a layout that fits; false starts anyway (the plan is within about 10% of measured peaks)."""
 
     def _check_ranges(self) -> None:
         self._non_empty("output_dir", optional=True)
