@@ -304,3 +304,52 @@ def test_a_memory_plan_over_the_device_is_refused_before_the_run_starts(small_sh
     require_memory_fits(cfg, 2, "cuda", 80 * 1024 * MiB)
     cfg.train.memory_check = False
     require_memory_fits(cfg, 2, "cuda", 64 * MiB)
+
+
+# ---- item 7: resuming with another ZeRO stage ---------------------------------------------------------------------
+
+@pytest.mark.launcher
+def test_another_zero_stage_is_refused_before_any_rank_starts_and_stages_1_and_2_resume_each_other(small_shards,
+                                                                                                  tmp_path, capsys):
+    import sys
+
+    from tests.launcher import copy_at_step, records, run
+    from txl_dist.convert.zero import consolidate_weights, read_training_checkpoint
+
+    settings = [f"data.shards={small_shards}", "train.max_steps=4", "checkpoint.every=2", "eval.every=0",
+                "log.every=1"]
+    first = tmp_path / "zero2"
+    run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", *settings,
+         f"train.output_dir={first}"])
+    complete = first / "checkpoints" / "step00000004" / "COMPLETE.json"
+    assert json.loads(complete.read_text())["zero_stage"] == 2
+    for stage in (3, 0):
+        with pytest.raises(SystemExit) as stopped:
+            _parse_run(*settings, f"train.output_dir={first}", f"zero.stage={stage}")
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.strip().endswith(
+            f"{first / 'checkpoints' / 'step00000004'} was saved with ZeRO stage 2, this run has zero.stage={stage}: "
+            f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each other's); "
+            f"resume with zero.stage=2, or take its weights without the optimizer state: python launchers/convert.py "
+            f"zero-to-export {first / 'checkpoints' / 'step00000004'} EXPORT")
+    # A checkpoint written before COMPLETE.json recorded the stage: told by DeepSpeed's file names.
+    legacy = tmp_path / "legacy"
+    shutil.copytree(first, legacy)
+    marker = json.loads((legacy / "checkpoints" / "step00000004" / "COMPLETE.json").read_text())
+    del marker["zero_stage"]
+    (legacy / "checkpoints" / "step00000004" / "COMPLETE.json").write_text(json.dumps(marker))
+    with pytest.raises(SystemExit):
+        _parse_run(*settings, f"train.output_dir={legacy}", "zero.stage=3")
+    assert "was saved with ZeRO stage 1 or 2, this run has zero.stage=3" in capsys.readouterr().err
+
+    # ZeRO-1 continues ZeRO-2's checkpoint exactly: the same losses and the same weights.
+    second = copy_at_step(first, 2, tmp_path / "zero1")
+    run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", *settings,
+         f"train.output_dir={second}", "zero.stage=1"])
+    for step in (3, 4):
+        assert records(second)[step]["loss"] == records(first)[step]["loss"]
+    weights = [consolidate_weights(read_training_checkpoint(run_dir)) for run_dir in (first, second)]
+    assert json.loads((second / "checkpoints" / "step00000004" / "COMPLETE.json").read_text())["zero_stage"] == 1
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
