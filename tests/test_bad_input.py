@@ -353,3 +353,16 @@ def test_another_zero_stage_is_refused_before_any_rank_starts_and_stages_1_and_2
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+# ---- smaller: a configuration error under a launcher is printed once, by the first rank of the node --------------
+
+def test_a_configuration_error_is_printed_by_the_first_rank_of_a_node_only(small_shards, tmp_path, monkeypatch,
+                                                                            capsys):
+    for local_rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as stopped:
+            _parse_run(f"data.shards={small_shards}", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=0")
+        assert stopped.value.code == 2
+        error = capsys.readouterr().err
+        assert ("train.max_steps" in error) == printed and (error == "") != printed

@@ -95,8 +95,20 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
         if device != "cpu":
             require_memory_fits(cfg, world_size, device, device_memory_of(device))
     except ValueError as error:
+        if not _first_rank_of_node(args):
+            raise SystemExit(2) from None  # every rank found the same: the node's first rank says it once
         parser.error(str(error))
     return cfg, args
+
+
+def _first_rank_of_node(args: argparse.Namespace) -> bool:
+    """Whether this process is the first rank on its node (or no launcher started it). A configuration error is
+    the same on every rank of a node, so it is printed once per node rather than once per rank; each node still
+    prints its own, since a node may see other files than the rest."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name]) == 0
+    return args.local_rank in (None, 0)
 
 
 def _require_run_paths(cfg: RunConfig) -> None:
