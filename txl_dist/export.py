@@ -284,7 +284,8 @@ def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
         if record.get("checksum") != CHECKSUM_NAME:
             raise ValueError(f"checksum {record.get('checksum')!r}, expected {CHECKSUM_NAME!r}")
         expected = {name: FileChecksum.from_json(entry) for name, entry in record[FILES_KEY].items()}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
+            ValueError) as error:
         return [f"{path}: unreadable ({error})"]
     return check_files(export_dir, expected, threads=min(8, os.cpu_count() or 1), marker=CHECKSUMS_FILE)
 
