@@ -178,6 +178,9 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         # Strict JSON has no NaN; and a non-finite score of finite weights is a fault to report, not a result.
         raise _SharedError(f"the loss on split {args.split!r} of {shards} is {result.loss}, with finite weights (the "
                            f"forward pass overflowed): no result written")
+    if result.loss >= math.log(sys.float_info.max):
+        raise _SharedError(f"the loss on split {args.split!r} of {shards} is {result.loss:.1f} nats per token: its "
+                           f"perplexity is beyond a float (the model does not predict this text): no result written")
     split = manifest.splits[args.split]
     c = model.config
     summary: dict[str, Any] = {

@@ -110,6 +110,21 @@ def test_an_export_without_checksums_loads_with_a_warning_and_a_good_one_silentl
     assert "checksums.json" in caplog.text and "not verified" in caplog.text
 
 
+def test_evaluate_writes_no_nan_when_finite_weights_overflow(ptb_word_tokenizer, small_shards, tmp_path):
+    from txl_dist.export import write_export
+    from txl_dist.model import TransformerXLLM, preset
+    from txl_dist.tokenizer import load_tokenizer
+
+    model = TransformerXLLM(preset("tiny", n_token=load_tokenizer(ptb_word_tokenizer).vocab_size, cutoffs=[2000, 6000]))
+    with torch.no_grad():
+        model.layers[0].dec_attn.qkv_net.weight.fill_(1e30)  # finite, but the attention scores overflow to inf
+    export = write_export(model, model.config, tmp_path / "export", tokenizer_dir=ptb_word_tokenizer)
+    result = in_process("launchers/evaluate.py", str(export), "--shards", str(small_shards), "--no-progress",
+                        check=False)
+    _one_line(result, "the loss on split 'test'", "is nan, with finite weights", "no result written")
+    assert not list(export.glob("eval_*.json"))
+
+
 # ---- item 6, item 10 and the smaller ones of generate.py and evaluate.py ------------------------------------------
 
 def test_generate_refuses_zero_samples(ptb_export):
