@@ -466,14 +466,14 @@ def plan_comment(cfg: RunConfig, world_size: int, device: str, device_memory: in
     return "".join(f"# {line}\n" for line in describe(cfg, world_size, device, device_memory).splitlines())
 
 
-def device_memory_of(device: str) -> int | None:
-    """Memory of this machine's first accelerator of ``device`` (None on a CPU or without one)."""
+def device_memory_of(device: str, index: int = 0) -> int | None:
+    """Memory of this machine's accelerator ``index`` of ``device`` (None on a CPU or without one)."""
     if device == "cpu":
         return None
     try:
         from deepspeed.accelerator import get_accelerator
 
-        return int(get_accelerator().total_memory(0))
+        return int(get_accelerator().total_memory(index))
     except Exception:  # no DeepSpeed, no such device here: plan without a device size
         return None
 

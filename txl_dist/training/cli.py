@@ -92,8 +92,9 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
         _require_run_paths(cfg)
         _require_a_run_that_can_start(cfg)
         device = device or detect_device()
-        if device != "cpu":
-            require_memory_fits(cfg, world_size, device, device_memory_of(device))
+        if device != "cpu":  # this rank's own device: no rank touches another's before the process group
+            local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+            require_memory_fits(cfg, world_size, device, device_memory_of(device, local_rank))
     except ValueError as error:
         if not _first_rank_of_node(args):
             raise SystemExit(2) from None  # every rank found the same: the node's first rank says it once
