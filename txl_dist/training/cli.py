@@ -93,23 +93,22 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
         _require_a_run_that_can_start(cfg)
         device = device or detect_device()
         if device != "cpu":  # this rank's own device: no rank touches another's before the process group
-            local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-            require_memory_fits(cfg, world_size, device, device_memory_of(device, local_rank))
+            require_memory_fits(cfg, world_size, device, device_memory_of(device, _local_rank(args) or 0))
     except ValueError as error:
-        if not _first_rank_of_node(args):
+        if _local_rank(args) not in (None, 0):
             raise SystemExit(2) from None  # every rank found the same: the node's first rank says it once
         parser.error(str(error))
     return cfg, args
 
 
-def _first_rank_of_node(args: argparse.Namespace) -> bool:
-    """Whether this process is the first rank on its node (or no launcher started it). A configuration error is
-    the same on every rank of a node, so it is printed once per node rather than once per rank; each node still
-    prints its own, since a node may see other files than the rest."""
+def _local_rank(args: argparse.Namespace) -> int | None:
+    """This process's rank on its node, as whichever launcher started it says (None: no launcher). Only the
+    node's first rank prints a configuration error, which is the same on every rank of a node: once per node, not
+    once per rank (each node still prints its own, since a node may see other files than the rest)."""
     for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
         if os.environ.get(name, "").isdigit():
-            return int(os.environ[name]) == 0
-    return args.local_rank in (None, 0)
+            return int(os.environ[name])
+    return args.local_rank
 
 
 def _require_run_paths(cfg: RunConfig) -> None:
