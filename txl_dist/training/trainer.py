@@ -50,6 +50,7 @@ from txl_dist.training.checkpoint import (
     CheckpointManager,
     RankState,
     refuse_another_architecture,
+    refuse_another_zero_stage,
     refuse_fresh_start,
     rng_state,
     set_rng_state,
@@ -282,8 +283,9 @@ class Trainer:
         tag = self.checkpoints.choose_resume_tag(verify=self.cfg.checkpoint.verify)
         if tag is None:
             return None
-        refuse_another_architecture(self.checkpoints.directory, tag, self.checkpoints.marker(tag),
-                                    self.cfg.model.architecture())
+        marker = self.checkpoints.marker(tag)
+        refuse_another_architecture(self.checkpoints.directory, tag, marker, self.cfg.model.architecture())
+        refuse_another_zero_stage(self.checkpoints.directory, tag, marker, self.cfg.zero.stage)
         return tag
 
     def _resume(self) -> str | None:
