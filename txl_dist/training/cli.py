@@ -8,8 +8,8 @@ with one line naming the key, not after minutes of start-up::
     python launchers/train.py --config configs/tiny_cpu.yaml --config configs/variants/zero3.yaml --print-config
 
 ``--config`` may be repeated: files are layered left to right, then the overrides are applied (see
-`txl_dist.config`). The world size is read from WORLD_SIZE (set by the deepspeed launcher and torchrun; 1 for a
-plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
+`txl_dist.config`). The world size is the launcher's (`txl_dist.launch_env`: torchrun, deepspeed, srun, mpirun; 1
+for a plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
                    device: str | None = None) -> tuple[RunConfig, argparse.Namespace]:
     """Parse the command line into a validated RunConfig (and the parsed flags).
 
-    Checks the whole tree, the batch layout for ``world_size`` ranks (default: WORLD_SIZE, else 1) on
+    Checks the whole tree, the batch layout for ``world_size`` ranks (default: the launcher's world, else 1) on
     ``device`` (default: `detect_device`), the ``--deepspeed_config`` overlay, and, when data.shards is a local
     directory, takes model.n_token from its manifest. With --print-config it prints the resolved config and its
     memory plan (`txl_dist.plan`, as YAML comments) and exits 0. Any error exits 2 with one line on stderr naming
@@ -73,7 +73,8 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
     parser = build_arg_parser()
     args = parser.parse_intermixed_args(argv)
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        launch = _launch()
+        world_size = launch.world_size if launch is not None else 1
     try:
         if args.deepscale_config is not None:
             raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
@@ -105,10 +106,22 @@ def _local_rank(args: argparse.Namespace) -> int | None:
     """This process's rank on its node, as whichever launcher started it says (None: no launcher). Only the
     node's first rank prints a configuration error, which is the same on every rank of a node: once per node, not
     once per rank (each node still prints its own, since a node may see other files than the rest)."""
-    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return args.local_rank
+    launch = _launch()
+    if launch is not None and launch.launcher != "single":
+        return launch.local_rank
+    local = os.environ.get("LOCAL_RANK", "")
+    return int(local) if local.isdigit() else args.local_rank
+
+
+def _launch():
+    """The launch this process is part of (`txl_dist.launch_env`: torchrun, deepspeed, srun, mpirun), None when its
+    variables do not make one (train.py says why once the arguments are accepted)."""
+    from txl_dist import launch_env
+
+    try:
+        return launch_env.resolve(os.environ)
+    except launch_env.LaunchError:
+        return None
 
 
 def _require_run_paths(cfg: RunConfig) -> None:
