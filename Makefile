@@ -45,7 +45,8 @@ $(HF_STAMP):
 warm: venv
 	$(CPU_ENV) $(BIN)/python -m txl_dist.training.world
 
-test: warm hf-venv
+# cluster-packages: the Debian packages of the real two-node Slurm cluster that tests/cluster/ builds (root only).
+test: cluster-packages warm hf-venv
 	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q tests
 
 # Debian packages of the two-node test cluster (tests/cluster: Slurm, munge, sshd per node, pdsh, mpirun), installed

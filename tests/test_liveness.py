@@ -11,10 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.launcher import (CPU_ENV, REPO, TORCHRUN, environment, finish, free_port, rank_processes, start,
+from tests.launcher import (REPO, TORCHRUN, environment, finish, free_port, rank_processes, start,
                             wait_for_step)
 
 TRAIN = "launchers/train.py"

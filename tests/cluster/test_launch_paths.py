@@ -8,14 +8,10 @@ whatever train.max_steps says, so that a short run is the start of the reference
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -90,6 +86,20 @@ def wait_for_logged_step(output: Path, step: int, timeout: float = 120) -> None:
     pytest.fail(f"{output}: no step {step} within {timeout} s")
 
 
+def deepspeed_on_first_node(cluster, directory: Path, flags: list[str], steps: int, env: dict[str, str],
+                            output: Path | None = None) -> str:
+    """`deepspeed --hostfile H FLAGS launchers/train.py ...` typed on the first node, as a user does; its output,
+    after it has exited 0."""
+    hostfile = directory / "hostfile"
+    hostfile.write_text("".join(f"{node} slots=1\n" for node in cluster.nodes))
+    result = cluster.run_on(cluster.nodes[0], [
+        DEEPSPEED, "--hostfile", str(hostfile), *flags, "launchers/train.py",
+        *train_args(directory.parent / "shards", output or directory / "run", steps)], env=env, cwd=REPO, timeout=240)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    return out
+
+
 def two_hosts(text: str) -> bool:
     """The ranks' start-up line names both nodes."""
     return bool(re.search(r"ranks' environment: .* on txlnode1, txlnode2", text))
@@ -128,18 +138,12 @@ def test_srun_of_train_py_forms_one_world(slurm_cluster, shared, reference):
     assert_same_losses(directory / "run", reference, 20)
 
 
-def test_deepspeed_launcher_slurm_forms_one_world(slurm_cluster, shared, reference, tmp_path):
+def test_deepspeed_launcher_slurm_forms_one_world(slurm_cluster, shared, reference):
     """`deepspeed --launcher slurm`: srun starts `python train.py` once per slot; before, every task ran a
     one-rank world of its own ("is in use by another run")."""
     directory = fresh(shared, "ds-slurm")
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"{node} slots=1\n" for node in slurm_cluster.nodes))
-    result = slurm_cluster.run_on(slurm_cluster.nodes[0], [
-        DEEPSPEED, "--hostfile", str(hostfile), "--launcher", "slurm",
-        "--launcher_args=--ntasks-per-node=1 --cpus-per-task=1 --mem=1500", "launchers/train.py",
-        *train_args(shared / "shards", directory / "run", 20)], env=CPU, cwd=REPO, timeout=240)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-3000:]
+    out = deepspeed_on_first_node(slurm_cluster, directory, [
+        "--launcher", "slurm", "--launcher_args=--ntasks-per-node=1 --cpus-per-task=1 --mem=1500"], 20, CPU)
     assert two_hosts(out) and "on 2 rank(s)" in out, out[-3000:]
     assert_same_losses(directory / "run", reference, 20)
 
@@ -158,22 +162,17 @@ def test_deepspeed_hostfile_over_pdsh_brings_the_users_environment_to_every_rank
     with only the variables of .deepspeed_env (and a few families) exported: the ranks report the user's
     accelerator and threads, and the same values on both hosts."""
     directory = fresh(shared, "pdsh")
-    hostfile = directory / "hostfile"
-    hostfile.write_text("".join(f"{node} slots=1\n" for node in slurm_cluster.nodes))
 
-    def launch(output: Path, steps: int, env: dict[str, str]) -> str:
-        result = slurm_cluster.run_on(slurm_cluster.nodes[0], [
-            DEEPSPEED, "--hostfile", str(hostfile), "--master_addr", slurm_cluster.nodes[0], "--master_port",
-            str(free_port()), "launchers/train.py", *train_args(shared / "shards", output, steps)],
-            env=slurm_cluster.ssh_env(env), cwd=REPO, timeout=240)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-        return result.stdout + result.stderr
+    def launch(output: Path, steps: int, env_file: Path) -> str:
+        flags = ["--master_addr", slurm_cluster.nodes[0], "--master_port", str(free_port())]
+        return deepspeed_on_first_node(slurm_cluster, directory, flags, steps,
+                                       slurm_cluster.ssh_env({**CPU, "DS_ENV_FILE": str(env_file)}), output)
 
     # Without .deepspeed_env the user's variables reach no rank, and the run says so.
-    bare = launch(directory / "bare", 1, {**CPU, "DS_ENV_FILE": str(directory / "none")})
+    bare = launch(directory / "bare", 1, directory / "none")
     assert "started over ssh (deepspeed --hostfile) without a .deepspeed_env" in bare, bare[-3000:]
     assert re.search(r"ranks' environment: accelerator cpu, [^\n]*deepspeed [0-9.]+, TORCH_EXTENSIONS_DIR=", bare)
-    out = launch(directory / "run", 20, {**CPU, "DS_ENV_FILE": str(_deepspeed_env(directory))})
+    out = launch(directory / "run", 20, _deepspeed_env(directory))
     started = re.search(r"ranks' environment: (.*) on txlnode1, txlnode2", out)
     assert started, out[-3000:]
     assert "DS_ACCELERATOR=cpu" in started.group(1) and "OMP_NUM_THREADS=1" in started.group(1), started.group(0)
@@ -187,16 +186,10 @@ def test_deepspeed_launcher_openmpi_forms_one_world(slurm_cluster, shared, refer
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun is not installed (Debian's openmpi-bin: make cluster-packages)")
     directory = fresh(shared, "openmpi")
-    hostfile = directory / "hostfile"
-    hostfile.write_text("".join(f"{node} slots=1\n" for node in slurm_cluster.nodes))
     env = slurm_cluster.ssh_env({**CPU, "DS_ENV_FILE": str(_deepspeed_env(directory)),
                                  "OMPI_MCA_plm_rsh_args": f"-F {slurm_cluster.ssh_config}"})
-    result = slurm_cluster.run_on(slurm_cluster.nodes[0], [
-        DEEPSPEED, "--hostfile", str(hostfile), "--launcher", "openmpi",
-        "--launcher_args=--allow-run-as-root --map-by node", "launchers/train.py",
-        *train_args(shared / "shards", directory / "run", 20)], env=env, cwd=REPO, timeout=240)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-3000:]
+    out = deepspeed_on_first_node(slurm_cluster, directory, [
+        "--launcher", "openmpi", "--launcher_args=--allow-run-as-root --map-by node"], 20, env)
     assert two_hosts(out) and "on 2 rank(s)" in out, out[-3000:]
     assert_same_losses(directory / "run", reference, 20)
 

@@ -37,6 +37,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(live, out)
     dist.barrier()
+    # As launchers/train.py does: a process group left to interpreter shutdown aborted rank 1 at exit once
+    # ("terminate called without an active exception") after a finished run.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
