@@ -88,7 +88,7 @@ def enwik8_bytes(size: int, seed: int = 0) -> bytes:
         breaks = spaces[generator.random(len(spaces)) < 1 / 15]
         text_array = np.frombuffer(text, dtype=np.uint8).copy()
         text_array[breaks] = 10
-        if page % 200 == 0:
+        if page % 200 == 1:
             text_array[len(text_array) // 2] = 0xFF
         title = b" ".join(vocabulary[zipf_ranks(2, len(words), generator)].tolist()).title()
         chunk = (b"  <page>\n    <title>" + title + b"</title>\n    <id>" + str(page).encode() + b"</id>\n"

@@ -141,7 +141,10 @@ def _consolidate_once(checkpoint, consolidate, device) -> dict:
 
 
 def tokens_are_characters(tokenizer) -> bool:
-    """Every piece that is not a special symbol is a single character (enwik8/text8-style data)."""
+    """Every piece that is not a special symbol is a single character (enwik8/text8-style data); byte and
+    character tokenizers always are (a byte piece is written ``<0x41>``; bits per byte are enwik8's bpc)."""
+    if getattr(tokenizer, "character_level", False):
+        return True
     specials = {tokenizer.eos_id, tokenizer.eod_id, tokenizer.unk_id}
     pieces = (tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size) if i not in specials)
     return all(len(piece.lstrip("\u2581")) <= 1 for piece in pieces)
