@@ -247,3 +247,76 @@ def test_a_character_models_export_evaluates_to_its_checkpoints_bpc(enwik8, tmp_
     scored = in_process("launchers/generate.py", str(export), "--score", "the", "é").stdout.splitlines()
     assert [line.split()[3] for line in scored] == ["characters"] * 2 and [l.split()[5] for l in scored] == ["bpc"] * 2
     assert int(scored[1].split()[2]) == 3  # é: 2 bytes, and the newline that closes a scored text
+
+
+def test_the_planner_counts_the_long_evaluation_memory():
+    from txl_dist import plan
+
+    cfg = load_config(REPO / "configs" / "enwik8_large.yaml")
+    layout = plan.plan_memory(cfg, world_size=8)
+    terms = {term.name: term for term in layout.terms}
+    evaluation = terms["evaluation mems (read and written)"]
+    # 16 evaluation streams over 8 ranks: 2 per rank; 25 tensors of 3,800 positions x 1,024 in bf16, twice.
+    assert evaluation.phase == "eval" and evaluation.bytes == 2 * 25 * 3800 * 2 * 1024 * 2
+    assert layout.peak == layout.phase_total("steady") + max(layout.phase_total(p) for p in ("backward", "step", "eval"))
+    # Where evaluation is the larger phase (many streams per rank, a short training segment), it sets the peak.
+    heavy = load_config(REPO / "configs" / "enwik8_large.yaml", ["eval.batch_size=512", "model.tgt_len=16"])
+    heavy_layout = plan.plan_memory(heavy, world_size=8, micro_batch=1)
+    assert heavy_layout.phase_total("eval") > heavy_layout.phase_total("backward")
+    assert heavy_layout.peak == heavy_layout.phase_total("steady") + heavy_layout.phase_total("eval")
+    assert plan.main(["--config", str(REPO / "configs" / "enwik8_large.yaml"), "--world-size", "8",
+                      "--device-memory", "80GiB"]) == 0
+
+
+def test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses(enwik8, tmp_path):
+    """The fast tokenizers of a byte and a character model, and the byte model's losses, in current transformers."""
+    import os
+    import subprocess
+
+    from tests.test_hub_export import HF_PYTHON, SEGMENT, WORKER, _txl_losses, convert
+    from txl_dist.export import write_export
+
+    if not HF_PYTHON.is_file():
+        pytest.skip(f"{HF_PYTHON}: missing; run `make hf-venv` (or set TXL_HF_PYTHON)")
+    chars = tmp_path / "chars.txt"
+    chars.write_text(EVERY_UTF8_LENGTH * 2, encoding="utf-8", newline="")
+    _train("--kind", "char", "--input", chars, "--output", tmp_path / "tok_char")
+    lines = {"byte": ["<page> [[Link]] &quot;", "é € 𝄞 日本", "", "  two  spaces\ttab", "Ċ"],
+             "char": EVERY_UTF8_LENGTH.split("\n")}
+    jobs: dict = {"models": [], "tokenizers": []}
+    references: dict = {}
+    for kind, directory in (("byte", enwik8["tokenizer"]), ("char", tmp_path / "tok_char")):
+        tokenizer = load_tokenizer(directory)
+        torch.manual_seed(0)
+        model = TransformerXLLM(preset("tiny", n_token=tokenizer.vocab_size, cutoffs=[], div_val=1,
+                                       tgt_len=SEGMENT, mem_len=12)).eval()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.15)
+        export = write_export(model, model.config, tmp_path / f"{kind}_export", tokenizer_dir=directory)
+        convert("export-to-hub", str(export), str(tmp_path / kind))
+        document = "\n".join(lines[kind][:4])
+        jobs["tokenizers"].append({"name": kind, "folder": str(tmp_path / kind), "lines": lines[kind][:4],
+                                   "document": document})
+        data = torch.randint(0, tokenizer.vocab_size, (2, 3 * SEGMENT + 1), generator=torch.Generator().manual_seed(5))
+        jobs["models"].append({"name": kind, "folder": str(tmp_path / kind), "data": data.tolist(), "segment": SEGMENT,
+                               "prompt": [tokenizer.eod_id] + tokenizer.encode("ab"), "new_tokens": 4})
+        references[kind] = {"lines": tokenizer.encode_batch(lines[kind][:4]),
+                            "document": [tokenizer.eod_id] + tokenizer.encode_document(document)[:-1],
+                            "decoded": tokenizer.decode_document(tokenizer.encode_document(document)[:-1]),
+                            "losses": _txl_losses(model, data)}
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs), encoding="utf-8")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
+    result = subprocess.run([str(HF_PYTHON), "-I", str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out.pt")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = torch.load(tmp_path / "out.pt", weights_only=True)
+    for kind, reference in references.items():
+        found = results["tokenizers"][kind]
+        assert found["lines"] == reference["lines"], kind
+        assert found["document"] == reference["document"], kind
+        assert found["decoded"] == reference["decoded"], kind
+        losses = results["models"][kind]["from_logits"]
+        assert (losses - reference["losses"]).abs().max().item() <= 1e-5, kind
+    assert references["byte"]["lines"][1] == list("é € 𝄞 日本".encode("utf-8"))
