@@ -183,8 +183,8 @@ _WT103_COMMON = dict(
     clamp_len=-1, same_length=False, pre_lnorm=False,
 )
 # enwik8 and text8 follow run_enwik8_*.sh / run_text8_*.sh: a full softmax over the symbols (no --adaptive), the
-# output weight tied to the embedding. n_token: 256 byte values for enwik8 (the authors' 204 distinct symbols:
-# the bytes that occur, less the newline, which their data drops), 27 characters and the newline for text8.
+# output weight tied to the embedding. n_token: 256 byte values for enwik8 (the authors' symbols are the byte
+# values that occur, less the newline, which their data drops), 27 characters and the newline for text8.
 _CHAR_BASE = dict(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, dropout=0.1, dropatt=0.0,
                   tgt_len=512, mem_len=512, div_val=1, cutoffs=[], tie_weight=True, clamp_len=-1,
                   same_length=False, pre_lnorm=False)
