@@ -284,7 +284,10 @@ def _tokenize_characters(chunk: corpus.Chunk, split: str, first_document: int, t
         is_space = _BYTE_IS_SPACE[ids]
     else:
         text, _ = corpus._decode(chunk, strict=True)  # a character alphabet has no stand-in for bad bytes
-        ids = tokenizer.encode_text(text, where=f"{chunk.path}, the text from byte {chunk.start.offset}")
+        try:
+            ids = tokenizer.encode_text(text, where=f"{chunk.path}, the text from byte {chunk.start.offset}")
+        except ValueError as error:  # a character outside the tokenizer's alphabet
+            raise InputError(f"{error}; train the tokenizer on this text, or give it an --alphabet that holds it") from None
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         is_space = corpus._WHITESPACE[np.minimum(codes, len(corpus._WHITESPACE) - 1)]
     newline = tokenizer.eos_id

@@ -18,7 +18,7 @@ they read the real ones:
   UTF-8 sequence), plus a byte 0xFF in one page in 200 (bytes that are not UTF-8, which the byte path keeps).
   The real file has 205 distinct byte values and a line every 90 bytes or so.
 - text8: 27 characters (a-z and the space), one line without a line end, words of a Zipf law over 250k types
-  (text8 has 253,854), the first byte a space as in the real file.
+  at 100M characters (text8 has 253,854), the first byte a space as in the real file.
 
 Words alternate consonants and vowels, so that a model learns more than the letters' frequencies (a small model
 goes from 8 bits per byte to below 4 in minutes on enwik8's layout); they are not English, and bits per character
@@ -112,7 +112,8 @@ def enwik8_bytes(size: int, seed: int = 0) -> bytes:
 def text8_bytes(size: int, seed: int = 0) -> bytes:
     """``size`` characters in text8's layout (see the module docstring)."""
     generator = np.random.default_rng([seed, 27])
-    words = np.array(zipf_words(250_000, generator), dtype=object)
+    # text8 has 253,854 word types in 100M characters; a smaller file gets fewer (one per 400 characters).
+    words = np.array(zipf_words(min(250_000, max(2_000, size // 400)), generator), dtype=object)
     parts, written = [], 0
     while written < size:
         ids = zipf_ranks(1_000_000, len(words), generator)

@@ -15,6 +15,7 @@ from data_tools import build_shards, corpus, synthetic_charlm, train_tokenizer
 from tests.launcher import in_process, records, run, torchrun_command
 from tests.test_build_shards import read_split
 from txl_dist.config import load_config
+from txl_dist.data.format import read_manifest
 from txl_dist.model import ModelConfig, TransformerXLLM, preset
 from txl_dist.tokenizer import ByteTokenizer, CharTokenizer, load_tokenizer
 
@@ -102,12 +103,16 @@ def test_enwik8_shards_are_the_files_bytes_in_order_at_the_authors_offsets(enwik
         # Every byte, in order; a split that ends inside a line gets the newline that closes it (the authors'
         # final <eos>).
         assert bytes(tokens.astype(np.uint8)) == expected + (b"" if expected.endswith(b"\n") else b"\n"), split
-    # The zip as downloaded gives the same shards.
-    _build("--tokenizer", enwik8["tokenizer"], "--output", tmp_path / "from_zip", "--format", "enwik8",
-           "--input", enwik8["zip"], "--held-out-bytes", HELD_OUT, "--tokens-per-block", 4096,
-           "--tokens-per-shard", 65536, "--workers", 2, "--chunk-bytes", 4096)
-    for split in authors:
-        assert np.array_equal(read_split(tmp_path / "from_zip", split)[0], read_split(enwik8["shards"], split)[0])
+    # The zip as downloaded, and the file read by 2 workers (which read their chunks again by offset), give the
+    # same shards.
+    for name, source in (("from_zip", enwik8["zip"]), ("two_workers", enwik8["file"])):
+        _build("--tokenizer", enwik8["tokenizer"], "--output", tmp_path / name, "--format", "enwik8",
+               "--input", source, "--held-out-bytes", HELD_OUT, "--tokens-per-block", 4096,
+               "--tokens-per-shard", 65536, "--workers", 2, "--chunk-bytes", 4096)
+        for split in authors:
+            for ours, theirs in zip(read_manifest(tmp_path / name).splits[split].shards,
+                                    read_manifest(enwik8["shards"]).splits[split].shards):
+                assert ours.sha256 == theirs.sha256, (name, split)
 
 
 def test_text8_splits_strip_each_part_as_prep_text8(tmp_path):
@@ -230,6 +235,11 @@ def test_a_character_models_export_evaluates_to_its_checkpoints_bpc(enwik8, tmp_
     logged = records(run_dir)
     assert logged and all(r["bpc"] == pytest.approx(r["loss"] / math.log(2)) for r in logged.values())
     assert "bpc" in records(run_dir, "eval")[10]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {"train/bpc", "eval/bpc"} <= set(events.Tags()["scalars"])
     export = tmp_path / "export"
     in_process("launchers/convert.py", "zero-to-export", str(run_dir), str(export))
     settings = ["--split", "test", "--tgt-len", "16", "--mem-len", "48", "--same-length", "--batch-size", "4",
@@ -240,6 +250,12 @@ def test_a_character_models_export_evaluates_to_its_checkpoints_bpc(enwik8, tmp_
     from_checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
     assert from_export["tokens"] == from_checkpoint["tokens"] == HELD_OUT  # 20,001 tokens, the first unscored
     assert from_export["bits_per_character"] == from_checkpoint["bits_per_character"]
+    # --eval-settings: the run config's eval section (tiny_cpu.yaml: tgt_len 8, mem_len 16), from both.
+    for source in (export, run_dir):
+        in_process("launchers/evaluate.py", str(source), "--split", "valid", "--eval-settings", "--batch-size", "8",
+                   "--no-progress", "--output", str(tmp_path / "section.json"))
+        section = json.loads((tmp_path / "section.json").read_text())["settings"]
+        assert (section["tgt_len"], section["mem_len"]) == (8, 16), source
     # generate.py: a byte model's text is printed (bytes that are not UTF-8 as U+FFFD) and --score gives bpc.
     printed = in_process("launchers/generate.py", str(export), "--prompt", "<page>", "--max-new-tokens", "40",
                          "--seed", "0").stdout
