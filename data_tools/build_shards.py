@@ -786,7 +786,8 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
 def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int) -> dict[str, list[InputFile]]:
     """The splits of ``--format enwik8|text8|wikitext`` (see `data_tools.corpus`)."""
     if path is None:
-        what = "the folder of wiki.*.tokens" if input_format == "wikitext" else f"{input_format}, {input_format}.zip or their folder"
+        what = ("the folder of wiki.*.tokens" if input_format == "wikitext"
+                else f"{input_format}, {input_format}.zip or their folder")
         raise BuildError(f"--format {input_format} needs --input ({what})")
     if input_format == "wikitext":
         return corpus.wikitext_splits(path)

@@ -41,10 +41,10 @@ import torch.distributed as dist
 from txl_dist.config import RunConfig, with_manifest_vocab
 from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
 from txl_dist.data.format import read_manifest
-from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.evaluation import EvalResult, evaluate, segment_settings, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.plan import describe, device_memory_of
+from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.training import weights_only
 from txl_dist.training.checkpoint import (
     CLIENT_KEY,
