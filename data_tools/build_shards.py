@@ -288,8 +288,7 @@ def _tokenize_characters(chunk: corpus.Chunk, split: str, first_document: int, t
             ids = tokenizer.encode_text(text, where=f"{chunk.path}, the text from byte {chunk.start.offset}")
         except ValueError as error:  # a character outside the tokenizer's alphabet
             raise InputError(f"{error}; train the tokenizer on this text, or give it an --alphabet that holds it") from None
-        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        is_space = corpus._WHITESPACE[np.minimum(codes, len(corpus._WHITESPACE) - 1)]
+        is_space = tokenizer.is_space[ids]
     newline = tokenizer.eos_id
     if len(ids) and ids[-1] != newline:
         ids = np.append(ids, np.asarray([newline], dtype=ids.dtype))
