@@ -336,3 +336,14 @@ def test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses(enw
         losses = results["models"][kind]["from_logits"]
         assert (losses - reference["losses"]).abs().max().item() <= 1e-5, kind
     assert references["byte"]["lines"][1] == list("é € 𝄞 日本".encode("utf-8"))
+
+
+def test_generated_bytes_become_text_as_their_characters_complete(enwik8):
+    from txl_dist.inference import TextStream
+
+    tokenizer = load_tokenizer(enwik8["tokenizer"])
+    stream = TextStream(tokenizer)
+    data = "é€\n𝄞x".encode("utf-8") + b"\xff\xe2\x82"  # then a byte that is not UTF-8, and an unfinished €
+    pieces = [stream.push(byte) for byte in data]
+    assert pieces[:2] == ["", "é"] and pieces[2:4] == ["", ""]  # nothing printed inside a character
+    assert "".join(pieces) + stream.finish() == "é€\n𝄞x\ufffd\ufffd"
