@@ -18,7 +18,7 @@ HF_STAMP := $(HF_VENV)/.installed-$(subst ==,-,$(firstword $(HF_SPEC)))
 # CPU runs: DeepSpeed's CPU accelerator, one OpenMP thread per rank (ZeRO-3 is ~5x slower without it).
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
-.PHONY: venv hf-venv warm test demo clean-demo clean gpu-check
+.PHONY: venv hf-venv warm test demo clean-demo clean gpu-check cluster-packages
 
 venv: $(STAMP)
 
@@ -39,13 +39,25 @@ $(HF_STAMP):
 	$(HF_VENV)/bin/python -m pip install -q $(HF_SPEC)
 	touch $@
 
-# DeepSpeed compiles its shared-memory communication op on first use (30-45 s, cached in
-# ~/.cache/torch_extensions); build it once here so no test pays for it.
+# DeepSpeed compiles its shared-memory communication op on first use (30-70 s); build it once here, into this
+# environment's own cache ($(VENV)/torch_extensions, with its own ninja: txl_dist.training.world), so that no
+# launch compiles, whatever PATH a node gives its ranks.
 warm: venv
-	$(CPU_ENV) $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(CPU_ENV) $(BIN)/python -m txl_dist.training.world
 
 test: warm hf-venv
 	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q tests
+
+# Debian packages of the two-node test cluster (tests/cluster: Slurm, munge, sshd per node, pdsh, mpirun), installed
+# when missing and when run as root; does nothing when all are present or when not root (the cluster tests then
+# skip, or fail on CI).
+CLUSTER_PACKAGES := slurm-wlm munge openssh-server openssh-client pdsh iproute2 util-linux procps openmpi-bin
+cluster-packages:
+	@missing=$$(for package in $(CLUSTER_PACKAGES); do \
+		dpkg-query -W -f='$${Status}\n' $$package 2>/dev/null | grep -q ' installed$$' || echo $$package; done); \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "cluster-packages: not root, not installing:" $$missing; \
+	else apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; fi
 
 # The main job on an embedded corpus: the Penn Treebank of the `treebank` package -> a word tokenizer and shards
 # -> a small Transformer-XL trained on 2 CPU ranks through the deepspeed launcher -> test perplexity, an export

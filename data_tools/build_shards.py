@@ -79,7 +79,9 @@ from data_tools.workers import WorkerError, ordered_map
 from txl_dist.data.format import (
     MANIFEST_NAME, Manifest, ManifestError, ShardEntry, SplitEntry, TokenizerIdentity, token_dtype, write_manifest,
 )
-from txl_dist.fileio import atomic_write_text, describe_os_error, sha256_file
+from txl_dist.fileio import (
+    OutputPathError, atomic_write_text, describe_os_error, refuse_output_over_inputs, sha256_file,
+)
 from txl_dist.tokenizer import Tokenizer, TokenizerError, WordTokenizer, load_tokenizer
 from txl_dist.word_scan import scan_lines
 
@@ -513,6 +515,13 @@ class _Builder:
         from data_tools.shard_writer import ShardWriter
 
         started = time.perf_counter()
+        # Before anything in the output is deleted: a shard of the previous build given as an input would be gone.
+        inputs = [f.name for files in self.settings.sources.values() for f in files
+                  if not f.name.startswith(corpus.TREEBANK_PREFIX)]
+        try:
+            refuse_output_over_inputs(self.output, inputs)
+        except OutputPathError as error:
+            raise BuildError(str(error)) from None
         journal = self._prepare_output(resume, overwrite)
         # The heap of the imports (torch's, through webdataset) never becomes garbage; leaving it out of the
         # collector's passes makes the single-process build ~10% faster.
@@ -734,8 +743,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "authors' 5,000,000; smaller for a scaled-down copy)")
     parser.add_argument("--lm1b-valid", default=corpus.LM1B_DEFAULT_VALID_FILE,
                         help="heldout file used as the lm1b valid split (never the test file heldout-00000)")
-    parser.add_argument("--holdout", type=_parse_holdout, metavar="NAME=FRACTION",
-                        help="draw split NAME from the train documents by a hash of each document")
+    parser.add_argument("--holdout", type=_parse_holdout, action="append", default=[], metavar="NAME=FRACTION",
+                        help="draw split NAME from the train documents by a hash of each document (once per build)")
     parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
     parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
@@ -756,6 +765,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def settings_from_args(args: argparse.Namespace) -> BuildSettings:
+    if len(args.holdout) > 1:
+        given = ", ".join(f"{h.split}={h.fraction}" for h in args.holdout)
+        raise BuildError(f"--holdout is given {len(args.holdout)} times ({given}): a build draws one held-out split; "
+                         f"give the other splits their own inputs (--split NAME=GLOB)")
     if args.format == "text":
         if args.input is not None:
             raise BuildError("--input is for --format lm1b|ptb; give text inputs with --split NAME=GLOB")
@@ -777,7 +790,8 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
             sources = corpus.ptb_splits(args.input)
     return BuildSettings(
         tokenizer_directory=args.tokenizer.resolve(), sources=sources, input_format=args.format,
-        doc_unit=args.doc_per or "line", jsonl_field=args.jsonl_field, strict=args.strict, holdout=args.holdout,
+        doc_unit=args.doc_per or "line", jsonl_field=args.jsonl_field, strict=args.strict,
+        holdout=args.holdout[0] if args.holdout else None,
         tokens_per_block=args.tokens_per_block, tokens_per_shard=args.tokens_per_shard, chunk_bytes=args.chunk_bytes,
     )
 

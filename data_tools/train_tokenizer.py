@@ -49,7 +49,7 @@ from data_tools import corpus
 from data_tools.corpus import InputError, InputFile
 from data_tools.workers import WorkerError, ordered_map
 from txl_dist import word_scan
-from txl_dist.fileio import atomic_write, describe_os_error
+from txl_dist.fileio import OutputPathError, atomic_write, describe_os_error, refuse_output_over_inputs
 from txl_dist.tokenizer import (
     BYTE_VOCAB, CHAR_VOCAB, KINDS, NEWLINE, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer,
     TokenizerError, byte_piece, char_piece, write_tokenizer_json, write_word_vocab,
@@ -547,6 +547,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    created = False
     try:
         if args.kind is None:
             raise TrainError("--kind: choose sentencepiece, word, byte or char (or a --preset)")
@@ -554,6 +555,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise TrainError(f"--workers {args.workers}: only --kind word counts in processes; sentencepiece "
                              f"trains with --threads")
         files = _training_files(args)
+        try:  # before anything in the output is deleted
+            refuse_output_over_inputs(args.output, [f.name for f in files
+                                                    if not f.name.startswith(corpus.TREEBANK_PREFIX)])
+        except OutputPathError as error:
+            raise TrainError(str(error)) from None
+        created = not args.output.exists()
         _prepare_output(args.output, args.overwrite)
         reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress,
                            args.allow_empty)
@@ -568,11 +575,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer = train_sentencepiece(reading, args.output, args.vocab_size, args.model_type,
                                             args.character_coverage, args.input_sentence_size, args.user_symbols,
                                             args.eod_symbol, args.seed, args.threads, args.max_sentence_length)
-    except (TrainError, InputError, TokenizerError) as error:
-        print(f"train_tokenizer: error: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:  # a read-only or full output, a file where the folder should be
-        print(f"train_tokenizer: error: {describe_os_error(error)}", file=sys.stderr)
+    except (TrainError, InputError, TokenizerError, OSError) as error:
+        # A refused input leaves no trace: the folder this run created goes again while nothing is in it.
+        if created and args.output.is_dir() and not any(args.output.iterdir()):
+            try:
+                args.output.rmdir()
+            except OSError:  # another process put a file there meanwhile: not ours to remove
+                pass
+        # OSError: a read-only or full output, a file where the folder should be.
+        message = describe_os_error(error) if isinstance(error, OSError) else str(error)
+        print(f"train_tokenizer: error: {message}", file=sys.stderr)
         return 1
     statistics = reading.statistics
     print(f"train_tokenizer: {tokenizer.kind} tokenizer of {tokenizer.vocab_size:,} entries in {args.output} "

@@ -18,8 +18,9 @@
 
 An export folder holds config.json (the authors' argument names), model.safetensors, tokenizer/ and training.json;
 `txl_dist.load_pretrained(EXPORT)`, launchers/evaluate.py and launchers/generate.py read it. A training checkpoint
-is verified against its COMPLETE.json before it is read (--no-verify skips that, and says so), and read
-weights-only: a crafted pickle is refused, not run.
+is verified against its COMPLETE.json before it is read, an export folder against its checksums.json (--no-verify
+skips that, and says so), and read weights-only: a crafted pickle is refused, not run; weights that hold NaN or
+infinity are refused by name.
 
 Outputs never destroy an input: an output that is an input, contains one or lies inside one is refused before any
 work. Outputs are written under a temporary name and renamed when complete; an existing output is refused without
@@ -58,17 +59,25 @@ def zero_to_export(args: argparse.Namespace) -> str:
     return f"{checkpoint.tag_dir} (step {client['step']}) -> {out}"
 
 
+def _warn_unverified_export(args: argparse.Namespace) -> None:
+    if args.no_verify:
+        print(f"convert.py {args.command}: warning: --no-verify: {args.export} is read without checking its files "
+              f"against checksums.json", file=sys.stderr)
+
+
 def export_to_hf(args: argparse.Namespace) -> str:
     from txl_dist.convert.hf import write_hf_folder
 
-    out = write_hf_folder(args.export, args.output, overwrite=args.overwrite)
+    _warn_unverified_export(args)
+    out = write_hf_folder(args.export, args.output, overwrite=args.overwrite, verify=not args.no_verify)
     return f"{args.export} -> {out} (transformers 4.37.2: TransfoXLLMHeadModel.from_pretrained({str(out)!r}))"
 
 
 def export_to_hub(args: argparse.Namespace) -> str:
     from txl_dist.convert.hub import write_hub_folder
 
-    out = write_hub_folder(args.export, args.output, overwrite=args.overwrite)
+    _warn_unverified_export(args)
+    out = write_hub_folder(args.export, args.output, overwrite=args.overwrite, verify=not args.no_verify)
     return (f"{args.export} -> {out} (transformers 5: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
             f"trust_remote_code=True), AutoTokenizer.from_pretrained({str(out)!r}))")
 
@@ -88,7 +97,8 @@ def export_to_original(args: argparse.Namespace) -> str:
     from txl_dist.convert.original import save_original, to_original_state_dict
     from txl_dist.export import load_model
 
-    model = load_model(args.export)
+    _warn_unverified_export(args)
+    model = load_model(args.export, verify=not args.no_verify)
     out = Path(args.output)
     save_original(to_original_state_dict(model.state_dict(), model.config), out)
     return f"{args.export} -> {out} (a state dict; the matching arguments are in {Path(args.export) / 'config.json'})"
@@ -121,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="replace an existing output (only an empty folder or one txl_dist wrote)")
         return sub
 
+    export_no_verify = "read the export without checking its files against its checksums.json"
     sub = command("zero-to-export", zero_to_export, "a DeepSpeed training checkpoint -> an export folder",
                   inputs=("checkpoint", "tokenizer"))
     sub.add_argument("checkpoint", help="run folder, its checkpoints/ folder, or one checkpoint folder")
@@ -132,11 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                   inputs=("export",))
     sub.add_argument("export")
     sub.add_argument("output")
+    sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
     sub = command("export-to-hub", export_to_hub,
                   "an export folder -> a folder for current transformers (remote code, fast tokenizer)",
                   inputs=("export",))
     sub.add_argument("export")
     sub.add_argument("output")
+    sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
     sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",))
     sub.add_argument("hf")
     sub.add_argument("output")
@@ -144,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                   inputs=("export",), output_is_file=True)
     sub.add_argument("export")
     sub.add_argument("output", help="the .pt file to write")
+    sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
     sub = command("original-to-export", original_to_export,
                   "the authors' state dict + a config.json of their argument names -> an export folder",
                   inputs=("original", "config", "tokenizer"))

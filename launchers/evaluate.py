@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="streams over all ranks (default: 16)")
     parser.add_argument("--tokenizer", help="tokenizer folder, for a checkpoint whose own cannot be found")
     parser.add_argument("--no-verify", action="store_true",
-                        help="read a checkpoint without checking its files against its COMPLETE.json")
+                        help="read a checkpoint or export without checking its files against its COMPLETE.json "
+                             "or checksums.json")
     parser.add_argument("--output", help="where to write the JSON result")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -61,8 +62,14 @@ def _distributed() -> tuple[int, int, Any]:
     import torch
     import torch.distributed as dist
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from txl_dist import launch_env
+
+    # torchrun, deepspeed, srun or mpirun: the same world whichever started the ranks.
+    launch = launch_env.resolve(os.environ)
+    if launch.world_size > 1:
+        launch_env.apply()
+    world_size = launch.world_size
+    local_rank = launch.local_rank
     use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -124,7 +131,10 @@ def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str 
             training = path / TRAINING_FILE
             run_config = json.loads(training.read_text()).get("run_config") if training.is_file() else None
             overrides = _with_eval_section(overrides, (run_config or {}).get("eval"), str(path))
-        model = load_model(path, device=device, **overrides)
+        if not verify and int(os.environ.get("RANK", "0")) == 0:
+            print(f"evaluate.py: warning: --no-verify: {path} is read without checking its files against "
+                  f"checksums.json", file=sys.stderr)
+        model = load_model(path, device=device, verify=verify, **overrides)
         tokenizer = load_export_tokenizer(path)
         training = path / TRAINING_FILE
         shards = json.loads(training.read_text())["data"]["shards"] if training.is_file() else None
@@ -178,6 +188,8 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
     from txl_dist.data import EvalStreams, read_manifest
     from txl_dist.evaluation import evaluate
 
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size}: must be at least 1 (streams over all ranks)")
     rank, world_size, device = _distributed()
     overrides = {name: value for name, value in (("tgt_len", args.tgt_len), ("mem_len", args.mem_len),
                                                   ("clamp_len", args.clamp_len), ("same_length", args.same_length))
@@ -196,6 +208,13 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
     with EvalStreams(shards, args.split, tgt_len=model.config.tgt_len, batch_size=per_rank, world_size=world_size,
                      rank=rank, expected_fingerprint=fingerprint) as streams:
         result = evaluate(model, streams, device, progress=rank == 0 and not args.no_progress)
+    if not math.isfinite(result.loss):
+        # Strict JSON has no NaN; and a non-finite score of finite weights is a fault to report, not a result.
+        raise _SharedError(f"the loss on split {args.split!r} of {shards} is {result.loss}, with finite weights (the "
+                           f"forward pass overflowed): no result written")
+    if result.loss >= math.log(sys.float_info.max):
+        raise _SharedError(f"the loss on split {args.split!r} of {shards} is {result.loss:.1f} nats per token: its "
+                           f"perplexity is beyond a float (the model does not predict this text): no result written")
     split = manifest.splits[args.split]
     c = model.config
     summary: dict[str, Any] = {
@@ -235,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     if summary:
         try:
-            atomic_write_text(summary["output"], json.dumps(summary, indent=1) + "\n")
+            atomic_write_text(summary["output"], json.dumps(summary, indent=1, allow_nan=False) + "\n")
         except OSError as error:
             print(f"evaluate.py: error: {describe_os_error(error)} (the result was: {summary['split']} loss "
                   f"{summary['loss']:.4f}, ppl {summary['ppl']:.2f})", file=sys.stderr)

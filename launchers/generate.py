@@ -9,8 +9,9 @@
 
 Decoding is incremental: after the prompt, one forward of one token per new token, each layer's keys and values
 of the context (at most --mem-len positions, the model's by default) kept in a cache. Text is printed as it is
-generated. Scores of texts with unknown words get a warning: the unknown token is often likely, so such a text
-can score better than real text.
+generated. Prompts and scored texts with unknown words get a warning: the unknown token is often likely, so such a
+text can score better than real text. The export's files are checked against its checksums.json first
+(--no-verify skips that, and says so).
 """
 
 from __future__ import annotations
@@ -36,17 +37,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--mem-len", type=int, help="memory length (default: the model's)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read the export without checking its files against its checksums.json")
     args = parser.parse_args(argv)
 
     from txl_dist.export import load_pretrained
     from txl_dist.inference import iter_generate, score
 
     overrides = {"mem_len": args.mem_len} if args.mem_len is not None else {}
+    if args.no_verify:
+        print(f"generate.py: warning: --no-verify: {args.export} is read without checking its files against "
+              f"checksums.json", file=sys.stderr)
     try:
-        model, tokenizer = load_pretrained(args.export, device=args.device, **overrides)
+        if args.num_samples < 1:
+            raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
+        _require_device(args.device)
+        model, tokenizer = load_pretrained(args.export, device=args.device, verify=not args.no_verify, **overrides)
         if tokenizer is None:
             raise ValueError(f"{args.export} has no tokenizer: text cannot be encoded (see convert.py --tokenizer)")
+        if args.prompt is not None:
+            _warn_unknown_prompt(tokenizer, args.prompt)
         if args.score:
             for text, result in zip(args.score, score(model, tokenizer, args.score)):
                 if getattr(tokenizer, "character_level", False):  # bits per character (per byte for bytes)
@@ -73,6 +84,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generate.py: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _require_device(name: str) -> None:
+    """ValueError naming ``--device`` when it is no device of this machine (torch would fail deep in a copy)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r}: not a device name ({error}); use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available on this machine (torch "
+                             f"{torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name!r}: only cpu and cuda are supported")
+
+
+def _warn_unknown_prompt(tokenizer, prompt: str) -> None:
+    """A prompt whose tokens are all, or partly, the unknown token conditions the model on little or nothing."""
+    unk = getattr(tokenizer, "unk_id", None)
+    ids = tokenizer.encode(prompt)
+    unknown = sum(token == unk for token in ids) if unk is not None else 0
+    if unknown:
+        print(f"generate.py: warning: {unknown} of the {len(ids)} tokens of the prompt {prompt!r} are the unknown "
+              f"token: the model continues from {'nothing it knows' if unknown == len(ids) else 'a partial context'}",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,14 @@
     # one node, 8 GPUs
     deepspeed --num_gpus 8 launchers/train.py --config configs/lm1b_base.yaml \\
         data.shards=/data/lm1b/shards train.output_dir=runs/lm1b_base
-    # several nodes: the launcher's flags come before the script
+    # several nodes: the launcher's flags come before the script; .deepspeed_env carries your variables to them
+    python -m txl_dist.launch_env --write-deepspeed-env
     deepspeed --hostfile launchers/hostfile.example launchers/train.py --config configs/lm1b_large.yaml \\
         data.shards=/shared/lm1b/shards train.output_dir=/shared/runs/lm1b_large
+    # Slurm: a batch job (one task per rank), or srun, or DeepSpeed's srun/mpirun launchers
+    sbatch --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 launchers/slurm.sbatch --config ... train.output_dir=...
+    srun --nodes 2 --ntasks-per-node 8 python launchers/train.py --config ... train.output_dir=...
+    deepspeed --hostfile H --launcher slurm launchers/train.py ...      # or --launcher openmpi
     # two CPU ranks (the demo)
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launchers/train.py \\
         --config configs/ptb_small.yaml data.shards=demo/shards train.output_dir=demo/run
@@ -16,7 +21,8 @@
 Rerunning the same command resumes from the newest checkpoint in train.output_dir that verifies. One run per
 output directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the
 process that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank
-stops every rank with one message. `--print-config` prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
+stops every rank with one message; a rank that dies or stops making progress (train.stall_timeout) is named.
+The rank and world come from whichever launcher started the process (txl_dist.launch_env). `--print-config` prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
 ``tensorboard --logdir {output_dir}/tensorboard``.
 """
 
@@ -28,15 +34,19 @@ import socket
 import sys
 
 
-def _single_process_environment() -> None:
-    """A plain ``python launchers/train.py`` run is a world of one: give torch.distributed what a launcher would."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _launch_environment() -> None:
+    """Rank, world and rendezvous address from whichever launcher started this process (torchrun, deepspeed,
+    srun, mpirun; a plain ``python launchers/train.py`` is a world of one), written as torch's variables."""
+    from txl_dist import launch_env
+
+    launch = launch_env.apply()
+    tasks = launch_env.single_task_in_multi_task_allocation(os.environ)
+    if tasks:
+        logging.getLogger("txl_dist.training").warning(
+            "running as one process inside a Slurm allocation of %d tasks: start the ranks with "
+            "`srun python launchers/train.py ...` (or sbatch launchers/slurm.sbatch) to train on all of them", tasks)
+    if launch.launcher != "torch":
+        os.environ.setdefault("TXL_LAUNCHER", launch.launcher)
 
 
 def _configure_logging() -> None:
@@ -67,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         # the guard's watch thread.
         guard.close()
         raise
-    _single_process_environment()
+    try:
+        _launch_environment()
+    except ValueError as error:  # a launch whose processes cannot form one world: nothing has started
+        guard.close()
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
     _configure_logging()
     try:
         from txl_dist.training.trainer import Trainer

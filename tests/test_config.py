@@ -20,7 +20,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from txl_dist.config import (
     DataConfig, RunConfig, ScheduleConfig, TrainConfig, load_config, with_manifest_vocab,
 )
-from txl_dist.data.format import Manifest, TokenizerIdentity, write_manifest
+from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, write_manifest
 from txl_dist.model.config import PRESETS, ModelConfig
 from txl_dist.training.cli import parse_run_args
 from txl_dist.training.deepspeed_config import bucket_elements, build_deepspeed_config, build_torch_optimizer
@@ -524,7 +524,9 @@ def shard_dir(tmp_path: Path, vocab_size: int) -> Path:
     directory = tmp_path / "shards"
     directory.mkdir()
     identity = TokenizerIdentity(kind="word", vocab_size=vocab_size, fingerprint="f" * 64, eos_id=0, eod_id=0)
-    write_manifest(directory, Manifest(tokenizer=identity, dtype="uint16", block_tokens=512, splits={}))
+    # The splits the run reads (empty: these tests stop before any is opened).
+    splits = {name: SplitEntry(documents=0, tokens=0, blocks=0, shards=[]) for name in ("train", "valid")}
+    write_manifest(directory, Manifest(tokenizer=identity, dtype="uint16", block_tokens=512, splits=splits))
     return directory
 
 

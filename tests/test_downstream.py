@@ -208,6 +208,8 @@ def test_bad_inputs_are_clear_errors(export, zero3_run, ptb_sentencepiece_tokeni
     config["d_inner"] += 1
     (wrong / "config.json").write_text(json.dumps(config))
     result = in_process("launchers/evaluate.py", str(wrong), "--split", "valid", check=False)
+    assert result.returncode == 2 and "config.json" in result.stderr and "checksums.json" in result.stderr
+    result = in_process("launchers/evaluate.py", str(wrong), "--split", "valid", "--no-verify", check=False)
     assert result.returncode == 2 and "pos_ff.CoreNet.0.weight" in result.stderr
     # A missing weights file.
     (wrong / "model.safetensors").unlink()
@@ -222,6 +224,8 @@ def test_bad_inputs_are_clear_errors(export, zero3_run, ptb_sentencepiece_tokeni
     shutil.rmtree(other / "tokenizer")
     shutil.copytree(ptb_sentencepiece_tokenizer, other / "tokenizer")
     result = in_process("launchers/generate.py", str(other), "--prompt", "a", check=False)
+    assert result.returncode == 2 and "tokenizer/" in result.stderr and "checksums.json" in result.stderr
+    result = in_process("launchers/generate.py", str(other), "--prompt", "a", "--no-verify", check=False)
     assert result.returncode == 2 and "fingerprint" in result.stderr
     # The authors' whole pickled module instead of a state dict.
     pickled = tmp_path / "module.pt"

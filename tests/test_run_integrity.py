@@ -371,50 +371,6 @@ def test_decoding_a_damaged_shard_is_one_line(ptb_word_shards, ptb_word_tokenize
                    f"end of data); --verify checks every shard\n")
 
 
-# ---- launchers/slurm.sbatch --------------------------------------------------------------------------------------
-
-
-def _fake_slurm(tmp_path: Path) -> tuple[dict[str, str], Path]:
-    """Slurm does not run here: `srun` and `scontrol` stand-ins that log their calls. The stand-in job step runs
-    until the script's `srun --overlap ... pkill` stops it, as the ranks would after their checkpoint."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(
-        '#!/bin/bash\necho "srun OMP_NUM_THREADS=${OMP_NUM_THREADS} $(echo "$*" | tr "\\n" " ")" >> "$LOG"\n'
-        'if [[ " $* " == *" --overlap "* ]]; then kill -TERM "$(cat "$FAKE_STEP_PID_FILE")"; exit 0; fi\n'
-        'echo $$ > "$FAKE_STEP_PID_FILE"\ntrap \'kill $! 2>/dev/null; exit 0\' TERM\nsleep 60 &\nwait\n')
-    (bin_dir / "scontrol").write_text(
-        '#!/bin/bash\necho "scontrol $*" >> "$LOG"\n[ "$1" = show ] && printf "node-001\\nnode-002\\n"\nexit 0\n')
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
-    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", LOG=str(log), FAKE_STEP_PID_FILE=str(tmp_path / "step.pid"),
-               SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-[001-002]",
-               SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="64")
-    return env, log
-
-
-@pytest.mark.parametrize("signal_name, requeued", [("USR1", True), ("TERM", False)])
-def test_slurm_script_passes_cpus_and_requeues_at_the_time_limit_only(signal_name, requeued, tmp_path):
-    import signal
-
-    env, log = _fake_slurm(tmp_path)
-    job = subprocess.Popen(["bash", str(REPO / "launchers" / "slurm.sbatch"), "--config", "configs/x.yaml"],
-                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "step.pid").exists():
-        assert time.monotonic() < deadline and job.poll() is None, job.stdout.read()
-        time.sleep(0.05)
-    job.send_signal(getattr(signal, f"SIG{signal_name}"))  # Slurm: --signal=B:USR1@300, or scancel/preemption
-    out, _ = job.communicate(timeout=30)
-    assert job.returncode == 0, out
-    calls = log.read_text().splitlines()
-    step = next(call for call in calls if "bash -c" in call)
-    assert "--cpus-per-task=64" in step and "OMP_NUM_THREADS=8 " in step, step  # 64 CPUs, 8 ranks a node
-    assert any("--overlap" in call and "pkill -TERM -f" in call for call in calls), calls
-    assert ("scontrol requeue 4242" in calls) is requeued, calls
-
-
 # ---- no orphaned ranks: what a rank watches ----------------------------------------------------------------------
 
 _RANK = """

@@ -150,8 +150,13 @@ def test_kill9_fails_the_launcher_and_resume_uses_the_last_complete_checkpoint(r
     process = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400", "checkpoint.every=5")))
     wait_for_step(output, 12, process)
     rank_processes(process)[1].kill()
-    finish(process)
+    out = finish(process)
     assert process.returncode != 0
+    # One line from the ranks that name the dead one (not the 36 lines of gloo's "Connection reset by peer").
+    errors = [line for line in out.splitlines() if line.startswith("train.py: error")]
+    assert len(errors) == 1 and errors[0].startswith("train.py: error: rank 1 (") and " died " in errors[0], out[-4000:]
+    assert "SIGKILL" in errors[0] and "since its last checkpoint (step" in errors[0], errors
+    assert "Traceback" not in out and "Connection reset" not in out, out[-4000:]
     complete = latest(output)
     assert (output / "checkpoints" / complete / "COMPLETE.json").is_file()
     step = int(complete.removeprefix("step"))
@@ -252,7 +257,7 @@ def _refused_in_process(argv: list[str], capsys, monkeypatch) -> str:
     def started() -> None:  # were the arguments accepted, a run would start in this process
         pytest.fail(f"launchers/train.py accepted {argv}")
 
-    monkeypatch.setattr(train, "_single_process_environment", started)
+    monkeypatch.setattr(train, "_launch_environment", started)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as exited:
         train.main(argv)

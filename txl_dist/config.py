@@ -151,9 +151,18 @@ class TrainConfig(_Section):
     micro_batch: int | None = None
     """Streams per rank per forward pass; null means global_batch / world_size (no gradient accumulation).
     Gradient accumulation steps = global_batch / (micro_batch * world_size)."""
+    memory_check: bool = True
+    """On accelerators, refuse to start when the memory plan (`txl_dist.plan`) of a rank needs more than its
+    device has, naming a layout that fits; false starts anyway (the plan is within about 10% of measured peaks)."""
+
+    stall_timeout: float = 120.0
+    """Seconds after which a rank whose heartbeat has stopped (a stopped process, a hung host, a dead link) is
+    named and the job ends with status 1, so that the scheduler can requeue it; keep it well under the collective
+    timeout (DEEPSPEED_TIMEOUT, 10 minutes by default)."""
 
     def _check_ranges(self) -> None:
         self._non_empty("output_dir", optional=True)
+        self._at_least("stall_timeout", 5)
         self._at_least("seed", 0)
         self._at_least("max_steps", 1)
         self._at_least("max_epochs", 1, optional=True)
@@ -163,11 +172,14 @@ class TrainConfig(_Section):
             _require(self.global_batch % self.micro_batch == 0, "train.micro_batch", self.micro_batch,
                      f"a divisor of train.global_batch={self.global_batch}")
 
-    def batch_layout(self, world_size: int) -> BatchLayout:
+    def batch_layout(self, world_size: int, micro_batch: int | None = None) -> BatchLayout:
         """Micro-batch and gradient accumulation for ``world_size`` ranks; ValueError naming the three numbers
-        when the global batch does not split evenly."""
+        when the global batch does not split evenly. ``micro_batch`` (the memory planner's candidates) replaces
+        train.micro_batch. The one place of these rules: the trainer, DeepSpeed's config and the planner use it."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} is not allowed: a positive integer")
+        if micro_batch is not None:
+            return dataclasses.replace(self, micro_batch=micro_batch).batch_layout(world_size)
         if self.micro_batch is None:
             if self.global_batch % world_size:
                 raise ValueError(

@@ -5,6 +5,7 @@
       model.safetensors    the weights; each tied tensor once
       tokenizer/           (optional) the tokenizer's files and its tokenizer.json, copied unchanged
       training.json        (optional) where the weights come from: step, tokens seen, evaluation results
+      checksums.json       every file above with its size and CRC-32, written last (as a checkpoint's COMPLETE.json)
 
 ``config.json`` uses the argument names of the authors' code (``n_token``, ``n_layer``, ``n_head``, ``d_model``,
 ``d_head``, ``d_inner``, ``d_embed``, ``div_val``, ``cutoffs``, ``tie_weight``, ``tie_projs``, ``untie_r``,
@@ -20,12 +21,17 @@ file's metadata lists the ties (``txl_dist.tied``: alias -> stored name); loadin
 config and ties them again.
 
 An export is written into a temporary folder next to OUT and renamed into place, so OUT is never half written.
+Loading verifies the files against ``checksums.json`` first (`require_verified_export`; ``verify=False`` skips
+it), and refuses weights that hold NaN or infinity, naming the tensors (`require_finite`). A folder written before
+exports carried checksums loads with a warning that it is unverified. Files added later (evaluate.py's
+``eval_{split}.json``) are not listed and not checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,7 +43,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from txl_dist.fileio import check_output_path, staged_output
+from txl_dist.fileio import (
+    CHECKSUM_NAME, FileChecksum, atomic_write_text, check_output_path, file_checksum, staged_output,
+)
 from txl_dist.model import ModelConfig, TransformerXLLM
 from txl_dist.tokenizer import fingerprint_files
 
@@ -52,6 +60,10 @@ TOKENIZER_DIR = "tokenizer"
 TOKENIZER_JSON = "tokenizer.json"
 TRAINING_FILE = "training.json"
 TIED_METADATA_KEY = "txl_dist.tied"
+CHECKSUMS_FILE = "checksums.json"
+CHECKSUMS_FORMAT = "txl_dist.export-checksums"
+
+log = logging.getLogger("txl_dist.export")
 
 AUTHORS_FIELDS = ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "d_embed", "div_val", "cutoffs",
                   "tie_weight", "tie_projs", "untie_r", "pre_lnorm", "tgt_len", "mem_len", "clamp_len",
@@ -239,6 +251,72 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Verification: every file's size and CRC-32, with the checkpoints' machinery (txl_dist.training.checkpoint)
+
+
+class ExportVerificationError(ValueError):
+    """An export folder whose files do not match its checksums.json; the message lists every problem."""
+
+
+def write_checksums(folder: str | os.PathLike) -> None:
+    """``checksums.json`` of a folder being written: every file in it (sub-folders included), size and CRC-32."""
+    from txl_dist.training.checkpoint import FILES_KEY
+
+    folder = Path(folder)
+    files = {path.relative_to(folder).as_posix(): file_checksum(path) for path in sorted(folder.rglob("*"))
+             if path.is_file() and path.name != CHECKSUMS_FILE}
+    record = {"format": CHECKSUMS_FORMAT, "checksum": CHECKSUM_NAME,
+              FILES_KEY: {name: checksum.to_json() for name, checksum in files.items()}}
+    atomic_write_text(folder / CHECKSUMS_FILE, json.dumps(record, indent=1) + "\n")
+
+
+def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
+    """Every problem of an export folder's files against its checksums.json (an empty list: it verifies), each
+    naming the file; None when the folder has no checksums.json (written before exports carried checksums)."""
+    from txl_dist.training.checkpoint import FILES_KEY, check_files
+
+    export_dir = Path(export_dir)
+    path = export_dir / CHECKSUMS_FILE
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("checksum") != CHECKSUM_NAME:
+            raise ValueError(f"checksum {record.get('checksum')!r}, expected {CHECKSUM_NAME!r}")
+        expected = {name: FileChecksum.from_json(entry) for name, entry in record[FILES_KEY].items()}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
+            ValueError) as error:
+        return [f"{path}: unreadable ({error})"]
+    return check_files(export_dir, expected, threads=min(8, os.cpu_count() or 1), marker=CHECKSUMS_FILE)
+
+
+def require_verified_export(export_dir: str | os.PathLike, verify: bool = True) -> None:
+    """Raise `ExportVerificationError` listing every file of ``export_dir`` that does not match its checksums.json;
+    warn (once, here) when the folder has none. ``verify`` False: nothing is checked (the caller says so)."""
+    if not verify:
+        return
+    problems = verify_export(export_dir)
+    if problems is None:
+        log.warning("%s: no %s (an export written before txl_dist checksummed its exports): its files are not "
+                    "verified", export_dir, CHECKSUMS_FILE)
+    elif problems:
+        raise ExportVerificationError(f"{export_dir} fails verification: {'; '.join(problems)} (--no-verify, or "
+                                      f"verify=False, reads it anyway)")
+
+
+def require_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
+    """ValueError naming the tensors of ``state`` that hold NaN or infinity (damaged bytes, or a diverged run):
+    such a model scores NaN and cannot sample."""
+    bad = []
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad.append(f"{name} ({int((~torch.isfinite(tensor)).sum()):,} of {tensor.numel():,} values)")
+    if bad:
+        raise ValueError(f"{where}: weights hold NaN or infinity: {', '.join(bad[:5])}"
+                         f"{f' and {len(bad) - 5} more tensors' if len(bad) > 5 else ''}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Writing and reading an export
 
 
@@ -265,6 +343,7 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
     else:
         state = model_or_state_dict
     weights = {key: _standalone(value) for key, value in unique_weights(state, config).items()}
+    require_finite(weights, "the weights to export")
     _, aliases = _layout(config)
 
     identity = dict(tokenizer_identity) if tokenizer_identity is not None else None
@@ -293,6 +372,7 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
             (staging / TRAINING_FILE).write_text(training_text, encoding="utf-8")
         # Last: a folder with config.json and no weights never exists, even inside the staging folder.
         (staging / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+        write_checksums(staging)
     return out_dir
 
 
@@ -307,14 +387,16 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: 
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from error
 
 
-def load_model(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides: Any
-               ) -> TransformerXLLM:
+def load_model(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", verify: bool = True,
+               **overrides: Any) -> TransformerXLLM:
     """The model of an export folder, in eval mode, on ``device``.
 
     ``overrides`` change evaluation settings only (`EVAL_SETTINGS`: tgt_len, mem_len, clamp_len, same_length,
-    attn_impl, mem_dtype, dropout, dropatt); any other field is refused by name.
+    attn_impl, mem_dtype, dropout, dropatt); any other field is refused by name. ``verify``: check the files
+    against checksums.json first (`require_verified_export`).
     """
     export_dir = Path(export_dir)
+    require_verified_export(export_dir, verify)
     config = apply_eval_overrides(read_export_config(export_dir), overrides)
     weights_path = export_dir / WEIGHTS_FILE
     if not weights_path.is_file():
@@ -339,6 +421,7 @@ def model_from_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig
     """A model in eval mode holding ``state`` (with or without the keys of tied tensors, e.g. DeepSpeed's
     consolidated weights); a missing, extra or misshapen weight is an error naming it."""
     weights = unique_weights(state, config, where)
+    require_finite(weights, where)
     _, aliases = _layout(config)
     with torch.device(device):
         model = TransformerXLLM(config)
@@ -370,8 +453,10 @@ def load_export_tokenizer(export_dir: str | os.PathLike) -> Tokenizer | None:
     return load_tokenizer(folder)
 
 
-def load_pretrained(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", **overrides: Any
-                    ) -> tuple[TransformerXLLM, Tokenizer | None]:
-    """(model in eval mode, tokenizer or None) of an export folder; ``overrides`` as in `load_model`."""
+def load_pretrained(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", verify: bool = True,
+                    **overrides: Any) -> tuple[TransformerXLLM, Tokenizer | None]:
+    """(model in eval mode, tokenizer or None) of an export folder; ``overrides`` and ``verify`` as in
+    `load_model` (the files are verified before any is read)."""
+    require_verified_export(export_dir, verify)
     tokenizer = load_export_tokenizer(export_dir)
-    return load_model(export_dir, device=device, **overrides), tokenizer
+    return load_model(export_dir, device=device, verify=False, **overrides), tokenizer

@@ -212,14 +212,9 @@ class OutputPathError(ValueError):
     """An output path that would destroy an input or files this tool did not write; the message names both."""
 
 
-def check_output_path(output: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, overwrite: bool,
-                      directory: bool = True) -> Path:
-    """Refuse, before any work, an output that would lose data; return it.
-
-    Refused: an output that is one of ``inputs``, contains one, or lies inside one (symbolic links followed); an
-    existing output without ``overwrite``; with ``overwrite``, a folder that is neither empty nor marked with
-    `OUTPUT_MARKER` (so unrelated files are never deleted), or a file where a folder is expected and the reverse.
-    """
+def refuse_output_over_inputs(output: str | os.PathLike, inputs: Sequence[str | os.PathLike]) -> None:
+    """OutputPathError, before any work, for an output that is one of ``inputs``, contains one (a file or folder
+    inside it) or lies inside one (symbolic links followed): writing or replacing it would destroy that input."""
     given = Path(output)
     out = given.resolve()
     for source in inputs:
@@ -231,6 +226,18 @@ def check_output_path(output: str | os.PathLike, inputs: Sequence[str | os.PathL
                                   f"input; choose another output")
         if source_path in out.parents:
             raise OutputPathError(f"output {given} lies inside the input {source}: choose an output outside it")
+
+
+def check_output_path(output: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, overwrite: bool,
+                      directory: bool = True) -> Path:
+    """Refuse, before any work, an output that would lose data; return it.
+
+    Refused: an output that is one of ``inputs``, contains one, or lies inside one (symbolic links followed); an
+    existing output without ``overwrite``; with ``overwrite``, a folder that is neither empty nor marked with
+    `OUTPUT_MARKER` (so unrelated files are never deleted), or a file where a folder is expected and the reverse.
+    """
+    given = Path(output)
+    refuse_output_over_inputs(given, inputs)
     if not (given.exists() or given.is_symlink()):
         return given
     if not overwrite:

@@ -6,6 +6,10 @@ offload, activations, mems, DeepSpeed's buffers; the largest micro-batch that fi
     python -m txl_dist.plan --config configs/lm1b_base.yaml --world-size 2 --device cpu --device-memory 24GiB \\
         data.shards=/data/lm1b/shards          # the vocabulary size from the shards' manifest
 
+Exit status: 0 when the planned layout fits ``--device-memory`` (or none is given), 1 when it does not (the last
+line names the layout that fits, or says that none does), 2 for a layout the trainer refuses (the global batch
+does not split among the ranks; the same rule and message, `TrainConfig.batch_layout`) or another bad argument.
+
 `plan_memory` is the function; `planned_peak_bytes` the one number (what ``torch.cuda.max_memory_allocated``
 reports for the same run, or on a CPU what the trainer logs as ``peak_rss_mb``). The launcher logs the plan when
 a run starts and ``--print-config`` prints it. Nothing here imports DeepSpeed; the model is built on PyTorch's
@@ -404,13 +408,13 @@ class Fit:
 def largest_micro_batch(cfg: RunConfig, world_size: int, device_memory: int, device: str = "cuda",
                         shape: ModelShape | None = None) -> Fit:
     """The largest micro-batch that fits ``device_memory`` per rank (by doubling, then bisection), and the
-    largest one that also divides global_batch / world_size, with its accumulation steps."""
+    largest one that also makes a layout the trainer accepts (`TrainConfig.batch_layout`), with its accumulation
+    steps."""
     shape = shape or ModelShape.of(cfg.model)
 
     def fits(micro_batch: int) -> bool:
         return plan_memory(cfg, world_size, micro_batch, device, shape).needed() <= device_memory
 
-    per_rank = cfg.train.global_batch // world_size if cfg.train.global_batch % world_size == 0 else 0
     largest = 0
     if fits(1):
         high = 1
@@ -421,11 +425,13 @@ def largest_micro_batch(cfg: RunConfig, world_size: int, device_memory: int, dev
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
         largest = low
-    divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0 and m <= largest]
-    if not divisors:
-        return Fit(None, None, largest, None)
-    chosen = max(divisors)
-    return Fit(chosen, per_rank // chosen, largest, plan_memory(cfg, world_size, chosen, device, shape))
+    for candidate in range(min(largest, cfg.train.global_batch // world_size), 0, -1):
+        try:
+            layout = cfg.train.batch_layout(world_size, candidate)
+        except ValueError:
+            continue
+        return Fit(candidate, layout.grad_accum, largest, plan_memory(cfg, world_size, candidate, device, shape))
+    return Fit(None, None, largest, None)
 
 
 # ---- command line --------------------------------------------------------------------------------------------
@@ -447,21 +453,28 @@ def parse_size(text: str) -> int:
 def describe(cfg: RunConfig, world_size: int, device: str, device_memory: int | None = None,
              micro_batch: int | None = None) -> str:
     """The plan as text: the table for the configured (or given) micro-batch and, with ``device_memory``, the
-    largest micro-batch that fits and its layout."""
+    largest micro-batch that fits and its layout. A layout the trainer would refuse (the global batch does not
+    split among the ranks) raises its ValueError."""
+    return _describe(cfg, world_size, device, device_memory, micro_batch)[0]
+
+
+def _describe(cfg: RunConfig, world_size: int, device: str, device_memory: int | None = None,
+              micro_batch: int | None = None) -> tuple[str, bool | None]:
+    """(`describe`'s text, whether the planned layout fits ``device_memory``: None without one)."""
     shape = ModelShape.of(cfg.model)
-    try:
-        plan = plan_memory(cfg, world_size, micro_batch, device, shape)
-    except ValueError:  # the config's batch does not divide among world_size ranks: plan one micro-batch
-        plan = plan_memory(cfg, world_size, 1, device, shape)
+    layout = cfg.train.batch_layout(world_size, micro_batch)  # the trainer's rules, its message
+    plan = plan_memory(cfg, world_size, layout.micro_batch, device, shape)
     model = cfg.model
     lines = [f"memory plan: {cfg.model_preset or 'model'} ({shape.parameters:,} parameters, n_token "
              f"{model.n_token:,}), {world_size} rank(s) of {device}, {cfg.precision.dtype}, ZeRO-{cfg.zero.stage}"
              f"{' with optimizer offload' if cfg.zero.offload_optimizer != 'none' else ''}, micro-batch "
              f"{plan.micro_batch} x tgt_len {model.tgt_len} (mem_len {model.mem_len}), {plan.grad_accum} "
              f"accumulation step(s)", plan.table()]
+    fits = None
     if device_memory is not None:
         fit = largest_micro_batch(cfg, world_size, device_memory, device, shape)
-        verdict = "fits" if plan.needed() <= device_memory else "does NOT fit"
+        fits = plan.needed() <= device_memory
+        verdict = "fits" if fits else "does NOT fit"
         lines.append(f"micro-batch {plan.micro_batch} {verdict} in {device_memory / GiB:.1f} GiB per rank")
         if fit.largest_any == 0:
             lines.append("no micro-batch fits: use a higher ZeRO stage, optimizer offload or more ranks")
@@ -473,7 +486,7 @@ def describe(cfg: RunConfig, world_size: int, device: str, device_memory: int | 
                          f"{cfg.train.global_batch} on {world_size} ranks: train.micro_batch={fit.micro_batch} x "
                          f"{fit.grad_accum} accumulation step(s) (planned peak {fit.plan.peak / GiB:.2f} GiB, "
                          f"needed {fit.plan.needed() / GiB:.2f} GiB)")
-    return "\n".join(lines)
+    return "\n".join(lines), fits
 
 
 def plan_comment(cfg: RunConfig, world_size: int, device: str, device_memory: int | None = None) -> str:
@@ -481,14 +494,14 @@ def plan_comment(cfg: RunConfig, world_size: int, device: str, device_memory: in
     return "".join(f"# {line}\n" for line in describe(cfg, world_size, device, device_memory).splitlines())
 
 
-def device_memory_of(device: str) -> int | None:
-    """Memory of this machine's first accelerator of ``device`` (None on a CPU or without one)."""
+def device_memory_of(device: str, index: int = 0) -> int | None:
+    """Memory of this machine's accelerator ``index`` of ``device`` (None on a CPU or without one)."""
     if device == "cpu":
         return None
     try:
         from deepspeed.accelerator import get_accelerator
 
-        return int(get_accelerator().total_memory(0))
+        return int(get_accelerator().total_memory(index))
     except Exception:  # no DeepSpeed, no such device here: plan without a device size
         return None
 
@@ -514,10 +527,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--micro-batch {args.micro_batch}: must be at least 1")
         cfg = load_config(args.config, args.overrides)
         cfg = _with_vocabulary(cfg, args.vocab_size)
-        print(describe(cfg, args.world_size, args.device, args.device_memory, args.micro_batch))
+        text, fits = _describe(cfg, args.world_size, args.device, args.device_memory, args.micro_batch)
     except ValueError as error:
         parser.error(str(error))
-    return 0
+    print(text)
+    # A job script tests the status: 1 when the planned layout does not fit (the text names one that does, if any).
+    return 1 if fits is False else 0
 
 
 def _with_vocabulary(cfg: RunConfig, vocab_size: int | None) -> RunConfig:

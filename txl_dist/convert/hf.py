@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from txl_dist.convert.keymap import KeyMap
@@ -146,7 +149,8 @@ HF_SETTINGS_KEY = "txl_dist_settings"
 _SETTINGS_HF_LACKS = ("tgt_len", "attn_impl", "mem_dtype")
 
 
-def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                    verify: bool = True) -> Path:
     """An export folder -> a folder transformers 4.37.2 loads with ``TransfoXLLMHeadModel.from_pretrained``.
 
     ``out_dir`` may not be, contain or lie inside ``export_dir``; ``overwrite`` replaces only an empty folder or
@@ -156,7 +160,7 @@ def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
     config, identity = read_config_file(export_dir / CONFIG_FILE)
-    state = to_hf_state_dict(unique_weights(load_model(export_dir).state_dict(), config), config)
+    state = to_hf_state_dict(unique_weights(load_model(export_dir, verify=verify).state_dict(), config), config)
     # Shared tensors (the per-layer copies of the position biases) are written as copies: safetensors
     # refuses aliases; HuggingFace re-ties the crit weights it lists in _tied_weights_keys itself.
     weights = {key: tensor.detach().contiguous().clone() for key, tensor in state.items()}
@@ -183,9 +187,24 @@ def read_hf_folder(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, to
         raise ValueError(f"{config_path}: model_type is {hf_config.get('model_type')!r}, expected 'transfo-xl'")
     config = from_hf_config(hf_config, **hf_config.get(HF_SETTINGS_KEY, {}))
     if (hf_dir / HF_WEIGHTS).is_file():
-        state = load_file(str(hf_dir / HF_WEIGHTS))
+        try:
+            state = load_file(str(hf_dir / HF_WEIGHTS))
+        except SafetensorError as error:  # truncated or overwritten: one line, not the library's traceback
+            raise ValueError(f"{hf_dir / HF_WEIGHTS}: not a readable safetensors file ({error})") from None
     elif (hf_dir / HF_LEGACY_WEIGHTS).is_file():
-        state = torch.load(hf_dir / HF_LEGACY_WEIGHTS, map_location="cpu", weights_only=True)
+        path = hf_dir / HF_LEGACY_WEIGHTS
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:  # a pickle that asks for more than tensors: never run
+            found = re.search(r"GLOBAL ([\w.]+)", str(error))
+            what = f"it refers to {found.group(1)}" if found else str(error).strip().splitlines()[0]
+            raise ValueError(f"{path}: refused to unpickle: {what}, which is not a tensor (the weights-only loader "
+                             f"reads tensors and containers only; loading this file could run code)") from None
+        except (RuntimeError, EOFError) as error:  # truncated or not a torch file
+            raise ValueError(f"{path}: not a readable PyTorch weights file ({str(error).strip().splitlines()[0]})"
+                             ) from None
+        if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+            raise ValueError(f"{path}: not a state dict of tensors")
     else:
         raise FileNotFoundError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_LEGACY_WEIGHTS}")
     tokenizer_dir = hf_dir / "tokenizer"

@@ -90,7 +90,8 @@ def hub_weights(state: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
             KEY_MAP.forward(unique_weights(state, config)).items()}
 
 
-def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                     verify: bool = True) -> Path:
     """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
     from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
     from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, save_safetensors
@@ -100,7 +101,7 @@ def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     config, identity = read_config_file(export_dir / CONFIG_FILE)
     tokenizer = load_export_tokenizer(export_dir)
     tokenizer_files = fast_tokenizer_files(tokenizer) if tokenizer is not None else {}
-    weights = hub_weights(load_model(export_dir).state_dict(), config)
+    weights = hub_weights(load_model(export_dir, verify=verify).state_dict(), config)
     texts = {"config.json": hub_config(config, identity)}
     # The dtype the weights are stored in (transformers loads them so by default).
     texts["config.json"]["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")

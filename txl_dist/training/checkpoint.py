@@ -78,6 +78,39 @@ def refuse_another_architecture(directory: str | os.PathLike, tag: str, marker: 
         raise ValueError(f"{Path(directory) / tag} was trained with another architecture: " + "; ".join(differences))
 
 
+def saved_zero_stages(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> tuple[int, ...]:
+    """The ZeRO stage(s) checkpoint ``tag_dir`` may have been written with: the one COMPLETE.json records, else
+    (checkpoints written before it did) what DeepSpeed's file names tell: ZeRO-3 names its model-state files per
+    rank; ZeRO 1 and 2 write optimizer files ``zero_pp_rank_*`` (``bf16_zero_pp_rank_*`` in bf16, as bf16 ZeRO-0
+    does); fp32 ZeRO-0 writes none."""
+    if isinstance(marker.get("zero_stage"), int):
+        return (marker["zero_stage"],)
+    tag_dir = Path(tag_dir)
+    if any(tag_dir.glob("zero_pp_rank_*_model_states.pt")):
+        return (3,)
+    if any(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt")):
+        return (0, 1, 2)
+    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):
+        return (1, 2)
+    return (0,)
+
+
+def refuse_another_zero_stage(directory: str | os.PathLike, tag: str, marker: dict[str, Any], stage: int) -> None:
+    """ValueError when checkpoint ``tag`` cannot be resumed at ZeRO ``stage``. DeepSpeed 0.19 loads a checkpoint
+    only into the optimizer class that wrote it: ZeRO 1 and 2 share one (and their checkpoints load into each other
+    exactly); ZeRO-0 and ZeRO-3 have their own, and its universal checkpoint, which re-partitions for another
+    number of ranks, keeps the optimizer state in the layout of the stage that wrote it."""
+    saved = saved_zero_stages(Path(directory) / tag, marker)
+    family = {1: 1, 2: 1}
+    if any(family.get(stage, stage) == family.get(s, s) for s in saved):
+        return
+    written = " or ".join(str(s) for s in saved) if len(saved) < 3 else "0, 1 or 2"
+    raise ValueError(f"{Path(directory) / tag} was saved with ZeRO stage {written}, this run has zero.stage={stage}: "
+                     f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each "
+                     f"other's); resume with zero.stage={saved[-1]}, or take its weights without the optimizer state: "
+                     f"python launchers/convert.py zero-to-export {Path(directory) / tag} EXPORT")
+
+
 def tag_for_step(step: int) -> str:
     return f"step{step:08d}"
 
@@ -155,9 +188,11 @@ def _files_on_disk(tag_dir: Path) -> set[str]:
             if path.is_file() and path.name != COMPLETE}
 
 
-def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], threads: int = 1) -> list[str]:
+def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], threads: int = 1,
+                marker: str = COMPLETE) -> list[str]:
     """The problems of the given files (each names the file): missing, another size, another CRC-32. Sizes are
-    all checked before any file is read, so a truncation is found at once."""
+    all checked before any file is read, so a truncation is found at once. ``marker`` names the file that
+    records the checksums (a checkpoint's COMPLETE.json, an export's checksums.json) in the messages."""
     tag_dir = Path(tag_dir)
     problems, to_read = [], []
     for name, want in sorted(expected.items()):
@@ -171,7 +206,7 @@ def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], t
             problems.append(f"{path}: unreadable ({error.strerror})")
             continue
         if size != want.bytes:
-            problems.append(f"{path}: {size} bytes, {COMPLETE} records {want.bytes} (truncated or replaced)")
+            problems.append(f"{path}: {size} bytes, {marker} records {want.bytes} (truncated or replaced)")
         else:
             to_read.append((name, want))
 
@@ -182,7 +217,7 @@ def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], t
         except OSError as error:
             return f"{tag_dir / name}: unreadable ({error.strerror})"
         if got != want:
-            return f"{tag_dir / name}: CRC-32 {got.crc32}, {COMPLETE} records {want.crc32} (damaged)"
+            return f"{tag_dir / name}: CRC-32 {got.crc32}, {marker} records {want.crc32} (damaged)"
         return None
 
     if threads > 1 and len(to_read) > 1:
@@ -389,7 +424,8 @@ class CheckpointManager:
             # Rank r owns streams [r * n, (r + 1) * n): a resuming rank opens only the files of its streams.
             marker = {"step": step, "world_size": self.world_size, "streams_per_rank": len(rank_state.stream_ids),
                       "rank_states": sorted(p.name for p in states_dir.glob("rank*.pt")),
-                      "architecture": architecture, "checksum": CHECKSUM_NAME,
+                      "architecture": architecture, "zero_stage": engine.zero_optimization_stage(),
+                      "checksum": CHECKSUM_NAME,
                       FILES_KEY: {name: files[name].to_json() for name in sorted(files)}}
             atomic_write_text(tag_dir / COMPLETE, json.dumps(marker, indent=1) + "\n")
             atomic_write_text(self.directory / LATEST, tag + "\n")

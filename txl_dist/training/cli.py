@@ -8,8 +8,8 @@ with one line naming the key, not after minutes of start-up::
     python launchers/train.py --config configs/tiny_cpu.yaml --config configs/variants/zero3.yaml --print-config
 
 ``--config`` may be repeated: files are layered left to right, then the overrides are applied (see
-`txl_dist.config`). The world size is read from WORLD_SIZE (set by the deepspeed launcher and torchrun; 1 for a
-plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
+`txl_dist.config`). The world size is the launcher's (`txl_dist.launch_env`: torchrun, deepspeed, srun, mpirun; 1
+for a plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
                    device: str | None = None) -> tuple[RunConfig, argparse.Namespace]:
     """Parse the command line into a validated RunConfig (and the parsed flags).
 
-    Checks the whole tree, the batch layout for ``world_size`` ranks (default: WORLD_SIZE, else 1) on
+    Checks the whole tree, the batch layout for ``world_size`` ranks (default: the launcher's world, else 1) on
     ``device`` (default: `detect_device`), the ``--deepspeed_config`` overlay, and, when data.shards is a local
     directory, takes model.n_token from its manifest. With --print-config it prints the resolved config and its
     memory plan (`txl_dist.plan`, as YAML comments) and exits 0. Any error exits 2 with one line on stderr naming
@@ -73,7 +73,8 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
     parser = build_arg_parser()
     args = parser.parse_intermixed_args(argv)
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        launch = _launch()
+        world_size = launch.world_size if launch is not None else 1
     try:
         if args.deepscale_config is not None:
             raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
@@ -91,9 +92,36 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
             raise SystemExit(0)
         _require_run_paths(cfg)
         _require_a_run_that_can_start(cfg)
+        device = device or detect_device()
+        if device != "cpu":  # this rank's own device: no rank touches another's before the process group
+            require_memory_fits(cfg, world_size, device, device_memory_of(device, _local_rank(args) or 0))
     except ValueError as error:
+        if _local_rank(args) not in (None, 0):
+            raise SystemExit(2) from None  # every rank found the same: the node's first rank says it once
         parser.error(str(error))
     return cfg, args
+
+
+def _local_rank(args: argparse.Namespace) -> int | None:
+    """This process's rank on its node, as whichever launcher started it says (None: no launcher). Only the
+    node's first rank prints a configuration error, which is the same on every rank of a node: once per node, not
+    once per rank (each node still prints its own, since a node may see other files than the rest)."""
+    launch = _launch()
+    if launch is not None and launch.launcher != "single":
+        return launch.local_rank
+    local = os.environ.get("LOCAL_RANK", "")
+    return int(local) if local.isdigit() else args.local_rank
+
+
+def _launch():
+    """The launch this process is part of (`txl_dist.launch_env`: torchrun, deepspeed, srun, mpirun), None when its
+    variables do not make one (train.py says why once the arguments are accepted)."""
+    from txl_dist import launch_env
+
+    try:
+        return launch_env.resolve(os.environ)
+    except launch_env.LaunchError:
+        return None
 
 
 def _require_run_paths(cfg: RunConfig) -> None:
@@ -110,17 +138,65 @@ def _require_run_paths(cfg: RunConfig) -> None:
     if not Path(shards, MANIFEST_NAME).is_file():
         raise ValueError(f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
                          f"finished data_tools.build_shards output; its shard paths may be pipe: URLs)")
+    splits = read_manifest(shards).splits
+    # The evaluation split is read at the first evaluation and at the end of training: hours into a run.
+    for key, split in (("data.train_split", cfg.data.train_split), ("eval.split", cfg.eval.split)):
+        if split not in splits:
+            raise ValueError(f"{key}={split!r}: {Path(shards, MANIFEST_NAME)} has no such split (it has "
+                             f"{sorted(splits)}); build it (data_tools.build_shards --split or --holdout) or set {key}")
+    _require_writable_directory(output_dir)
+
+
+def _require_writable_directory(output_dir: Path) -> None:
+    """train.output_dir, or the folder it will be made in, accepts a new file (probed: permissions alone do not
+    tell a read-only mount or a root-squashed NFS export)."""
+    import tempfile
+
+    from txl_dist.fileio import describe_os_error
+
+    existing = output_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"train.output_dir={str(output_dir)!r}: {existing} is a file, not a directory")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".txl_dist-write-probe.", dir=existing)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"train.output_dir={str(output_dir)!r}: cannot write in "
+                         f"{describe_os_error(error, existing)}") from None
+
+
+def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:
+    """ValueError when the memory plan of a rank (`txl_dist.plan`) needs more than ``device_memory``, naming the
+    layout that fits; nothing with train.memory_check=false or an unknown device size."""
+    from txl_dist.plan import GiB, largest_micro_batch, plan_memory
+
+    if device_memory is None or not cfg.train.memory_check:
+        return
+    plan = plan_memory(cfg, world_size, None, device)
+    if plan.needed() <= device_memory:
+        return
+    fit = largest_micro_batch(cfg, world_size, device_memory, device)
+    if fit.micro_batch is not None:
+        advice = f"train.micro_batch={fit.micro_batch} ({fit.grad_accum} accumulation steps) fits"
+    else:
+        advice = "no micro-batch fits: use a higher ZeRO stage, optimizer offload or more ranks"
+    raise ValueError(f"micro-batch {plan.micro_batch}: the memory plan needs {plan.needed() / GiB:.2f} GiB per "
+                     f"rank, the {device} device has {device_memory / GiB:.2f} GiB; {advice} (python -m txl_dist.plan "
+                     f"shows the plan; train.memory_check=false starts anyway)")
 
 
 def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     """What the trainer would refuse only after every rank has started, found here from the files alone: a
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
-    checkpoint.resume=false, and a newest complete checkpoint of another architecture. (The trainer checks again
+    checkpoint.resume=false, and a newest complete checkpoint of another architecture or ZeRO stage. (The trainer checks again
     on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
     from txl_dist.tokenizer import load_tokenizer
     from txl_dist.training.checkpoint import (
         CheckpointManager, CheckpointVerificationError, read_marker, refuse_another_architecture,
-        refuse_fresh_start,
+        refuse_another_zero_stage, refuse_fresh_start,
     )
 
     if cfg.data.tokenizer is not None:
@@ -140,6 +216,8 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     if not cfg.checkpoint.resume:
         refuse_fresh_start(directory, tags[-1])
     try:
-        refuse_another_architecture(directory, tags[-1], read_marker(directory / tags[-1]), cfg.model.architecture())
+        marker = read_marker(directory / tags[-1])
+        refuse_another_architecture(directory, tags[-1], marker, cfg.model.architecture())
+        refuse_another_zero_stage(directory, tags[-1], marker, cfg.zero.stage)
     except CheckpointVerificationError:
         pass  # a damaged marker: the trainer's verification names what is wrong and looks at the older ones

@@ -21,6 +21,16 @@ printed, once, by the rank that made it. Every other rank sees the report within
 status 1, even when it is blocked in a collective that would otherwise wait for the dead rank (NCCL) or end in a
 gloo "Connection closed by peer". Rank 0's cleanups (releasing the run lock, removing a checkpoint it was writing)
 run on every exit path.
+
+**Liveness.** Every rank's watch thread writes a heartbeat (a counter and the step it is on) into the same store
+every second. Rank 0 follows every rank's, the others follow rank 0's (and rank 0's store answering at all). A rank
+whose heartbeat has not moved for ``stall_timeout`` seconds is frozen or cut off (SIGSTOP, a hung host, a dead
+network link): it is named in one line (rank, host, PID, step) and the job ends with status 1 so that the scheduler
+can requeue it. That bound is meant to be well under the collective timeout (``DEEPSPEED_TIMEOUT``, 10 minutes by
+default, after which gloo or NCCL would raise): a rank that is alive but blocked inside one collective or kernel
+(its heartbeat moving) is left to that timeout. A rank that dies without a word (SIGKILL, as the kernel's OOM
+killer sends, or a crash) makes the collectives of the others fail: they name it, with its signal where it can be
+read, instead of printing the communication library's traceback.
 """
 
 from __future__ import annotations
@@ -51,6 +61,14 @@ _ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 FAILURE_KEY = f"txl_dist/{_ATTEMPT}/failure"
 SEEN_KEY = f"txl_dist/{_ATTEMPT}/failure_seen"
 
+HEARTBEAT_EVERY = 4
+"""Write this rank's heartbeat every this many watch periods (one second)."""
+STALL_CHECK_EVERY = 8
+"""Look at the other ranks' heartbeats every this many watch periods (two seconds)."""
+DEFAULT_STALL_TIMEOUT_S = 120.0
+HEARTBEAT_KEY = f"txl_dist/{_ATTEMPT}/heartbeat/{{rank}}"
+IDENTITY_KEY = f"txl_dist/{_ATTEMPT}/identity/{{rank}}"
+
 # Errors whose message says everything: printed as one line, without a traceback. Anything else is a bug (ours or
 # a library's) and keeps its traceback.
 ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyboardInterrupt)
@@ -58,6 +76,11 @@ ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, Keyboar
 
 class RunFailure(Exception):
     """A failure the ranks agreed on (every rank raises it with the same message)."""
+
+
+class ReportedByRankZero(Exception):
+    """A failure every rank found alike before the failure channel existed; rank 0 prints it, the others end
+    with status 1 without a word."""
 
 
 def _describe(error: BaseException) -> str:
@@ -94,6 +117,18 @@ def _alive(pid: int, create_time: float) -> bool:
         return psutil.Process(pid).create_time() == create_time
     except (psutil.Error, OSError):
         return False
+
+
+def _exit_signal(pid: int) -> str:
+    """How a dead process on this host ended, while it is still a zombie (its parent has not yet collected it)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        status = int(fields[-1])  # exit_code, in waitpid's form
+    except (OSError, ValueError, IndexError):
+        return ""
+    if status & 0x7F:
+        return f"killed by {signal.Signals(status & 0x7F).name}"
+    return f"exited with status {status >> 8}"
 
 
 def _launcher_chain() -> list[tuple[int, float, str]]:
@@ -161,6 +196,12 @@ class RunGuard:
         self._cleanups: list[Callable[[], None]] = []
         self._cleanup_lock = threading.Lock()
         self._closed = threading.Event()
+        self.step = 0
+        self.last_checkpoint: int | None = None
+        self.stall_timeout = DEFAULT_STALL_TIMEOUT_S
+        self._beats = 0
+        self._identities: dict[int, tuple[str, int, float]] = {}
+        self._peer_beats: dict[int, tuple[bytes | None, float]] = {}
         self._thread = threading.Thread(target=self._watch, name="txl_dist-guard", daemon=True)
         self._thread.start()
 
@@ -193,10 +234,19 @@ class RunGuard:
 
     # ---- failures ----------------------------------------------------------------------------------------------
 
-    def connect(self, rank: int, world_size: int) -> None:
+    def progress(self, step: int) -> None:
+        """The training loop finished ``step`` (the step named in a stall or death message)."""
+        self.step = step
+
+    def checkpointed(self, step: int) -> None:
+        self.last_checkpoint = step
+
+    def connect(self, rank: int, world_size: int, stall_timeout: float | None = None) -> None:
         """Join the failure channel: the rendezvous store that torch.distributed's env:// start-up created (every
         launcher sets MASTER_ADDR and MASTER_PORT)."""
         self.rank, self.world_size = rank, world_size
+        if stall_timeout is not None:
+            self.stall_timeout = stall_timeout
         address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world_size <= 1 or not address or not port:
             return
@@ -208,6 +258,120 @@ class RunGuard:
         except (RuntimeError, ValueError, OSError) as error:
             log.warning("rank %d: no failure channel (%s): a failure on another rank may end this one only "
                         "through the launcher", rank, error)
+            return
+        import psutil
+
+        identity = f"{socket.gethostname()} {os.getpid()} {psutil.Process().create_time()!r}"
+        try:
+            self._store.set(IDENTITY_KEY.format(rank=rank), identity)
+            self._beat()
+        except Exception:
+            pass
+
+    # ---- liveness ----------------------------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self._store.set(HEARTBEAT_KEY.format(rank=self.rank), f"{self._beats} {self.step}")
+
+    def _watched_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank] if self.rank == 0 else [0]
+
+    def _identity(self, rank: int) -> tuple[str, int, float] | None:
+        """(host, PID, create time) of ``rank``, read once from the store and kept (rank 0's store may go)."""
+        if rank not in self._identities and self._store is not None:
+            try:
+                if self._store.check([IDENTITY_KEY.format(rank=rank)]):
+                    host, pid, created = self._store.get(IDENTITY_KEY.format(rank=rank)).decode().split(" ")
+                    self._identities[rank] = (host, int(pid), float(created))
+            except Exception:
+                return None
+        return self._identities.get(rank)
+
+    def _who(self, rank: int) -> str:
+        identity = self._identity(rank)
+        return f"rank {rank} ({identity[0]}, PID {identity[1]})" if identity else f"rank {rank}"
+
+    def _peer_step(self, rank: int) -> str:
+        beat = self._peer_beats.get(rank, (None, 0.0))[0]
+        return beat.decode().split(" ")[1] if beat else "?"
+
+    def _since_checkpoint(self) -> str:
+        since = f"step {self.last_checkpoint}" if self.last_checkpoint is not None else "the start of this run"
+        return (f"the job's progress since its last checkpoint ({since}) is lost; run the same command again to "
+                "resume from it")
+
+    def _check_heartbeats(self, now: float) -> int | None:
+        """The first watched rank whose heartbeat has not moved for stall_timeout seconds."""
+        ranks = self._watched_ranks()
+        keys = [HEARTBEAT_KEY.format(rank=r) for r in ranks]
+        if len(self._peer_beats) < len(ranks) and not self._store.check(keys):
+            return None  # not every rank has joined yet (a get would wait for the missing one)
+        for rank in ranks:
+            self._identity(rank)
+        values = self._store.multi_get(keys)
+        for rank, value in zip(ranks, values):
+            previous = self._peer_beats.get(rank)
+            if previous is None or previous[0] != value:
+                self._peer_beats[rank] = (value, now)
+            elif now - previous[1] > self.stall_timeout:
+                return rank
+        return None
+
+    def _stalled(self, rank: int, seconds: float) -> NoReturn:
+        message = (f"train.py: error: {self._who(rank)} has made no progress for {seconds:.0f} s "
+                   f"(train.stall_timeout={self.stall_timeout:g}), at step {self._peer_step(rank)}: its process is "
+                   f"stopped or its host or network is down; ending the job; {self._since_checkpoint()}")
+        self._closed.set()
+        if self._report(message):
+            _print(message)
+            self._wait_for_the_others()
+        self.run_cleanups()
+        self._exit(1)
+
+    def dead_peers(self, wait_s: float = 3.0) -> list[tuple[int, str]]:
+        """Ranks that are gone, with how they went where it can be read: peers on this host by their process,
+        the others by a heartbeat that stops moving within ``wait_s``."""
+        import psutil
+
+        dead: list[tuple[int, str]] = []
+        here = socket.gethostname()
+        remote = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            identity = self._identity(rank)
+            if identity and identity[0] == here:
+                try:
+                    process = psutil.Process(identity[1])
+                    alive = process.create_time() == identity[2] and process.status() != psutil.STATUS_ZOMBIE
+                except (psutil.Error, OSError):
+                    alive = False
+                if not alive:
+                    dead.append((rank, _exit_signal(identity[1])))
+            else:
+                remote.append(rank)
+        if remote and self._store is not None and not dead:
+            deadline = time.monotonic() + wait_s
+            try:
+                first = dict(zip(remote, self._store.multi_get([HEARTBEAT_KEY.format(rank=r) for r in remote])))
+                moved: set[int] = set()
+                while time.monotonic() < deadline and len(moved) < len(remote):
+                    time.sleep(0.5)
+                    now = self._store.multi_get([HEARTBEAT_KEY.format(rank=r) for r in remote])
+                    moved |= {r for r, value in zip(remote, now) if value != first[r]}
+                dead += [(r, "") for r in remote if r not in moved]
+            except Exception:  # rank 0, and its store, are gone
+                if self.rank != 0:
+                    dead.append((0, ""))
+        return dead
+
+    def death_message(self, dead: list[tuple[int, str]]) -> str:
+        rank, how = dead[0]
+        how = how or ("killed by a signal it cannot catch (SIGKILL, as the kernel's OOM killer sends) or crashed")
+        more = f" (and {len(dead) - 1} more ranks)" if len(dead) > 1 else ""
+        return (f"{self._who(rank)} died{more} without reporting an error: {how}; this rank was at step "
+                f"{self.step}; {self._since_checkpoint()}")
 
     def on_abort(self, cleanup: Callable[[], None]) -> None:
         """Run ``cleanup`` (once) if the run fails, on whichever thread ends the process."""
@@ -243,11 +407,17 @@ class RunGuard:
         """End this rank after ``error``: print it (one line for the errors that say everything, else with the
         traceback) unless another rank's failure came first, run the cleanups, exit with status 1."""
         self._closed.set()
+        if isinstance(error, ReportedByRankZero):
+            self.run_cleanups()
+            self._exit(1)
         caused_elsewhere = not isinstance(error, RunFailure) and self.failure_reported(wait_s=0.5)
         if not caused_elsewhere:
             one_line = isinstance(error, ONE_LINE_ERRORS + (RunFailure,))
             where = f" on rank {self.rank} ({socket.gethostname()})" if self.world_size > 1 else ""
             message = f"train.py: error{where}: {_describe(error)}"
+            dead = self.dead_peers() if not one_line and self.world_size > 1 else []
+            if dead:  # the communication library's error is only the echo of a rank that died
+                one_line, message = True, f"train.py: error: {self.death_message(dead)}"
             if not one_line:
                 message = "".join(traceback.format_exception(error)).rstrip() + "\n" + message
             if self._report(message):
@@ -317,6 +487,17 @@ class RunGuard:
                     self.request_stop(gone)
             if self._store is not None and tick % STORE_EVERY == 0:
                 self._watch_failures()
+            if self._store is not None and self.world_size > 1:
+                try:
+                    if tick % HEARTBEAT_EVERY == 0:
+                        self._beat()
+                    if tick % STALL_CHECK_EVERY == 0:
+                        now = time.monotonic()
+                        stalled = self._check_heartbeats(now)
+                        if stalled is not None and self._failure_seen_at is None and not self._reported:
+                            self._stalled(stalled, now - self._peer_beats[stalled][1])
+                except Exception:  # the store went with rank 0: _watch_failures says so
+                    pass
 
     def _watch_failures(self) -> None:
         now = time.monotonic()
@@ -328,7 +509,9 @@ class RunGuard:
                 # Rank 0 is gone with the store. A normal end can race with this look, hence the delay.
                 self._store_errors_since = self._store_errors_since or now
                 if now - self._store_errors_since > 10.0:
-                    _print(f"train.py: rank {self.rank} ({socket.gethostname()}): lost contact with rank 0; stopping")
+                    _print(f"train.py: error on rank {self.rank} ({socket.gethostname()}): lost contact with "
+                           f"{self._who(0)} at step {self._peer_step(0)} (gone, stopped, or its network is down); "
+                           f"stopping; {self._since_checkpoint()}")
                     self.run_cleanups()
                     self._exit(1)
                 return

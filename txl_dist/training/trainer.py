@@ -51,12 +51,14 @@ from txl_dist.training.checkpoint import (
     CheckpointManager,
     RankState,
     refuse_another_architecture,
+    refuse_another_zero_stage,
     refuse_fresh_start,
     rng_state,
     set_rng_state,
     tag_for_step,
 )
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training import world
 from txl_dist.training.run_guard import RunFailure, RunGuard
 from txl_dist.training.run_lock import LOCK_NAME, RunLock, read_holder
 from txl_dist.training.run_logger import RunLogger
@@ -136,13 +138,17 @@ class Trainer:
         self.device_type = self.accelerator.device_name()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if self.device_type != "cpu":
-            self.accelerator.set_device(local_rank)
-            self.device = torch.device(self.device_type, local_rank)
+            # A launcher that binds one device per task (srun --gpus-per-task) leaves each rank one visible device.
+            device_index = local_rank % max(self.accelerator.device_count(), 1)
+            self.accelerator.set_device(device_index)
+            self.device = torch.device(self.device_type, device_index)
         else:
             self.device = torch.device("cpu")
-        deepspeed.init_distributed()
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.guard.connect(self.rank, self.world_size)
+        self.rank, self.world_size, self.rank_environments = world.start(self.device_type)
+        self.guard.connect(self.rank, self.world_size, cfg.train.stall_timeout)
+        if self.rank == 0:
+            log.info("ranks' environment: %s on %s", world.describe_environment(self.rank_environments[0]),
+                     ", ".join(sorted({record["host"] for record in self.rank_environments})))
         # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
         # does not wait for the device to finish the step's kernels.
         self._flag_group = dist.new_group(backend="gloo") if self.device_type != "cpu" else None
@@ -280,8 +286,9 @@ class Trainer:
         tag = self.checkpoints.choose_resume_tag(verify=self.cfg.checkpoint.verify)
         if tag is None:
             return None
-        refuse_another_architecture(self.checkpoints.directory, tag, self.checkpoints.marker(tag),
-                                    self.cfg.model.architecture())
+        marker = self.checkpoints.marker(tag)
+        refuse_another_architecture(self.checkpoints.directory, tag, marker, self.cfg.model.architecture())
+        refuse_another_zero_stage(self.checkpoints.directory, tag, marker, self.cfg.zero.stage)
         return tag
 
     def _resume(self) -> str | None:
@@ -296,6 +303,8 @@ class Trainer:
             raise RuntimeError(f"{self.checkpoints.directory / tag}: not a txl_dist checkpoint (no client state)")
         saved = client_state[CLIENT_KEY]
         self.step, self.tokens_seen, self.best = saved["step"], saved["tokens_seen"], saved.get("best")
+        self.guard.progress(self.step)
+        self.guard.checkpointed(self.step)
         kind = self.streams.load_state_dict(saved["data"])
         rng = None
         if kind == ResumeKind.EXACT:
@@ -346,6 +355,7 @@ class Trainer:
         tag = self.checkpoints.save(self.engine, self.step, self._client_state(), state,
                                     architecture=self.cfg.model.architecture(), best_tag=best_tag)
         self.logger.info("checkpoint %s written", self.checkpoints.directory / tag)
+        self.guard.checkpointed(self.step)
         return tag
 
     # ---- evaluation --------------------------------------------------------------------------------------------
@@ -430,6 +440,7 @@ class Trainer:
                     window_loss += loss.detach().double() / self.layout.grad_accum
                     window_checksum += (batch.inputs.sum(dim=1) * (batch.stream_ids + 1)).sum()
                 self.step += 1
+                self.guard.progress(self.step)
                 self.tokens_seen += tokens_per_step
                 window_steps += 1
                 if self.resumed_from and self.step == start_step + 1:

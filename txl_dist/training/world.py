@@ -1,0 +1,227 @@
+"""Forming the world of ranks: the launcher's variables, DeepSpeed's op cache, one rendezvous, one environment.
+
+`start` is what every rank does before its first collective:
+
+1. `txl_dist.launch_env.apply`: rank, world and rendezvous address from whichever launcher started the process
+   (torchrun, DeepSpeed, srun, mpirun), or one line saying why this process cannot join one world.
+2. `prepare_extension_cache`: DeepSpeed's shared-memory op (used for CPU all-reduces) is compiled at first use by
+   torch's JIT loader. The cache is made per virtual environment and built with the environment's own ``ninja``,
+   so a node whose PATH differs does not compile again; builds are serialised by a lock that the kernel releases
+   when its holder dies, so the lock file left by a build that was killed is recognised as stale and removed
+   (torch's own lock would make every later launch wait for it forever, printing nothing).
+3. The rendezvous store (``env://``), then every rank's environment compared through it before the process group
+   is made: ranks that disagree on the accelerator, the threads or the op cache stop with one message that names
+   the variable and the ranks (a remote rank that never got the user's variables is the usual cause:
+   ``deepspeed --hostfile`` forwards only a few variable families and ``.deepspeed_env``).
+4. The process group, on that store, and DeepSpeed's communication wrapper around it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from txl_dist import launch_env
+
+log = logging.getLogger("txl_dist.training")
+
+RUN_ENVIRONMENT_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "CUDA_DEVICE_MAX_CONNECTIONS",
+                        "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+"""The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces)."""
+SHM_OP_NAME = "deepspeed_shm_comm"
+ENVIRONMENT_KEY = "txl_dist/environment/{rank}"
+RANK_KEY = "txl_dist/ranks/{rank}"
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def venv_bin() -> Path:
+    return Path(sys.executable).parent
+
+
+def prepare_extension_cache(environ: dict[str, str] | None = None) -> Path:
+    """Point torch's extension cache at this environment (unless the user chose one) and put the environment's
+    own tools first on PATH; return the cache directory."""
+    environ = os.environ if environ is None else environ
+    if not environ.get("TORCH_EXTENSIONS_DIR"):
+        import torch
+
+        # One folder per Python, accelerator build and torch release: a torch reinstalled in the environment
+        # (a CUDA build over the CPU one) never loads an op compiled against the other.
+        accelerator = ("cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}") \
+            if getattr(torch.version, "hip", None) is None else f"rocm{torch.version.hip.replace('.', '')}"
+        folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_torch{torch.__version__.split('+')[0]}"
+        environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions" / folder)
+    tools = str(venv_bin())
+    path = environ.get("PATH", "")
+    if (venv_bin() / "ninja").exists() and path.split(os.pathsep)[:1] != [tools]:
+        environ["PATH"] = tools + (os.pathsep + path if path else "")
+    return Path(environ["TORCH_EXTENSIONS_DIR"])
+
+
+def _build_directory(cache: Path, name: str) -> Path:
+    """Where torch's JIT loader builds ``name`` when TORCH_EXTENSIONS_DIR is ``cache`` (as it always is here)."""
+    return cache / name
+
+
+@contextmanager
+def build_lock(cache: Path, name: str = SHM_OP_NAME) -> Iterator[None]:
+    """Hold the build of ``name`` in ``cache``; a torch lock file found while holding it was left by a killed
+    build (every build of ours runs under this lock) and is removed, with a warning."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{name}.txl_dist-build-lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = _build_directory(cache, name) / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build of DeepSpeed's %s op that was killed (it would make this "
+                            "launch wait forever)", stale, name)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def load_shm_op() -> object | None:
+    """DeepSpeed's shared-memory op for the CPU accelerator, built (once per cache) under `build_lock`; None where
+    the accelerator has none. DeepSpeed's own start-up then finds it loaded."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return None
+    from deepspeed.comm.torch import build_shm_op
+
+    import contextlib
+    import io
+
+    # DeepSpeed prints "built successfully" at every load; its own start-up loads the op again and says so once.
+    with build_lock(prepare_extension_cache()), contextlib.redirect_stdout(io.StringIO()):
+        return build_shm_op()
+
+
+def environment_record() -> dict[str, object]:
+    """What this rank runs with: the run-wide variables, the accelerator it picked, the library versions."""
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    return {
+        "variables": {key: os.environ.get(key) for key in RUN_ENVIRONMENT_KEYS},
+        "accelerator": get_accelerator().device_name(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def environment_disagreement(records: list[dict]) -> str | None:
+    """One line naming the first difference between the ranks' records, or None when they agree."""
+    def value(record: dict, key: str):
+        return record["variables"].get(key) if key in RUN_ENVIRONMENT_KEYS else record[key]
+
+    first = records[0]
+    for key in ("accelerator", *RUN_ENVIRONMENT_KEYS, "torch", "deepspeed"):
+        differing = [r for r, record in enumerate(records) if value(record, key) != value(first, key)]
+        if differing:
+            other = records[differing[0]]
+
+            def shown(v):
+                return "unset" if v is None else repr(v)
+
+            more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
+            advice = ("set it for every rank: with `deepspeed --hostfile`, in .deepspeed_env "
+                      "(python -m txl_dist.launch_env --write-deepspeed-env)" if key in RUN_ENVIRONMENT_KEYS
+                      else "install the same software on every node")
+            return (f"the ranks disagree on {key}: {shown(value(first, key))} on rank 0 ({first['host']}) but "
+                    f"{shown(value(other, key))} on rank {differing[0]} ({other['host']}){more}; {advice}")
+    return None
+
+
+def _rendezvous(launch: launch_env.LaunchEnvironment):
+    import torch.distributed as dist
+
+    store, _, _ = next(dist.rendezvous("env://", launch.rank, launch.world_size, timeout=RENDEZVOUS_TIMEOUT))
+    return store
+
+
+def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
+    """Publish this rank's record and read everyone's; ValueError (the same on every rank) when they differ."""
+    store.set(ENVIRONMENT_KEY.format(rank=rank), json.dumps(environment_record()))
+    keys = [ENVIRONMENT_KEY.format(rank=r) for r in range(world_size)]
+    store.wait(keys, RENDEZVOUS_TIMEOUT)
+    records = [json.loads(store.get(key)) for key in keys]
+    problem = environment_disagreement(records)
+    if problem:
+        from txl_dist.training.run_guard import ReportedByRankZero
+
+        raise launch_env.LaunchError(problem) if rank == 0 else ReportedByRankZero(problem)
+    return records
+
+
+def start(device_type: str) -> tuple[int, int, list[dict]]:
+    """Steps 2-4 of the module's docstring (`launch_env.apply` ran at process start); returns (rank, world size,
+    every rank's environment record)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    launch = launch_env.resolve(os.environ)
+    load_shm_op()
+    if dist.is_initialized():
+        records = [environment_record()]
+    else:
+        store = _rendezvous(launch)
+        records = agree_on_environment(store, launch.rank, launch.world_size) if launch.world_size > 1 \
+            else [environment_record()]
+        from deepspeed.constants import default_pg_timeout
+
+        dist.init_process_group(get_accelerator().communication_backend_name(), store=store, rank=launch.rank,
+                                world_size=launch.world_size, timeout=default_pg_timeout)
+    deepspeed.init_distributed()
+    # pdsh's ranks have only what .deepspeed_env (wherever DS_ENV_FILE put it) or a login shell gave them.
+    forwarded = any(os.environ.get(key) for key in launch_env.RUN_VARIABLES if key != "TORCH_EXTENSIONS_DIR") or any(
+        (Path(directory) / ".deepspeed_env").is_file() for directory in (os.path.expanduser("~"), os.getcwd()))
+    if launch.rank == 0 and not forwarded and _started_over_ssh():
+        log.warning("started over ssh (deepspeed --hostfile) without a .deepspeed_env: the variables set where "
+                    "deepspeed was typed (%s) reached no rank unless a login shell sets them; write one with "
+                    "`python -m txl_dist.launch_env --write-deepspeed-env`", ", ".join(launch_env.RUN_VARIABLES[:3]))
+    return dist.get_rank(), dist.get_world_size(), records
+
+
+def _started_over_ssh() -> bool:
+    """Whether an sshd is among this process's ancestors (pdsh's way of starting DeepSpeed's launcher)."""
+    import psutil
+
+    try:
+        return any(parent.name() == "sshd" for parent in psutil.Process().parents())
+    except (psutil.Error, OSError):
+        return False
+
+
+def describe_environment(record: dict) -> str:
+    """One line of a rank's record for the run's log."""
+    variables = " ".join(f"{key}={value}" for key, value in record["variables"].items() if value is not None)
+    return f"accelerator {record['accelerator']}, torch {record['torch']}, deepspeed {record['deepspeed']}, {variables}"
+
+
+def main() -> int:
+    """``python -m txl_dist.training.world``: build DeepSpeed's shared-memory op into this environment's cache
+    (``make warm`` runs it, so that no launch compiles)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cache = prepare_extension_cache()
+    op = load_shm_op()
+    print(f"DeepSpeed's {SHM_OP_NAME} op: {'ready' if op is not None else 'not used by this accelerator'} "
+          f"(cache {cache})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
