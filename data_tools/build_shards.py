@@ -13,6 +13,11 @@
         --input 1-billion-word-language-modeling-benchmark-r13output --workers 16
     python -m data_tools.build_shards --tokenizer tok_ptb/ --output ptb/ --format ptb
 
+    # the paper's other benchmarks, from the files as downloaded (a byte / character / word tokenizer)
+    python -m data_tools.build_shards --tokenizer tok_enwik8/ --output enwik8/ --format enwik8 --input enwik8.zip
+    python -m data_tools.build_shards --tokenizer tok_text8/ --output text8/ --format text8 --input text8.zip
+    python -m data_tools.build_shards --tokenizer tok_wt103/ --output wt103/ --format wikitext --input wikitext-103/
+
     # continue an interrupted build (each finished shard is checked by its sha256)
     python -m data_tools.build_shards ... --resume
 
@@ -34,6 +39,14 @@ as the str path, three times faster). Which documents share a block depends only
 fit in what is left of the current block starts the next one, and a document longer than a block spans as many
 blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
 ``--workers``.
+
+Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) and one
+document per line, every line of the input is a document, blank ones included, and nothing is replaced or
+dropped: a split's tokens are exactly its bytes (characters), newlines included, and one newline more when the
+input ends inside a line (the authors' final ``<eos>``). ``--format enwik8|text8`` cut the one file (or the file
+inside its zip) at the authors' byte offsets (`corpus.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's
+parts stripped of their end spaces as prep_text8.py does); ``--format wikitext`` reads ``wiki.*.tokens`` and
+keeps every line as a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data.
 
 Resume. After each finished shard the builder journals, in ``OUT/.build_state.json`` (written atomically), the
 shards written so far and where in the input each split continues. ``--resume`` checks each journaled shard's
@@ -195,6 +208,7 @@ class _WorkerSettings:
     jsonl_field: str
     strict: bool
     holdout: Holdout | None
+    input_format: str = "text"
 
 
 _worker: tuple[_WorkerSettings, Tokenizer, np.dtype] | None = None
@@ -214,11 +228,15 @@ def _tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]
     chunk = corpus.resolve(chunk)
     settings, tokenizer, dtype = _worker
     if (isinstance(tokenizer, WordTokenizer) and settings.doc_unit == "line" and not chunk.jsonl
-            and len(streams) == 1 and streams[0][1] == 0):
+            and len(streams) == 1 and streams[0][1] == 0 and settings.input_format != "wikitext"):
         result = _tokenize_lines(chunk, streams[0][0], tokenizer, dtype)
         if result is not None:
             return result
-    text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
+    if (tokenizer.character_level and settings.doc_unit == "line" and not chunk.jsonl and len(streams) == 1
+            and streams[0][1] is not None):
+        return _tokenize_characters(chunk, streams[0][0], streams[0][1], tokenizer, dtype)
+    text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict,
+                                  keep_blank=settings.input_format == "wikitext")
     if len(streams) == 1:
         routes = {streams[0][0]: np.arange(len(text.documents))}
     else:
@@ -251,6 +269,42 @@ def _tokenize_lines(chunk: corpus.Chunk, split: str, tokenizer: WordTokenizer, d
                         scan.characters_per_line()[documents] + 1, documents)
     return ChunkResult(chunk.start.chunk, len(chunk.data), len(documents), len(scan.words_per_line) - len(documents),
                        0, {split: piece})
+
+
+# Which bytes are whitespace for str.split() (ASCII only: a byte of 128 or more is part of a character).
+_BYTE_IS_SPACE = np.array([code < 128 and chr(code).isspace() for code in range(256)])
+
+
+def _tokenize_characters(chunk: corpus.Chunk, split: str, first_document: int, tokenizer: Tokenizer,
+                         dtype: np.dtype) -> ChunkResult:
+    """The byte and character tokenizers' path: every line a document, blank lines included, nothing replaced
+    or dropped, so the chunk's tokens are its bytes (characters) with a newline closing an unended last line.
+    Documents before ``first_document`` (a resume inside the chunk) are left out."""
+    data = chunk.data
+    if tokenizer.kind == "byte":
+        ids = np.frombuffer(data, dtype=np.uint8)
+        is_space = _BYTE_IS_SPACE[ids]
+    else:
+        text, _ = corpus._decode(chunk, strict=True)  # a character alphabet has no stand-in for bad bytes
+        try:
+            ids = tokenizer.encode_text(text, where=f"{chunk.path}, the text from byte {chunk.start.offset}")
+        except ValueError as error:  # a character outside the tokenizer's alphabet
+            raise InputError(f"{error}; train the tokenizer on this text, or give it an --alphabet that holds it") from None
+        is_space = tokenizer.is_space[ids]
+    newline = tokenizer.eos_id
+    if len(ids) and ids[-1] != newline:
+        ids = np.append(ids, np.asarray([newline], dtype=ids.dtype))
+        is_space = np.append(is_space, True)
+    ends = np.flatnonzero(ids == newline) + 1
+    document_tokens = np.diff(ends, prepend=0)
+    word_starts = ~is_space
+    word_starts[1:] &= is_space[:-1]
+    words = np.diff(np.searchsorted(np.flatnonzero(word_starts), ends), prepend=0)
+    first = min(first_document, len(ends))
+    begin = int(ends[first - 1]) if first else 0
+    piece = StreamPiece(ids[begin:].astype(dtype), document_tokens[first:], words[first:] + 1,
+                        document_tokens[first:].copy(), np.arange(first, len(ends)))
+    return ChunkResult(chunk.start.chunk, len(data), len(ends), 0, 0, {split: piece})
 
 
 def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.ndarray, dtype: np.dtype
@@ -602,7 +656,7 @@ class _Builder:
                    unit="B", unit_scale=True, desc=f"{source}", file=sys.stderr, disable=not self.progress,
                    dynamic_ncols=True)
         worker_settings = _WorkerSettings(str(settings.tokenizer_directory), settings.doc_unit, settings.jsonl_field,
-                                          settings.strict, settings.holdout)
+                                          settings.strict, settings.holdout, input_format=settings.input_format)
         totals = source_state["statistics"]
         counted = {split: [0, 0] for split in splits}  # documents, tokens (of this run, for the progress bar)
         results = ordered_map(_tokenize_chunk, tasks(), workers, _start_worker, (worker_settings,),
@@ -682,7 +736,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(--input); ptb: the Penn Treebank (--input DIR, or the treebank package)")
     parser.add_argument("--split", action="append", type=_parse_split, default=[], metavar="NAME=GLOB[,GLOB]",
                         help="a split and its input files (text/.gz/.jsonl); repeat for more splits")
-    parser.add_argument("--input", type=Path, help="the corpus directory for --format lm1b|ptb")
+    parser.add_argument("--input", type=Path, help="the corpus directory for --format lm1b|ptb|wikitext; the file, "
+                        "its zip or their directory for --format enwik8|text8")
+    parser.add_argument("--held-out-bytes", type=int, default=corpus.HELD_OUT_BYTES,
+                        help="--format enwik8|text8: bytes of valid and of test at the end of the file (the "
+                             "authors' 5,000,000; smaller for a scaled-down copy)")
     parser.add_argument("--lm1b-valid", default=corpus.LM1B_DEFAULT_VALID_FILE,
                         help="heldout file used as the lm1b valid split (never the test file heldout-00000)")
     parser.add_argument("--holdout", type=_parse_holdout, action="append", default=[], metavar="NAME=FRACTION",
@@ -726,6 +784,8 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
             if args.input is None:
                 raise BuildError("--format lm1b needs --input DIR (the r13output directory)")
             sources = corpus.lm1b_splits(args.input, args.lm1b_valid)
+        elif args.format in ("enwik8", "text8", "wikitext"):
+            sources = benchmark_sources(args.format, args.input, args.held_out_bytes)
         else:
             sources = corpus.ptb_splits(args.input)
     return BuildSettings(
@@ -734,6 +794,18 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         holdout=args.holdout[0] if args.holdout else None,
         tokens_per_block=args.tokens_per_block, tokens_per_shard=args.tokens_per_shard, chunk_bytes=args.chunk_bytes,
     )
+
+
+def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int) -> dict[str, list[InputFile]]:
+    """The splits of ``--format enwik8|text8|wikitext`` (see `data_tools.corpus`)."""
+    if path is None:
+        what = ("the folder of wiki.*.tokens" if input_format == "wikitext"
+                else f"{input_format}, {input_format}.zip or their folder")
+        raise BuildError(f"--format {input_format} needs --input ({what})")
+    if input_format == "wikitext":
+        return corpus.wikitext_splits(path)
+    splits = corpus.enwik8_splits if input_format == "enwik8" else corpus.text8_splits
+    return splits(path, held_out_bytes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

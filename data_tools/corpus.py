@@ -12,6 +12,9 @@ Reading comes in two halves so that a parent process can stay light while worker
   a build can restart at any chunk.
 - `chunk_documents` (worker) decodes a chunk into documents, each a list of lines.
 
+The authors' benchmarks have importers of their own (``--format enwik8|text8|wikitext``): `enwik8_splits`,
+`text8_splits` (byte ranges of the one file, or of the file inside its zip) and `wikitext_splits`.
+
 Lines end at ``\\n`` only (``\\r\\n`` is read as ``\\n``): Python's ``str.splitlines`` would also break at
 U+2028, U+0085 and the like, which occur inside One Billion Word sentences.
 """
@@ -24,6 +27,7 @@ import gzip
 import io
 import json
 import os
+import zipfile
 import zlib
 from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
@@ -32,7 +36,15 @@ import numpy as np
 
 DOC_UNITS = ("line", "blank-line", "file")
 DEFAULT_CHUNK_BYTES = 1 << 20
-FORMATS = ("text", "lm1b", "ptb")
+FORMATS = ("text", "lm1b", "ptb", "enwik8", "text8", "wikitext")
+CHARACTER_FORMATS = ("enwik8", "text8")
+
+# The authors' character benchmarks (their prep_enwik8.py and prep_text8.py): the last 10M bytes held out, valid
+# the first 5M of them, test the last 5M.
+CHARACTER_CORPUS_BYTES = 100_000_000
+HELD_OUT_BYTES = 5_000_000
+WIKITEXT_FILES = {"train": "wiki.train.tokens", "valid": "wiki.valid.tokens", "test": "wiki.test.tokens"}
+WIKITEXT_RENAMED = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}  # the authors' getdata.sh
 
 LM1B_TRAIN_DIR = "training-monolingual.tokenized.shuffled"
 LM1B_HELDOUT_DIR = "heldout-monolingual.tokenized.shuffled"
@@ -54,23 +66,99 @@ class InputFile:
 
     name: str
     size: int
-    """Bytes on disk (compressed bytes for ``.gz``)."""
+    """Bytes on disk (compressed bytes for ``.gz``); for a byte range, the range's length."""
+    start: int = 0
+    """First byte of the range read (enwik8/text8 splits); offsets of chunks stay offsets in the whole file."""
+    stop: int | None = None
+    """End of the range read (exclusive); None: the end of the file."""
+    member: str | None = None
+    """The file inside a ``.zip`` archive (enwik8.zip holds ``enwik8``); offsets count its decompressed bytes."""
 
     @property
     def jsonl(self) -> bool:
         return self.name.endswith((".jsonl", ".jsonl.gz"))
 
+    @property
+    def compressed(self) -> bool:
+        """Chunks of this input travel to workers with their bytes (they cannot be re-read by offset cheaply)."""
+        return self.name.endswith(".gz") or self.member is not None
+
     def open(self) -> BinaryIO:
         if self.name.startswith(TREEBANK_PREFIX):
             return io.BytesIO(_treebank_text(self.name.removeprefix(TREEBANK_PREFIX)))
         try:
-            return gzip.open(self.name, "rb") if self.name.endswith(".gz") else open(self.name, "rb")
+            if self.member is not None:
+                handle = _open_zip_member(self.name, self.member)
+            else:
+                handle = gzip.open(self.name, "rb") if self.name.endswith(".gz") else open(self.name, "rb")
         except OSError as error:
             raise InputError(f"{self.name}: cannot open input ({error.strerror})") from error
+        if self.start or self.stop is not None:
+            return _ByteRange(handle, self.start, self.stop)
+        return handle
 
     def describe(self) -> dict[str, object]:
         """What identifies this input in a build record (and what ``--resume`` checks)."""
-        return {"name": self.name, "size": self.size}
+        described: dict[str, object] = {"name": self.name, "size": self.size}
+        if self.start or self.stop is not None:
+            described.update(start=self.start, stop=self.stop)
+        if self.member is not None:
+            described["member"] = self.member
+        return described
+
+
+def _open_zip_member(path: str, member: str) -> BinaryIO:
+    archive = zipfile.ZipFile(path)
+    try:
+        return archive.open(member)  # stays readable after the archive object is closed
+    except KeyError:
+        raise InputError(f"{path}: holds no file {member!r} (it holds {archive.namelist()[:5]})") from None
+    finally:
+        archive.close()
+
+
+class _ByteRange(io.RawIOBase):
+    """Bytes [start, stop) of a file, read, read line by line and sought in the file's own offsets."""
+
+    def __init__(self, handle: BinaryIO, start: int, stop: int | None):
+        super().__init__()
+        self._handle, self._start, self._stop = handle, start, stop
+        handle.seek(start)
+        self._position = start
+
+    def _room(self, size: int) -> int:
+        left = None if self._stop is None else max(0, self._stop - self._position)
+        if size is None or size < 0:
+            return -1 if left is None else left
+        return size if left is None else min(size, left)
+
+    def read(self, size: int = -1) -> bytes:
+        room = self._room(size)
+        data = self._handle.read(room) if room != 0 else b""
+        self._position += len(data)
+        return data
+
+    def readline(self, size: int = -1) -> bytes:
+        room = self._room(size)
+        data = self._handle.readline(room) if room != 0 else b""
+        self._position += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_SET:
+            raise io.UnsupportedOperation("a byte range seeks to absolute offsets only")
+        self._position = self._handle.seek(max(offset, self._start))
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._handle.close()
+        super().close()
 
 
 def _treebank_text(split: str) -> bytes:
@@ -142,6 +230,104 @@ def ptb_splits(directory: str | os.PathLike | None = None) -> dict[str, list[Inp
     return splits
 
 
+def held_out_tail_ranges(total: int, held_out: int = HELD_OUT_BYTES) -> dict[str, tuple[int, int]]:
+    """The authors' split of a character corpus of ``total`` bytes (prep_enwik8.py, prep_text8.py): train =
+    ``data[:-2h]``, valid = ``data[-2h:-h]``, test = ``data[-h:]`` with h = ``held_out`` (5,000,000), as
+    [start, stop) byte offsets. For the 100,000,000 bytes of enwik8 and text8: 0-90M, 90M-95M, 95M-100M."""
+    if held_out < 1:
+        raise InputError(f"--held-out-bytes {held_out}: must be positive")
+    if total <= 2 * held_out:
+        raise InputError(f"a corpus of {total:,} bytes has nothing left for train after 2 x {held_out:,} held-out "
+                         f"bytes (the authors' split needs more than {2 * held_out:,}; see --held-out-bytes)")
+    return {"train": (0, total - 2 * held_out), "valid": (total - 2 * held_out, total - held_out),
+            "test": (total - held_out, total)}
+
+
+def _character_corpus(path: str | os.PathLike, name: str) -> tuple[str, str | None, int]:
+    """(file, member inside a zip or None, bytes) of ``name`` (enwik8, text8) given as the file, its zip as
+    downloaded, or a directory holding either."""
+    path = Path(path)
+    if path.is_dir():
+        found = next((c for c in (path / name, path / f"{name}.zip") if c.is_file()), None)
+        if found is None:
+            raise InputError(f"{path}: holds neither {name} nor {name}.zip")
+        path = found
+    if not path.is_file():
+        raise InputError(f"{path}: no such file (expected {name} or {name}.zip)")
+    if path.suffix != ".zip":
+        return str(path.resolve()), None, path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = [info for info in archive.infolist() if not info.is_dir()]
+            info = next((i for i in members if Path(i.filename).name == name), members[0] if len(members) == 1 else None)
+    except (zipfile.BadZipFile, OSError) as error:
+        raise InputError(f"{path}: not a readable zip archive ({error})") from error
+    if info is None:
+        raise InputError(f"{path}: holds no file {name!r} (it holds {[i.filename for i in members][:5]})")
+    return str(path.resolve()), info.filename, info.file_size
+
+
+def enwik8_splits(path: str | os.PathLike, held_out: int = HELD_OUT_BYTES) -> dict[str, list[InputFile]]:
+    """train/valid/test of enwik8 (the file, ``enwik8.zip``, or a directory with either): the byte ranges of
+    `held_out_tail_ranges`, every byte kept (the authors' data goes through text files of byte values)."""
+    name, member, total = _character_corpus(path, "enwik8")
+    return {split: [InputFile(name, stop - start, start, stop, member)]
+            for split, (start, stop) in held_out_tail_ranges(total, held_out).items()}
+
+
+# What str.strip() removes among ASCII bytes (text8 is ASCII: its character offsets are byte offsets).
+_ASCII_WHITESPACE = frozenset(code for code in range(128) if chr(code).isspace())
+
+
+def text8_splits(path: str | os.PathLike, held_out: int = HELD_OUT_BYTES) -> dict[str, list[InputFile]]:
+    """train/valid/test of text8 (the file, ``text8.zip``, or a directory with either): the ranges of
+    `held_out_tail_ranges`, each without the whitespace at its two ends, as the authors' prep_text8.py strips
+    each part (text8 begins with a space, and the cuts fall between words or inside them)."""
+    name, member, total = _character_corpus(path, "text8")
+    splits = {}
+    for split, (start, stop) in held_out_tail_ranges(total, held_out).items():
+        start, stop = _strip_range(InputFile(name, stop - start, start, stop, member))
+        splits[split] = [InputFile(name, stop - start, start, stop, member)]
+    return splits
+
+
+def _strip_range(input_file: InputFile, window: int = 4096) -> tuple[int, int]:
+    """[start, stop) of the input's range without leading and trailing ASCII whitespace."""
+    start, stop = input_file.start, input_file.stop
+    with input_file.open() as handle:
+        while start < stop:
+            handle.seek(start)
+            data = handle.read(min(window, stop - start))
+            kept = next((i for i, byte in enumerate(data) if byte not in _ASCII_WHITESPACE), None)
+            if kept is not None:
+                start += kept
+                break
+            start += len(data)
+        while stop > start:
+            handle.seek(max(start, stop - window))
+            data = handle.read(stop - max(start, stop - window))
+            kept = next((i for i in range(len(data) - 1, -1, -1) if data[i] not in _ASCII_WHITESPACE), None)
+            if kept is not None:
+                stop -= len(data) - 1 - kept
+                break
+            stop -= len(data)
+    if start >= stop:
+        raise InputError(f"{input_file.name}: bytes {input_file.start}-{input_file.stop} hold only whitespace")
+    return start, stop
+
+
+def wikitext_splits(directory: str | os.PathLike) -> dict[str, list[InputFile]]:
+    """train/valid/test of WikiText-103 or WikiText-2: ``wiki.{train,valid,test}.tokens`` in ``directory`` (the
+    unzipped download), or the authors' renamed ``train.txt``, ``valid.txt``, ``test.txt``."""
+    directory = Path(directory)
+    for names in (WIKITEXT_FILES, WIKITEXT_RENAMED):
+        paths = {split: directory / name for split, name in names.items()}
+        if all(p.is_file() for p in paths.values()):
+            return {split: input_files([str(p)]) for split, p in paths.items()}
+    raise InputError(f"{directory}: expected {', '.join(WIKITEXT_FILES.values())} (or the authors' renamed "
+                     f"{', '.join(WIKITEXT_RENAMED.values())}); unzip wikitext-103-v1.zip and pass its folder")
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadPosition:
     """Where chunk number ``chunk`` begins: byte ``offset`` (line ``line``, from 1) of input file ``file``
@@ -173,7 +359,7 @@ def portable(chunk: Chunk) -> Chunk:
     their CRC-32, and the worker reads them again (from the page cache: 0.3 ms per MB, where sending them
     through a pipe costs 2 ms, most of it in a worker thread fighting the tokenising one for the GIL). Chunks
     of .gz files and of the treebank package travel with their bytes."""
-    if chunk.data is None or chunk.path.endswith(".gz") or chunk.path.startswith(TREEBANK_PREFIX):
+    if (chunk.data is None or chunk.path.endswith((".gz", ".zip")) or chunk.path.startswith(TREEBANK_PREFIX)):
         return chunk
     return dataclasses.replace(chunk, data=None, length=len(chunk.data), crc32=zlib.crc32(chunk.data))
 
@@ -208,6 +394,7 @@ def read_chunks(files: Sequence[InputFile], doc_unit: str, chunk_bytes: int,
     for file_index in range(start.file, len(files)):
         input_file = files[file_index]
         offset, line = (start.offset, start.line) if file_index == start.file else (0, 1)
+        offset = max(offset, input_file.start)  # a byte range's chunks count offsets in the whole file
         unit = "line" if input_file.jsonl else doc_unit
         with input_file.open() as handle:
             try:
@@ -287,8 +474,11 @@ def words_per_line(text: str) -> np.ndarray:
     return np.diff(np.searchsorted(np.flatnonzero(word_starts), line_ends), prepend=0)
 
 
-def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool) -> ChunkText:
-    """Decode a chunk and cut it into documents (see the module docstring)."""
+def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool, keep_blank: bool = False
+                    ) -> ChunkText:
+    """Decode a chunk and cut it into documents (see the module docstring). ``keep_blank`` keeps the lines of
+    nothing but whitespace as (empty) documents with one document per line: WikiText, whose every line, blank or
+    not, ends with ``<eos>`` in the authors' data."""
     text, replaced_bytes = _decode(chunk, strict)
     if "\r" in text:
         text = text.replace("\r\n", "\n")
@@ -298,7 +488,7 @@ def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool)
             lines.pop()
         words = words_per_line(text)
         characters = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
-        if words.all():
+        if words.all() or keep_blank:
             return ChunkText([[line] for line in lines], np.arange(len(lines)), words, characters, 0, replaced_bytes)
         indices = np.flatnonzero(words)  # a line without words holds only whitespace
         return ChunkText([[lines[i]] for i in indices.tolist()], indices, words[indices], characters[indices],

@@ -196,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for split in manifest.splits:
                 for number, ids in enumerate(first_documents(args.directory, manifest, split, args.decode)):
                     print(f"--- {split} document {number} ({len(ids)} tokens)")
-                    print(tokenizer.decode_document(ids.tolist()))
+                    # A byte tokenizer's text holds bytes that are not UTF-8 as lone surrogates: print them as U+FFFD.
+                    text = tokenizer.decode_document(ids.tolist())
+                    print(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
         if args.verify:
             problems = verify_shards(args.directory, progress=args.progress)
             for problem in problems:

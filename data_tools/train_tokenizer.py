@@ -12,7 +12,13 @@
     python -m data_tools.train_tokenizer --preset lm1b --format lm1b \\
         --input 1-billion-word-language-modeling-benchmark-r13output --output tok_lm1b/ --workers 8
 
-The output directory holds the tokenizer's file (``spm.model`` or ``vocab.txt``) and ``tokenizer.json``; load it
+    # the paper's character and WikiText benchmarks, from the files as downloaded: every byte of enwik8 one
+    # id; text8's 27 characters and the newline; WikiText-103's 267,735 train words with <eos>
+    python -m data_tools.train_tokenizer --preset enwik8 --format enwik8 --input enwik8.zip --output tok_enwik8/
+    python -m data_tools.train_tokenizer --preset text8 --format text8 --input text8.zip --output tok_text8/
+    python -m data_tools.train_tokenizer --preset wikitext --format wikitext --input wikitext-103/ --output tok_wt103/
+
+The output directory holds the tokenizer's file (``spm.model``, ``vocab.txt``, ``bytes.txt`` or ``chars.txt``) and ``tokenizer.json``; load it
 with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read. An input without a
 document (empty or blank files) is an error, before anything is written, unless --allow-empty (a word vocabulary of
 the special symbols only). A write failure (read-only or full output) is one line naming the file.
@@ -45,15 +51,22 @@ from data_tools.workers import WorkerError, ordered_map
 from txl_dist import word_scan
 from txl_dist.fileio import OutputPathError, atomic_write, describe_os_error, refuse_output_over_inputs
 from txl_dist.tokenizer import (
-    KINDS, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer, TokenizerError, write_tokenizer_json,
-    write_word_vocab,
+    BYTE_VOCAB, CHAR_VOCAB, KINDS, NEWLINE, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer,
+    TokenizerError, byte_piece, char_piece, write_tokenizer_json, write_word_vocab,
 )
 
+TEXT8_ALPHABET = " abcdefghijklmnopqrstuvwxyz"
 PRESETS: dict[str, dict[str, Any]] = {
     # Chelba et al. (2013): words of the training data with count >= 3, 793,471 entries with <S>, </S>, <UNK>.
     "lm1b": {"kind": "word", "min_count": 3, "specials": ["<S>", "</S>", "<UNK>"], "eos": "</S>", "unk": "<UNK>"},
+    # The authors' enwik8 symbols are its bytes; here every byte value has an id, the newline included.
+    "enwik8": {"kind": "byte"},
+    # text8: lower-case letters and the space (the authors write it as '_'), plus the newline that ends a line.
+    "text8": {"kind": "char", "alphabet": TEXT8_ALPHABET},
+    # WikiText: every word of the training file (it already holds <unk>), <eos> first: 267,735 for WT103.
+    "wikitext": {"kind": "word", "min_count": 1, "specials": ["<eos>"], "eos": "<eos>", "unk": "<unk>"},
 }
-OWN_FILES = (TOKENIZER_JSON, SENTENCEPIECE_MODEL, "spm.vocab", WORD_VOCAB)
+OWN_FILES = (TOKENIZER_JSON, SENTENCEPIECE_MODEL, "spm.vocab", WORD_VOCAB, BYTE_VOCAB, CHAR_VOCAB)
 DEFAULT_MAX_SENTENCE_LENGTH = 4192  # bytes: SentencePiece's own default
 
 
@@ -389,6 +402,60 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
                                 eos_id, eod_id, unk_id, pieces, training)
 
 
+def _raw_chunks(reading: _Reading, what: str) -> Iterator[corpus.Chunk]:
+    """The input's chunks as read, counted in ``reading.statistics`` (every line a document, none skipped)."""
+    plain = all(not f.compressed for f in reading.files)
+    with tqdm(total=sum(f.size for f in reading.files) if plain else None, unit="B", unit_scale=True, desc=what,
+              file=sys.stderr, disable=not reading.progress, dynamic_ncols=True) as bar:
+        for chunk in corpus.read_chunks(reading.files, "line", corpus.DEFAULT_CHUNK_BYTES):
+            lines = chunk.data.count(b"\n") + (not chunk.data.endswith(b"\n"))
+            reading.statistics["documents"] += lines
+            reading.statistics["lines"] += lines
+            reading.statistics["bytes"] += len(chunk.data)
+            bar.update(len(chunk.data))
+            yield chunk
+    reading._check_not_empty()
+
+
+def train_byte(reading: _Reading, output: Path) -> Tokenizer:
+    """Every byte value one id (256, id = value), the newline byte the separator; the bytes of the input are
+    counted for the record."""
+    counts = np.zeros(256, dtype=np.int64)
+    for chunk in _raw_chunks(reading, "counting bytes"):
+        counts += np.bincount(np.frombuffer(chunk.data, dtype=np.uint8), minlength=256)
+    write_word_vocab(output / BYTE_VOCAB, [byte_piece(value) for value in range(256)], counts.tolist())
+    training = {"kind": "byte", "distinct_bytes": int(np.count_nonzero(counts)), **reading.record()}
+    newline = byte_piece(NEWLINE)
+    return write_tokenizer_json(output, "byte", [BYTE_VOCAB], 256, NEWLINE, NEWLINE, None,
+                                {"eos": newline, "eod": newline}, training)
+
+
+def train_char(reading: _Reading, output: Path, alphabet: str | None) -> Tokenizer:
+    """The newline (id 0, the separator), then every character of the training text (or of ``alphabet``, when
+    given: a training character outside it is then an error naming it) by descending count, ties in code point
+    order."""
+    counts: collections.Counter = collections.Counter()
+    for chunk in _raw_chunks(reading, "counting characters"):
+        text, _ = corpus._decode(chunk, strict=True)
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        values, value_counts = np.unique(codes, return_counts=True)
+        counts.update(dict(zip(map(chr, values.tolist()), value_counts.tolist())))
+        if alphabet is not None:
+            outside = sorted(set(counts) - set(alphabet) - {"\n"})
+            if outside:
+                raise TrainError(f"{chunk.path}: character {outside[0]!r} (U+{ord(outside[0]):04X}) is not in "
+                                 f"--alphabet {alphabet!r}")
+    if alphabet is not None and len(set(alphabet)) != len(alphabet):
+        raise TrainError(f"--alphabet {alphabet!r}: a character appears twice")
+    characters = sorted((set(alphabet) if alphabet is not None else set(counts)) - {"\n"},
+                        key=lambda character: (-counts.get(character, 0), character))
+    entries = ["\n"] + characters
+    write_word_vocab(output / CHAR_VOCAB, [char_piece(c) for c in entries], [counts.get(c, 0) for c in entries])
+    training = {"kind": "char", "alphabet": alphabet, "distinct_characters": len(counts), **reading.record()}
+    return write_tokenizer_json(output, "char", [CHAR_VOCAB], len(entries), 0, 0, None,
+                                {"eos": "\n", "eod": "\n"}, training)
+
+
 def _training_files(args: argparse.Namespace) -> list[InputFile]:
     if args.format == "text":
         if not args.input:
@@ -403,6 +470,13 @@ def _training_files(args: argparse.Namespace) -> list[InputFile]:
         if directory is None:
             raise TrainError("--format lm1b needs --input DIR (the r13output directory)")
         return corpus.lm1b_splits(directory)["train"]
+    if args.format in ("enwik8", "text8", "wikitext"):
+        if directory is None:
+            raise TrainError(f"--format {args.format} needs --input (the file as downloaded, or its folder)")
+        if args.format == "wikitext":
+            return corpus.wikitext_splits(directory)["train"]
+        splits = corpus.enwik8_splits if args.format == "enwik8" else corpus.text8_splits
+        return splits(directory, args.held_out_bytes)["train"]
     return corpus.ptb_splits(directory)["train"]
 
 
@@ -451,6 +525,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sp.add_argument("--threads", type=int, default=8,
                     help="training threads; the model depends on their number, so a fixed default keeps training "
                          "reproducible across machines")
+    parser.add_argument("--held-out-bytes", type=int, default=corpus.HELD_OUT_BYTES,
+                        help="--format enwik8|text8: bytes of valid and of test at the end of the file, left out "
+                             "of training (the authors' 5,000,000; smaller for a scaled-down copy)")
+    char = parser.add_argument_group("char")
+    char.add_argument("--alphabet", help="the characters of the vocabulary (default: those of the training text); "
+                      "the newline is always id 0")
     word = parser.add_argument_group("word")
     word.add_argument("--min-count", type=int, default=1, help="keep words seen at least this often")
     word.add_argument("--max-size", type=int, help="at most this many entries, specials included")
@@ -470,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     created = False
     try:
         if args.kind is None:
-            raise TrainError("--kind: choose sentencepiece or word (or a --preset)")
+            raise TrainError("--kind: choose sentencepiece, word, byte or char (or a --preset)")
         if args.kind == "sentencepiece" and args.workers != 1:
             raise TrainError(f"--workers {args.workers}: only --kind word counts in processes; sentencepiece "
                              f"trains with --threads")
@@ -484,7 +564,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _prepare_output(args.output, args.overwrite)
         reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress,
                            args.allow_empty)
-        if args.kind == "word":
+        if args.kind == "byte":
+            tokenizer = train_byte(reading, args.output)
+        elif args.kind == "char":
+            tokenizer = train_char(reading, args.output, args.alphabet)
+        elif args.kind == "word":
             tokenizer = train_word(reading, args.output, args.min_count, args.max_size, args.specials, args.eos,
                                    args.eod, args.unk, args.workers)
         else:

@@ -7,6 +7,9 @@
     # across ranks (any launcher; each rank scores its own streams)
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launchers/evaluate.py exports/ptb_small --split test
     torchrun --nproc_per_node 8 launchers/evaluate.py exports/lm1b_base --split test --shards /data/lm1b/shards
+    # the run config's eval section: for configs/enwik8_large.yaml the paper's tgt_len 128, mem_len 3800,
+    # clamp_len 1000 with same_length, reporting bits per character
+    python launchers/evaluate.py runs/enwik8_large --split test --eval-settings
 
 The model comes from an export folder or a DeepSpeed checkpoint (any ZeRO stage and number of ranks, gathered
 on the CPU; verified against its COMPLETE.json first, unless --no-verify, and read weights-only). The shards default to the ones the model was trained on. Prints a summary and writes JSON
@@ -18,6 +21,7 @@ and bits per character when the tokens are characters.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clamp-len", type=int, help="clamp relative distances (default: the model's)")
     parser.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
                         help="every query sees mem_len keys (default: the model's)")
+    parser.add_argument("--eval-settings", action="store_true",
+                        help="take tgt_len, mem_len, clamp_len and same_length from the run config's eval section "
+                             "(the paper's evaluation for the shipped configs, e.g. enwik8_large's 128 / 3800 / 1000 "
+                             "with same_length); the flags above still win")
     parser.add_argument("--batch-size", type=int, default=16, help="streams over all ranks (default: 16)")
     parser.add_argument("--tokenizer", help="tokenizer folder, for a checkpoint whose own cannot be found")
     parser.add_argument("--no-verify", action="store_true",
@@ -103,12 +111,26 @@ def _verify_once(path: Path, verify: bool) -> None:
         raise _SharedError(problem)
 
 
-def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str | None, device, verify: bool = True
-          ) -> tuple[Any, Any, str | None, Path]:
+def _with_eval_section(overrides: dict[str, Any], eval_section: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """``overrides`` completed by a run config's eval section (--eval-settings); the flags given win."""
+    if eval_section is None:
+        raise ValueError(f"{where}: records no run config, so --eval-settings has nothing to take; give --tgt-len, "
+                         f"--mem-len, --clamp-len and --same-length instead")
+    taken = {key: eval_section[key] for key in ("tgt_len", "mem_len", "clamp_len", "same_length")
+             if eval_section.get(key) is not None}
+    return {**taken, **overrides}
+
+
+def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str | None, device, verify: bool = True,
+          eval_settings: bool = False) -> tuple[Any, Any, str | None, Path]:
     """(model, tokenizer or None, recorded shards or None, default output file)."""
     from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_model, load_export_tokenizer
 
     if (path / CONFIG_FILE).is_file():
+        if eval_settings:
+            training = path / TRAINING_FILE
+            run_config = json.loads(training.read_text()).get("run_config") if training.is_file() else None
+            overrides = _with_eval_section(overrides, (run_config or {}).get("eval"), str(path))
         if not verify and int(os.environ.get("RANK", "0")) == 0:
             print(f"evaluate.py: warning: --no-verify: {path} is read without checking its files against "
                   f"checksums.json", file=sys.stderr)
@@ -123,6 +145,8 @@ def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str 
 
     _verify_once(path, verify)
     checkpoint = read_training_checkpoint(path, verify=False)  # verified just above
+    if eval_settings:
+        overrides = _with_eval_section(overrides, dataclasses.asdict(checkpoint.run_config.eval), str(checkpoint.tag_dir))
     config = apply_eval_overrides(checkpoint.run_config.model, overrides)
     weights = _consolidate_once(checkpoint, consolidate_weights, device)
     model = model_from_state_dict(weights, config, device=device, where=str(checkpoint.tag_dir))
@@ -151,7 +175,10 @@ def _consolidate_once(checkpoint, consolidate, device) -> dict:
 
 
 def tokens_are_characters(tokenizer) -> bool:
-    """Every piece that is not a special symbol is a single character (enwik8/text8-style data)."""
+    """Every piece that is not a special symbol is a single character (enwik8/text8-style data); byte and
+    character tokenizers always are (a byte piece is written ``<0x41>``; bits per byte are enwik8's bpc)."""
+    if getattr(tokenizer, "character_level", False):
+        return True
     specials = {tokenizer.eos_id, tokenizer.eod_id, tokenizer.unk_id}
     pieces = (tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size) if i not in specials)
     return all(len(piece.lstrip("\u2581")) <= 1 for piece in pieces)
@@ -168,7 +195,8 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
                                                   ("clamp_len", args.clamp_len), ("same_length", args.same_length))
                  if value is not None}
     model, tokenizer, recorded_shards, default_output = _load(Path(args.model), args.split, overrides, args.tokenizer,
-                                                               device, verify=not args.no_verify)
+                                                               device, verify=not args.no_verify,
+                                                               eval_settings=args.eval_settings)
     shards = args.shards or recorded_shards
     if shards is None:
         raise ValueError(f"{args.model} does not record its shards: pass --shards DIR")

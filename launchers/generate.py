@@ -4,6 +4,8 @@
     python launchers/generate.py exports/ptb_small --prompt "the company said" --greedy
     python launchers/generate.py exports/lm1b_base --prompt "The" --top-p 0.9 --temperature 0.8 --mem-len 256
     python launchers/generate.py exports/ptb_small --score "the market fell" "fell the market"
+    python launchers/generate.py exports/enwik8_base --prompt "[[Albert Einstein]] was" --max-new-tokens 200
+    python launchers/generate.py exports/enwik8_base --score "The cat sat." "Cat the sat."   # bits per character
 
 Decoding is incremental: after the prompt, one forward of one token per new token, each layer's keys and values
 of the context (at most --mem-len positions, the model's by default) kept in a cache. Text is printed as it is
@@ -15,6 +17,7 @@ text can score better than real text. The export's files are checked against its
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             _warn_unknown_prompt(tokenizer, args.prompt)
         if args.score:
             for text, result in zip(args.score, score(model, tokenizer, args.score)):
+                if getattr(tokenizer, "character_level", False):  # bits per character (per byte for bytes)
+                    bpc = -result["logprob"] / math.log(2) / result["tokens"]
+                    print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} characters  {bpc:7.4f} bpc  {text}")
+                    continue
                 print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} tokens  ppl {result['ppl']:9.2f}  {text}")
                 if result["unknown"]:
                     print(f"generate.py: warning: {result['unknown']} of the {result['tokens'] - 1} tokens of {text!r} "
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             pieces = iter_generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=seed, greedy=args.greedy)
             for index, piece in enumerate(pieces):
-                if index == 0 and not piece.startswith((" ", "\n")):
+                if index == 0 and not piece.startswith((" ", "\n")) and not getattr(tokenizer, "character_level", False):
                     piece = " " + piece
                 print(piece, end="", flush=True)
             print(flush=True)

@@ -188,7 +188,7 @@ def test_missing_include_names_the_including_file(tmp_path):
      "train.micro_batch=3 is not allowed: a divisor of train.global_batch=8"),
     ("optim: {learning_rate: 0.1}", "unknown key 'optim.learning_rate' in {file}; allowed keys in optim: name, lr,"),
     ("optimizer: {lr: 0.1}", "unknown section 'optimizer' in {file}; allowed sections: model, data,"),
-    ("model: {preset: huge}", "model.preset='huge' is not allowed: null or one of ['lm1b_base'"),
+    ("model: {preset: huge}", "model.preset='huge' is not allowed: null or one of ['enwik8_base', 'enwik8_large', 'lm1b_base'"),
     ("model: {hidden: 3}", "unknown key 'model.hidden' in {file}; allowed keys in model: preset, n_token,"),
     ("model: {dropout: 1.5}", "model.dropout=1.5 is not allowed: a probability in [0, 1)"),
     ("model: {cutoffs: [5, x]}", "model.cutoffs=[5, 'x'] is not allowed: a list of integers"),

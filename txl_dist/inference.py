@@ -12,6 +12,7 @@ Sampling uses its own ``torch.Generator`` (seeded by ``seed``), never the global
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 from typing import Any, Collection, Iterator, Sequence
 
@@ -263,9 +264,20 @@ class TextStream:
         self.separators = {tokenizer.eos_id, tokenizer.eod_id}
         self.line: list[int] = []
         self.pending_breaks = 0
+        # Bytes become text as their UTF-8 characters complete; a byte that is not UTF-8 prints as U+FFFD.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if getattr(tokenizer, "kind", None) == "byte" else None
 
     def push(self, token_id: int) -> str:
+        if self._utf8 is not None and token_id not in self.separators:
+            breaks = "\n" * self.pending_breaks
+            self.pending_breaks = 0
+            return breaks + self._utf8.decode(self.tokenizer.decode_bytes([token_id]))
         if token_id in self.separators:
+            if self._utf8 is not None:  # a line break ends an unfinished character
+                flushed = self._utf8.decode(b"", final=True)
+                self._utf8.reset()
+                self.pending_breaks += 1
+                return flushed
             self.pending_breaks += 1
             self.line = []
             return ""
@@ -281,6 +293,9 @@ class TextStream:
         """Separators at the end: n of them close n - 1 empty lines (decode_document's convention)."""
         tail = "\n" * max(0, self.pending_breaks - 1)
         self.pending_breaks = 0
+        if self._utf8 is not None:
+            tail = self._utf8.decode(b"", final=True) + tail
+            self._utf8.reset()
         return tail
 
 

@@ -32,6 +32,10 @@ What is counted, per rank (P parameters, N ranks, b bytes per element of the com
   input and softmax (the head cluster's logits and log-probabilities over micro_batch x tgt_len rows, the tail
   clusters over their expected rows), and the largest transient of the backward pass.
 - The mems: grad_accum x (n_layer + 1) x mem_len x micro_batch x d_model (each accumulation slot keeps its own).
+- Validation during training, with the eval section's segment settings (the paper's long evaluation memory:
+  mem_len 3800 for enwik8_large and text8_large) over eval.batch_size / N streams per rank: the memory read and
+  the one being written, and one layer's forward without autograd (`eval_forward_bytes`). It runs between
+  steps, when the training activations are gone and the training mems and model states stay: the "eval" phase.
 - On a CPU, the process itself (Python, PyTorch, DeepSpeed, gloo and its shared-memory buffer): peak RSS is
   compared, and it includes them. On a GPU, the CUDA context lies outside max_memory_allocated; a run fits when
   the planned peak plus the context and a margin for the caching allocator's fragmentation fit the device.
@@ -207,6 +211,22 @@ def head_transient_bytes(model: ModelConfig, micro_batch: int, compute_bytes: in
     return logits_grad + head_logits * model.cluster_dims()[0] * compute_bytes
 
 
+def eval_forward_bytes(model: ModelConfig, batch: int, compute_bytes: int) -> int:
+    """The largest transient of an evaluation forward (no autograd: one layer's tensors live at a time), for
+    ``batch`` streams of tgt_len queries over K = mem_len + tgt_len keys (the model's segment settings are the
+    evaluation's): the attention scores and their softmax (2 S fp32, S = batch n_head tgt_len K, and their cast
+    under bf16/fp16), the memory and segment concatenated, their keys and values and the projected positions
+    (K batch d_model + 2 K batch h + 2 (K + 1) h, compute dtype), and the head cluster's logits and
+    log-probabilities over batch x tgt_len rows (2 N C0 fp32)."""
+    L, K, b = model.tgt_len, model.mem_len + model.tgt_len, compute_bytes
+    h = model.n_head * model.d_head
+    scores = batch * model.n_head * L * K
+    total = scores * (2 * FP32 + (b if b != FP32 else 0))
+    total += (K * batch * model.d_model + 2 * K * batch * h + 2 * (K + 1) * h) * b
+    head_logits = model.cluster_bounds()[0][1] + model.n_clusters
+    return total + 2 * batch * L * head_logits * FP32
+
+
 # ---- the plan ------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +236,8 @@ class Term:
     where: str
     """"device" or "host" (offloaded optimizer states)."""
     phase: str
-    """"steady" (held through the step), "backward" (the forward/backward peak) or "step" (the optimizer step:
-    activations are gone by then)."""
+    """"steady" (held through the step), "backward" (the forward/backward peak), "step" (the optimizer step:
+    activations are gone by then) or "eval" (validation between steps, with the eval section's memory)."""
     formula: str
 
 
@@ -241,8 +261,8 @@ class MemoryPlan:
         states count too: they share its memory)."""
         places = ("device", "host") if self.device == "cpu" else ("device",)
         total = {phase: sum(self.phase_total(phase, where) for where in places)
-                 for phase in ("steady", "backward", "step")}
-        return total["steady"] + max(total["backward"], total["step"])
+                 for phase in ("steady", "backward", "step", "eval")}
+        return total["steady"] + max(total["backward"], total["step"], total["eval"])
 
     @property
     def host(self) -> int:
@@ -265,7 +285,7 @@ class MemoryPlan:
 
         lines = [f"{'term':{width}s}{'where':8s}{'phase':10s}{'MiB':>12s}  formula"]
         lines += [row(t.name, t.where, t.phase, t.bytes, t.formula) for t in self.terms]
-        lines.append(row("peak per rank", "device", "", self.peak, "steady + max(backward, step)"))
+        lines.append(row("peak per rank", "device", "", self.peak, "steady + max(backward, step, eval)"))
         if self.host and self.device != "cpu":
             lines.append(row("host per rank", "host", "", self.host, "offloaded optimizer states"))
         if self.device != "cpu":
@@ -352,6 +372,14 @@ def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None,
     mem_bytes = b if model.mem_dtype == "compute" else {"float32": 4, "bfloat16": 2, "float16": 2}[model.mem_dtype]
     add("mems", grad_accum * (model.n_layer + 1) * model.mem_len * micro_batch * model.d_model * mem_bytes,
         "steady", f"{grad_accum} slot(s) x (n_layer + 1) x mem_len x micro-batch x d_model x {mem_bytes}")
+    evaluation = cfg.eval.resolve(model)
+    eval_streams = max(1, math.ceil(evaluation.batch_size / world_size))
+    add("evaluation mems (read and written)",
+        2 * (model.n_layer + 1) * evaluation.mem_len * eval_streams * model.d_model * mem_bytes, "eval",
+        f"2 x (n_layer + 1) x eval mem_len {evaluation.mem_len} x {eval_streams} stream(s) x d_model x {mem_bytes}")
+    eval_model = dataclasses.replace(model, tgt_len=evaluation.tgt_len, mem_len=evaluation.mem_len)
+    add("evaluation forward (one layer)", eval_forward_bytes(eval_model, eval_streams, b), "eval",
+        f"{eval_streams} stream(s) x eval tgt_len {evaluation.tgt_len} over {evaluation.mem_len + evaluation.tgt_len} keys")
     if device == "cpu":
         add("process", CPU_PROCESS_BYTES, "steady", "Python, PyTorch, DeepSpeed, gloo (measured on 2 CPU ranks)")
         if stage > 0 or mixed:  # DeepSpeed replaces the fp32 tensors the model was built with

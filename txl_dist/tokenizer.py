@@ -3,7 +3,7 @@
 A tokenizer directory (written by ``python -m data_tools.train_tokenizer``) holds the tokenizer's files and
 ``tokenizer.json``::
 
-    {"kind": "sentencepiece" | "word", "vocab_size": 32000, "files": ["spm.model"],
+    {"kind": "sentencepiece" | "word" | "byte" | "char", "vocab_size": 32000, "files": ["spm.model"],
      "fingerprint": "<sha256>", "eos_id": 2, "eod_id": 4, "unk_id": 0,
      "pieces": {"eos": "</s>", "eod": "<eod>", "unk": "<unk>"}, "training": {...settings, for the record...}}
 
@@ -12,6 +12,15 @@ A tokenizer directory (written by ``python -m data_tools.train_tokenizer``) hold
 - ``word``: ``vocab.txt``, one ``token<TAB>count`` line per id (specials first, then words by descending count).
   Text is split on whitespace (Python's ``str.split()``); a word outside the vocabulary becomes ``unk_id``.
   Decoding joins the words with single spaces.
+- ``byte``: ``bytes.txt``, 256 lines ``<0xHH><TAB>count``: id = the byte's value, every byte one id (enwik8,
+  which is raw XML bytes, some of them not UTF-8). ``eos_id = eod_id = 10``, the newline byte: a line of the
+  input is its bytes followed by its newline, so a file's token stream is exactly its bytes (plus one newline
+  when the file does not end with one, the authors' final ``<eos>``). Text in and out is ``str`` holding the
+  bytes as UTF-8 with ``surrogateescape`` (bytes that are not UTF-8 are lone surrogates U+DC80..U+DCFF), so that
+  ``decode(encode(text)) == text`` for every byte string; `ByteTokenizer.encode_bytes`/`decode_bytes` take bytes.
+- ``char``: ``chars.txt``, one line ``U+XXXX<TAB>count`` per id: every character of the alphabet one id (text8's
+  27). Id 0 is the newline, ``eos_id = eod_id``, which ends every line as for bytes; there is no unknown token:
+  a character outside the alphabet is an error naming it.
 
 The fingerprint is the sha256 of the bytes of ``files`` in their listed order; with one file (both kinds) it is
 exactly ``sha256sum`` of that file. Shards record it, and readers refuse shards built with another tokenizer.
@@ -29,6 +38,7 @@ import functools
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -40,9 +50,14 @@ if TYPE_CHECKING:
     from txl_dist.word_scan import LineWords, PackedVocabulary
 
 TOKENIZER_JSON = "tokenizer.json"
-KINDS = ("sentencepiece", "word")
+KINDS = ("sentencepiece", "word", "byte", "char")
+CHARACTER_KINDS = ("byte", "char")
+"""Kinds whose every token is one character (a byte for ``byte``): their loss per token is bits per character."""
 SENTENCEPIECE_MODEL = "spm.model"
 WORD_VOCAB = "vocab.txt"
+BYTE_VOCAB = "bytes.txt"
+CHAR_VOCAB = "chars.txt"
+NEWLINE = 10
 
 
 class TokenizerError(ValueError):
@@ -62,6 +77,8 @@ class Tokenizer(abc.ABC):
     """What the rest of the system sees of a tokenizer. Create one with `load_tokenizer`."""
 
     kind: str
+    character_level: bool = False
+    """Every token is one character (or byte): the loss per token in bits is the bits per character."""
 
     def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
                  eos_id: int, eod_id: int, unk_id: int | None):
@@ -246,6 +263,132 @@ class WordTokenizer(Tokenizer):
         return self.words[int(token_id)]
 
 
+class ByteTokenizer(Tokenizer):
+    """Every byte one id (its value); the newline byte ends lines and documents (see the module docstring)."""
+
+    kind = "byte"
+    character_level = True
+
+    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
+                 eos_id: int, eod_id: int, unk_id: int | None):
+        super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
+        pieces, self.counts = read_word_vocab(directory / files[0])
+        expected = [byte_piece(value) for value in range(256)]
+        if pieces != expected:
+            first = next((i for i, (a, b) in enumerate(zip(pieces, expected)) if a != b), min(len(pieces), 256))
+            raise TokenizerError(f"{directory / files[0]}: line {first + 1} should be {expected[first]!r} "
+                                 f"(256 lines <0x00> .. <0xFF>, one per byte value)" if first < 256 else
+                                 f"{directory / files[0]}: {len(pieces)} lines, expected 256 (<0x00> .. <0xFF>)")
+        if (eos_id, eod_id, unk_id) != (NEWLINE, NEWLINE, None):
+            raise TokenizerError(f"{directory / TOKENIZER_JSON}: a byte tokenizer has eos_id = eod_id = 10 (the "
+                                 f"newline byte) and unk_id null, got {eos_id}, {eod_id}, {unk_id}")
+        self._entries = len(pieces)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", "surrogateescape"))
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        """The ids of raw bytes (uint8; one per byte, the newline included)."""
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() > 255):
+            self._check_id(int(ids[(ids < 0) | (ids > 255)][0]))
+        return ids.astype(np.uint8).tobytes()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", "surrogateescape")
+
+    def encode_documents(self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        # Each line's bytes and its newline: the documents' lines joined, each ended, are exactly the stream.
+        data = "".join(line + "\n" for document in documents for line in document).encode("utf-8", "surrogateescape")
+        tokens = np.frombuffer(data, dtype=np.uint8).astype(dtype)
+        lengths = [sum(len(line.encode("utf-8", "surrogateescape")) + 1 for line in document) for document in documents]
+        return tokens, np.array(lengths, dtype=np.int64)
+
+    def id_to_piece(self, token_id: int) -> str:
+        self._check_id(int(token_id))
+        return byte_piece(int(token_id))
+
+
+def byte_piece(value: int) -> str:
+    """The vocabulary entry of a byte, as SentencePiece writes byte pieces: ``<0x0A>``."""
+    return f"<0x{value:02X}>"
+
+
+class CharTokenizer(Tokenizer):
+    """Every character of an alphabet one id; id 0 is the newline, which ends lines and documents."""
+
+    kind = "char"
+    character_level = True
+
+    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
+                 eos_id: int, eod_id: int, unk_id: int | None):
+        super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
+        path = directory / files[0]
+        pieces, self.counts = read_word_vocab(path)
+        characters = []
+        for number, piece in enumerate(pieces, start=1):
+            if not re.fullmatch(r"U\+[0-9A-F]{4,6}", piece) or int(piece[2:], 16) > 0x10FFFF:
+                raise TokenizerError(f"{path}, line {number}: expected a code point U+XXXX, got {piece!r}")
+            characters.append(chr(int(piece[2:], 16)))
+        if not characters or characters[0] != "\n" or (eos_id, eod_id, unk_id) != (0, 0, None):
+            raise TokenizerError(f"{path}: a character tokenizer has the newline U+000A as id 0 (eos_id = eod_id = "
+                                 f"0, unk_id null)")
+        self.characters = characters
+        self.is_space = np.array([c.isspace() for c in characters])
+        """Per id: whitespace for ``str.split()``."""
+        # Code point -> id (-1: not in the alphabet), one int32 per code point up to the largest of the alphabet.
+        self._ids = np.full(max(map(ord, characters)) + 1, -1, dtype=np.int32)
+        self._ids[[ord(c) for c in characters]] = np.arange(len(characters), dtype=np.int32)
+        self._entries = len(characters)
+
+    def encode_codes(self, codes: np.ndarray, where: str = "the text") -> np.ndarray:
+        """Ids (int32) of code points; a character outside the alphabet is an error naming it."""
+        inside = codes < len(self._ids)
+        ids = self._ids[np.where(inside, codes, 0)] if not inside.all() else self._ids[codes]
+        unknown = (ids < 0) | ~inside
+        if unknown.any():
+            first = int(np.flatnonzero(unknown)[0])
+            raise ValueError(f"{where}: character {chr(int(codes[first]))!r} (U+{int(codes[first]):04X}, "
+                             f"character {first}) is not in the alphabet of {self.directory / self.files[0]}")
+        return ids
+
+    def encode_text(self, text: str, where: str = "the text") -> np.ndarray:
+        """`encode` as an int32 array, computed with numpy."""
+        return self.encode_codes(_code_points(text), where)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_text(text).tolist()
+
+    def encode_documents(self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        text = "".join(line + "\n" for document in documents for line in document)
+        lengths = [sum(len(line) + 1 for line in document) for document in documents]
+        return self.encode_text(text).astype(dtype), np.array(lengths, dtype=np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.id_to_piece(token_id) for token_id in ids)
+
+    def id_to_piece(self, token_id: int) -> str:
+        self._check_id(int(token_id))
+        return self.characters[int(token_id)]
+
+
+def _code_points(text: str) -> np.ndarray:
+    """The code points of ``text``: uint8 for ASCII text (a quarter of the memory), else uint32."""
+    if text.isascii():
+        return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+
+
+def char_piece(character: str) -> str:
+    """The vocabulary entry of a character: its code point, ``U+0061`` (whitespace has no other written form)."""
+    return f"U+{ord(character):04X}"
+
+
 def read_word_vocab(path: Path) -> tuple[list[str], list[int]]:
     """Words and counts of a ``vocab.txt`` (``token<TAB>count`` per line, the line number is the id)."""
     try:
@@ -292,7 +435,7 @@ def write_word_vocab(path: Path, words: Sequence[str], counts: Sequence[int]) ->
     atomic_write_text(path, "".join(f"{word}\t{count}\n" for word, count in zip(words, counts)))
 
 
-_CLASSES = {cls.kind: cls for cls in (SentencePieceTokenizer, WordTokenizer)}
+_CLASSES = {cls.kind: cls for cls in (SentencePieceTokenizer, WordTokenizer, ByteTokenizer, CharTokenizer)}
 
 
 def write_tokenizer_json(directory: str | os.PathLike, kind: str, files: list[str], vocab_size: int,

@@ -26,6 +26,15 @@ transformers registers the tokens it is told are special (here bos = eos = pad =
 raw text before anything else. So the one place where ids can differ from txl_dist's is text that holds the eod
 token's string glued to other characters (e.g. "word<eod>"), which txl_dist reads as part of a word.
 
+- ``char``: a WordLevel model over the characters, each character of the text its own pre-token (a Split on any
+  single character, newlines included); the newline is the eos = eod id 0. A character outside the alphabet is an
+  error, as in txl_dist (the unknown token named has no id).
+- ``byte``: GPT-2's ByteLevel mapping of each UTF-8 byte to a printable character, then a BPE model without
+  merges whose vocabulary maps the character of byte b to id b: the ids are the text's UTF-8 bytes, the newline
+  byte (10) being eos = eod. Decoding maps them back to bytes (bytes that are not UTF-8 become U+FFFD: text
+  cannot hold them). The eod token is named by byte 10's ByteLevel character "Ċ" (U+010A), so that character
+  written in the text is read as a newline (its own UTF-8 bytes are 0xC4 0x8A in txl_dist).
+
 What cannot be expressed is refused with a `FastTokenizerError` naming the file and the setting: SentencePiece
 models of type word or char, byte fallback, whitespace as suffix, unescaped whitespace, BPE models with unused
 pieces.
@@ -38,7 +47,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from txl_dist.tokenizer import SentencePieceTokenizer, Tokenizer, WordTokenizer
+from txl_dist.tokenizer import ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer, WordTokenizer
 
 
 class FastTokenizerError(ValueError):
@@ -316,13 +325,70 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     return data, eod
 
 
+def _char_tokenizer(tokenizer: CharTokenizer) -> tuple[dict[str, Any], str]:
+    characters = tokenizer.characters
+    eod = characters[tokenizer.eod_id]  # the newline, eos = eod
+    data = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [_added(tokenizer.eod_id, eod, special=True)],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
+        "post_processor": _template(eod, tokenizer.eod_id),
+        "decoder": {"type": "Sequence", "decoders": [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS]},
+        # No unknown character: the unk token named is not in the vocabulary, so such text is an error.
+        "model": {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(characters)}, "unk_token": "<unk>"},
+    }
+    return data, eod
+
+
+def byte_level_characters() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (the ByteLevel pre-tokenizer's table): printable Latin-1
+    bytes stand for themselves, the others for U+0100 onwards in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for value in range(256):
+        if value in printable:
+            table[value] = chr(value)
+        else:
+            table[value] = chr(256 + extra)
+            extra += 1
+    return [table[value] for value in range(256)]
+
+
+def _byte_tokenizer(tokenizer: ByteTokenizer) -> tuple[dict[str, Any], str]:
+    characters = byte_level_characters()
+    eod = characters[tokenizer.eod_id]
+    data = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [_added(tokenizer.eod_id, eod, special=True)],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "post_processor": _template(eod, tokenizer.eod_id),
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            _STRIP_OUTER_SEPARATORS]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {c: i for i, c in enumerate(characters)}, "merges": []},
+    }
+    return data, eod
+
+
 def fast_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
     """{file name: JSON content} of the fast tokenizer: tokenizer.json and tokenizer_config.json."""
     if isinstance(tokenizer, WordTokenizer):
         data, eod = _word_tokenizer(tokenizer)
     elif isinstance(tokenizer, SentencePieceTokenizer):
         data, eod = _sentencepiece_tokenizer(tokenizer)
+    elif isinstance(tokenizer, CharTokenizer):
+        data, eod = _char_tokenizer(tokenizer)
+    elif isinstance(tokenizer, ByteTokenizer):
+        data, eod = _byte_tokenizer(tokenizer)
     else:
         raise FastTokenizerError(f"{tokenizer.directory}: tokenizer kind {tokenizer.kind!r} has no fast-tokenizer "
-                                 f"form (supported: word, sentencepiece)")
+                                 f"form (supported: word, sentencepiece, char, byte)")
     return {"tokenizer.json": data, "tokenizer_config.json": _document(eod)}

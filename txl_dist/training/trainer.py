@@ -44,6 +44,7 @@ from txl_dist.data.format import read_manifest
 from txl_dist.evaluation import EvalResult, evaluate, segment_settings, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.plan import describe, device_memory_of
+from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.training import weights_only
 from txl_dist.training.checkpoint import (
     CLIENT_KEY,
@@ -156,6 +157,8 @@ class Trainer:
         cfg = with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/manifest.json")
         self.cfg = cfg
         self.manifest = manifest
+        # Byte and character tokenizers: the loss per token in bits is the bits per character, logged as bpc.
+        self.character_level = manifest.tokenizer.kind in CHARACTER_KINDS
         self.layout = cfg.train.batch_layout(self.world_size)
         self.output_dir = Path(cfg.train.output_dir)
         self.lock = self._take_output_dir()
@@ -370,9 +373,13 @@ class Trainer:
 
     def _validate_and_track(self, max_batches: int) -> EvalResult:
         result = self.validate(max_batches)
-        self.logger.record(self.step, "eval", {"loss": result.loss, "ppl": result.ppl, "targets": result.targets})
-        self.logger.info("step %d | eval loss %.4f | eval ppl %.2f | %d targets", self.step, result.loss,
-                         result.ppl, result.targets)
+        values = {"loss": result.loss, "ppl": result.ppl, "targets": result.targets}
+        if self.character_level:
+            values["bpc"] = result.loss / math.log(2)
+        self.logger.record(self.step, "eval", values)
+        self.logger.info("step %d | eval loss %.4f | eval ppl %.2f%s | %d targets", self.step, result.loss,
+                         result.ppl, f" | eval bpc {values['bpc']:.4f}" if self.character_level else "",
+                         result.targets)
         # Only full passes are compared: a sampled evaluation (eval.max_batches) scores other tokens.
         if max_batches == 0 and (self.best is None or result.loss < self.best["loss"]):
             self.best = {"step": self.step, "loss": result.loss, "ppl": result.ppl, "targets": result.targets}
@@ -526,10 +533,13 @@ class Trainer:
             "step_time_s": seconds / window_steps, "data_checksum": int(totals[1].item()),
             "mems_reset": self._mems_reset_total(), **memory,
         }
+        if self.character_level:
+            values["bpc"] = loss / math.log(2)
         self.logger.record(self.step, "train", values)
         self.logger.info(
-            "step %d | loss %.4f | ppl %.2f | lr %.3g | grad norm %s | %.0f tokens/s | %s",
-            self.step, loss, values["ppl"], values["lr"],
+            "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s | %s",
+            self.step, loss, f"bpc {values['bpc']:.4f}" if self.character_level else f"ppl {values['ppl']:.2f}",
+            values["lr"],
             "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}", values["tokens_per_s"],
             " | ".join(f"{k} {v:.0f}" for k, v in memory.items()),
         )
