@@ -311,35 +311,21 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     if model["add_dummy_prefix"]:
         decoders += [_replace("\n ", "\n"), {"type": "Strip", "content": " ", "start": 1, "stop": 0}]
     decoders.append(_STRIP_OUTER_SEPARATORS)
-    data = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": sorted(added, key=lambda token: token["id"]),
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
-        "pre_tokenizer": None,
-        "post_processor": _template(eod, tokenizer.eod_id),
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": model_json,
-    }
+    data = _tokenizer_json(sorted(added, key=lambda token: token["id"]),
+                           {"type": "Sequence", "normalizers": normalizers}, None, _template(eod, tokenizer.eod_id),
+                           decoders, model_json)
     return data, eod
 
 
 def _char_tokenizer(tokenizer: CharTokenizer) -> tuple[dict[str, Any], str]:
     characters = tokenizer.characters
     eod = characters[tokenizer.eod_id]  # the newline, eos = eod
-    data = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [_added(tokenizer.eod_id, eod, special=True)],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
-        "post_processor": _template(eod, tokenizer.eod_id),
-        "decoder": {"type": "Sequence", "decoders": [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS]},
+    data = _tokenizer_json(
+        [_added(tokenizer.eod_id, eod, special=True)], None,
+        {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
+        _template(eod, tokenizer.eod_id), [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS],
         # No unknown character: the unk token named is not in the vocabulary, so such text is an error.
-        "model": {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(characters)}, "unk_token": "<unk>"},
-    }
+        {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(characters)}, "unk_token": "<unk>"})
     return data, eod
 
 
@@ -360,22 +346,22 @@ def byte_level_characters() -> list[str]:
 def _byte_tokenizer(tokenizer: ByteTokenizer) -> tuple[dict[str, Any], str]:
     characters = byte_level_characters()
     eod = characters[tokenizer.eod_id]
-    data = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [_added(tokenizer.eod_id, eod, special=True)],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "post_processor": _template(eod, tokenizer.eod_id),
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-            _STRIP_OUTER_SEPARATORS]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {c: i for i, c in enumerate(characters)}, "merges": []},
-    }
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    data = _tokenizer_json(
+        [_added(tokenizer.eod_id, eod, special=True)], None, byte_level, _template(eod, tokenizer.eod_id),
+        [byte_level, _STRIP_OUTER_SEPARATORS],
+        {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+         "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+         "vocab": {c: i for i, c in enumerate(characters)}, "merges": []})
     return data, eod
+
+
+def _tokenizer_json(added: list[dict], normalizer: dict | None, pre_tokenizer: dict | None, post_processor: dict,
+              decoders: list[dict], model: dict) -> dict[str, Any]:
+    """A tokenizers ``tokenizer.json`` document (format version 1.0, no truncation or padding)."""
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+            "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
+            "decoder": {"type": "Sequence", "decoders": decoders}, "model": model}
 
 
 def fast_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
