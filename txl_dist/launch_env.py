@@ -11,6 +11,7 @@ beside its peers (each would train the whole job alone, on the same output direc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -100,7 +101,7 @@ def _in_slurm_step(environ: Mapping[str, str]) -> bool:
 
 
 def _slurm(environ: Mapping[str, str]) -> LaunchEnvironment:
-    world = _int(environ, "SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in environ else _int(environ, "SLURM_NTASKS")
+    world = _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
     rank = _int(environ, "SLURM_PROCID")
     local_rank = _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
     per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
@@ -135,7 +136,8 @@ def _is_local_address(address: str) -> bool:
         return False
 
 
-def _mpi(environ: Mapping[str, str], launcher: str, rank_key: str, size_key: str, local_keys: tuple[str, str]) -> LaunchEnvironment:
+def _mpi(environ: Mapping[str, str], launcher: str, rank_key: str, size_key: str,
+         local_keys: tuple[str, str]) -> LaunchEnvironment:
     rank, world = _int(environ, rank_key), _int(environ, size_key)
     local_rank = _int(environ, local_keys[0]) if local_keys[0] in environ else 0
     local_world = _int(environ, local_keys[1]) if local_keys[1] in environ else 1
@@ -176,10 +178,7 @@ def resolve(environ: Mapping[str, str]) -> LaunchEnvironment:
                     ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"))
     if _in_slurm_step(environ):
         return _slurm(environ)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return LaunchEnvironment("single", 0, 1, 0, 1, "127.0.0.1", port)
+    return LaunchEnvironment("single", 0, 1, 0, 1, "127.0.0.1", 0)  # `apply` picks a free port
 
 
 def apply(environ: MutableMapping[str, str] | None = None) -> LaunchEnvironment:
@@ -187,10 +186,15 @@ def apply(environ: MutableMapping[str, str] | None = None) -> LaunchEnvironment:
     that the values make one world."""
     environ = os.environ if environ is None else environ
     launch = resolve(environ)
+    if launch.master_port == 0:  # a world of one: any free port on loopback
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            launch = dataclasses.replace(launch, master_port=probe.getsockname()[1])
     if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
         raise LaunchError(f"{launch.launcher} gave rank {launch.rank} in a world of {launch.world_size}")
     if not 0 <= launch.local_rank < max(launch.local_world_size, 1):
-        raise LaunchError(f"{launch.launcher} gave local rank {launch.local_rank} of {launch.local_world_size} on this node")
+        raise LaunchError(f"{launch.launcher} gave local rank {launch.local_rank} of {launch.local_world_size} "
+                          "on this node")
     for key, value in launch.torch_variables().items():
         environ.setdefault(key, value)  # what a launcher set stays as it set it
     return launch
@@ -210,9 +214,12 @@ def single_task_in_multi_task_allocation(environ: Mapping[str, str]) -> int | No
 
 FORWARDED_BY_DEEPSPEED = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 """Variable families that ``deepspeed --hostfile`` (pdsh over ssh) forwards to remote ranks by itself."""
-RUN_VARIABLES = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "CUDA_DEVICE_MAX_CONNECTIONS",
-                 "GLOO_SOCKET_IFNAME", "DEEPSPEED_TIMEOUT", "HF_HOME", "TMPDIR")
-"""What a user sets for a run that must reach every rank (the ranks compare the first ones at start-up)."""
+COMPARED_VARIABLES = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "CUDA_DEVICE_MAX_CONNECTIONS",
+                      "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+"""The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces): the ranks
+compare them at start-up (`txl_dist.training.world`)."""
+RUN_VARIABLES = (*COMPARED_VARIABLES, "DEEPSPEED_TIMEOUT", "HF_HOME", "TMPDIR")
+"""What a user sets for a run that must reach every rank (written into .deepspeed_env)."""
 
 
 def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, extra: tuple[str, ...] = ()) -> list[str]:

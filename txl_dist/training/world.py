@@ -33,12 +33,8 @@ from txl_dist import launch_env
 
 log = logging.getLogger("txl_dist.training")
 
-RUN_ENVIRONMENT_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "CUDA_DEVICE_MAX_CONNECTIONS",
-                        "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-"""The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces)."""
 SHM_OP_NAME = "deepspeed_shm_comm"
 ENVIRONMENT_KEY = "txl_dist/environment/{rank}"
-RANK_KEY = "txl_dist/ranks/{rank}"
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -57,7 +53,8 @@ def prepare_extension_cache(environ: dict[str, str] | None = None) -> Path:
         # (a CUDA build over the CPU one) never loads an op compiled against the other.
         accelerator = ("cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}") \
             if getattr(torch.version, "hip", None) is None else f"rocm{torch.version.hip.replace('.', '')}"
-        folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}_torch{torch.__version__.split('+')[0]}"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}"
+        folder = f"{python}_{accelerator}_torch{torch.__version__.split('+')[0]}"
         environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions" / folder)
     tools = str(venv_bin())
     path = environ.get("PATH", "")
@@ -113,7 +110,7 @@ def environment_record() -> dict[str, object]:
     from deepspeed.accelerator import get_accelerator
 
     return {
-        "variables": {key: os.environ.get(key) for key in RUN_ENVIRONMENT_KEYS},
+        "variables": {key: os.environ.get(key) for key in launch_env.COMPARED_VARIABLES},
         "accelerator": get_accelerator().device_name(),
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
@@ -125,10 +122,10 @@ def environment_record() -> dict[str, object]:
 def environment_disagreement(records: list[dict]) -> str | None:
     """One line naming the first difference between the ranks' records, or None when they agree."""
     def value(record: dict, key: str):
-        return record["variables"].get(key) if key in RUN_ENVIRONMENT_KEYS else record[key]
+        return record["variables"].get(key) if key in launch_env.COMPARED_VARIABLES else record[key]
 
     first = records[0]
-    for key in ("accelerator", *RUN_ENVIRONMENT_KEYS, "torch", "deepspeed"):
+    for key in ("accelerator", *launch_env.COMPARED_VARIABLES, "torch", "deepspeed"):
         differing = [r for r, record in enumerate(records) if value(record, key) != value(first, key)]
         if differing:
             other = records[differing[0]]
@@ -138,7 +135,7 @@ def environment_disagreement(records: list[dict]) -> str | None:
 
             more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
             advice = ("set it for every rank: with `deepspeed --hostfile`, in .deepspeed_env "
-                      "(python -m txl_dist.launch_env --write-deepspeed-env)" if key in RUN_ENVIRONMENT_KEYS
+                      "(python -m txl_dist.launch_env --write-deepspeed-env)" if key in launch_env.COMPARED_VARIABLES
                       else "install the same software on every node")
             return (f"the ranks disagree on {key}: {shown(value(first, key))} on rank 0 ({first['host']}) but "
                     f"{shown(value(other, key))} on rank {differing[0]} ({other['host']}){more}; {advice}")
