@@ -18,7 +18,7 @@ HF_STAMP := $(HF_VENV)/.installed-$(subst ==,-,$(firstword $(HF_SPEC)))
 # CPU runs: DeepSpeed's CPU accelerator, one OpenMP thread per rank (ZeRO-3 is ~5x slower without it).
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
-.PHONY: venv hf-venv warm test demo clean-demo clean gpu-check cluster-packages
+.PHONY: venv hf-venv warm lint format test demo clean-demo clean gpu-check cluster-packages
 
 venv: $(STAMP)
 
@@ -44,6 +44,16 @@ $(HF_STAMP):
 # launch compiles, whatever PATH a node gives its ranks.
 warm: venv
 	$(CPU_ENV) $(BIN)/python -m txl_dist.training.world
+
+# ruff, pinned in the test extra, configured in pyproject.toml: lint errors and unformatted files both fail.
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# Rewrites the files in place: what `make lint` asks for.
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # cluster-packages: the Debian packages of the real two-node Slurm cluster that tests/cluster/ builds (root only).
 test: cluster-packages warm hf-venv

@@ -69,8 +69,21 @@ def bare_encoding(text: Path, model: Path, workers: int) -> tuple[float, int]:
 
 def build(text: Path, tokenizer: Path, output: Path, workers: int) -> tuple[float, int, int]:
     """Seconds (the build's own), tokens and peak RSS bytes (all its processes) of one build."""
-    command = [sys.executable, "-m", "data_tools.build_shards", "--tokenizer", str(tokenizer), "--output", str(output),
-               "--split", f"train={text}", "--workers", str(workers), "--overwrite", "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "data_tools.build_shards",
+        "--tokenizer",
+        str(tokenizer),
+        "--output",
+        str(output),
+        "--split",
+        f"train={text}",
+        "--workers",
+        str(workers),
+        "--overwrite",
+        "--no-progress",
+    ]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root = psutil.Process(process.pid)
     peak = 0
@@ -108,9 +121,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as scratch:
         scratch = Path(scratch)
         tokenizer = scratch / "tokenizer"
-        train_tokenizer.main(["--kind", "sentencepiece", "--model-type", "unigram", "--vocab-size", "8000",
-                              "--character-coverage", "1.0", "--format", "ptb", "--output", str(tokenizer),
-                              "--no-progress"])
+        train_tokenizer.main(
+            [
+                "--kind",
+                "sentencepiece",
+                "--model-type",
+                "unigram",
+                "--vocab-size",
+                "8000",
+                "--character-coverage",
+                "1.0",
+                "--format",
+                "ptb",
+                "--output",
+                str(tokenizer),
+                "--no-progress",
+            ]
+        )
         results = {}
         for megabytes in args.sizes_mb:
             text = make_text(scratch, megabytes)
@@ -122,9 +149,11 @@ def main() -> None:
                     runs[f"build{workers}"].append((seconds, tokens, peak))
                     bare_seconds, bare_tokens = bare_encoding(text, tokenizer / "spm.model", workers)
                     runs[f"bare{workers}"].append((bare_seconds, bare_tokens))
-                    print(f"{megabytes} MB, {workers} worker(s), run {repeat + 1}: build {size_mb / seconds:.1f} MB/s "
-                          f"(peak RSS {peak / 2**20:.0f} MiB), bare encoding {size_mb / bare_seconds:.1f} MB/s",
-                          flush=True)
+                    print(
+                        f"{megabytes} MB, {workers} worker(s), run {repeat + 1}: build {size_mb / seconds:.1f} MB/s "
+                        f"(peak RSS {peak / 2**20:.0f} MiB), bare encoding {size_mb / bare_seconds:.1f} MB/s",
+                        flush=True,
+                    )
             figures = {}
             for workers in (1, 2):
                 seconds = statistics.median(r[0] for r in runs[f"build{workers}"])
@@ -139,15 +168,19 @@ def main() -> None:
                 }
             figures["speedup_2_over_1"] = round(figures["workers2"]["mb_per_s"] / figures["workers1"]["mb_per_s"], 3)
             figures["bare_speedup_2_over_1"] = round(
-                figures["workers2"]["bare_mb_per_s"] / figures["workers1"]["bare_mb_per_s"], 3)
+                figures["workers2"]["bare_mb_per_s"] / figures["workers1"]["bare_mb_per_s"], 3
+            )
             figures["text_mb"] = round(size_mb, 1)
             results[f"{megabytes}mb"] = figures
             (scratch / text.name).unlink()
         if len(args.sizes_mb) >= 2:
             small, large = (f"{m}mb" for m in (min(args.sizes_mb), max(args.sizes_mb)))
             results["peak_rss_ratio_large_over_small"] = {
-                f"workers{w}": round(results[large][f"workers{w}"]["peak_rss_mib"]
-                                     / results[small][f"workers{w}"]["peak_rss_mib"], 3) for w in (1, 2)}
+                f"workers{w}": round(
+                    results[large][f"workers{w}"]["peak_rss_mib"] / results[small][f"workers{w}"]["peak_rss_mib"], 3
+                )
+                for w in (1, 2)
+            }
         for name, figures in results.items():
             print(f"{name}: {figures}")
         print(json.dumps({"benchmark": "build_shards", "repeats": args.repeats, **results}))

@@ -117,15 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     files = file_set(parameters, args.ranks)
     total_bytes = sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
     root = Path(tempfile.mkdtemp(prefix="checkpoint_checksum.", dir=args.dir))
-    print(f"{parameters:,} parameters, {args.ranks} ranks: {len(files)} files, {total_bytes / 1e9:.2f} GB of tensors "
-          f"in {root}", file=sys.stderr)
+    print(
+        f"{parameters:,} parameters, {args.ranks} ranks: {len(files)} files, {total_bytes / 1e9:.2f} GB of tensors "
+        f"in {root}",
+        file=sys.stderr,
+    )
     kinds = ["plain", "atomic", "checksummed"]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     warm, cold = [], []
     expected: dict[str, FileChecksum] = {}
     try:
         for repeat in range(args.repeats):
-            order = kinds[repeat % 3:] + kinds[:repeat % 3]
+            order = kinds[repeat % 3 :] + kinds[: repeat % 3]
             for kind in order:
                 seconds = write(kind, root, files)
                 times[kind].append(seconds)
@@ -145,21 +148,34 @@ def main(argv: list[str] | None = None) -> int:
     share_fraction = largest_share / sum(file_bytes.values())
     speeds = hash_speed()
     result = {
-        "parameters": parameters, "ranks": args.ranks, "files": len(files), "bytes": sum(file_bytes.values()),
-        "save_plain_s": median["plain"], "save_atomic_s": median["atomic"], "save_checksummed_s": median["checksummed"],
-        "checksum_overhead_s": overhead, "checksum_overhead_share_of_save": overhead / median["checksummed"],
-        "verify_warm_s": statistics.median(warm), "verify_cold_s": statistics.median(cold),
+        "parameters": parameters,
+        "ranks": args.ranks,
+        "files": len(files),
+        "bytes": sum(file_bytes.values()),
+        "save_plain_s": median["plain"],
+        "save_atomic_s": median["atomic"],
+        "save_checksummed_s": median["checksummed"],
+        "checksum_overhead_s": overhead,
+        "checksum_overhead_share_of_save": overhead / median["checksummed"],
+        "verify_warm_s": statistics.median(warm),
+        "verify_cold_s": statistics.median(cold),
         "verify_cold_largest_rank_share_s": statistics.median(cold) * share_fraction,
         "verify_cold_share_of_save": statistics.median(cold) / median["checksummed"],
-        "crc32_gb_per_s": speeds["crc32"], "sha256_gb_per_s": speeds["sha256"], "repeats": args.repeats,
+        "crc32_gb_per_s": speeds["crc32"],
+        "sha256_gb_per_s": speeds["sha256"],
+        "repeats": args.repeats,
     }
-    print(f"save, whole set by one process (median of {args.repeats}): plain torch.save {median['plain']:.2f} s, "
-          f"atomic {median['atomic']:.2f} s, atomic + CRC-32 {median['checksummed']:.2f} s -> the checksum adds "
-          f"{overhead:.2f} s ({100 * result['checksum_overhead_share_of_save']:.1f}% of the save)")
-    print(f"verify, one thread over the set: warm {result['verify_warm_s']:.2f} s, "
-          f"cold {result['verify_cold_s']:.2f} s "
-          f"({100 * result['verify_cold_share_of_save']:.0f}% of a save); shared by {args.ranks} ranks the largest "
-          f"share takes ~{result['verify_cold_largest_rank_share_s']:.2f} s cold")
+    print(
+        f"save, whole set by one process (median of {args.repeats}): plain torch.save {median['plain']:.2f} s, "
+        f"atomic {median['atomic']:.2f} s, atomic + CRC-32 {median['checksummed']:.2f} s -> the checksum adds "
+        f"{overhead:.2f} s ({100 * result['checksum_overhead_share_of_save']:.1f}% of the save)"
+    )
+    print(
+        f"verify, one thread over the set: warm {result['verify_warm_s']:.2f} s, "
+        f"cold {result['verify_cold_s']:.2f} s "
+        f"({100 * result['verify_cold_share_of_save']:.0f}% of a save); shared by {args.ranks} ranks the largest "
+        f"share takes ~{result['verify_cold_largest_rank_share_s']:.2f} s cold"
+    )
     print(f"in memory: CRC-32 {speeds['crc32']:.2f} GB/s, sha256 {speeds['sha256']:.2f} GB/s")
     print(json.dumps(result))
     return 0

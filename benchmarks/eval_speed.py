@@ -54,13 +54,15 @@ def eval_with_memory(model: TransformerXLLM, data: torch.Tensor, segment: int, w
             _sync(data.device)
             start = clock()
         window = slice(index * segment, (index + 1) * segment)
-        loss, mems = model(data[:, window], data[:, window.start + 1:window.stop + 1], mems)
+        loss, mems = model(data[:, window], data[:, window.start + 1 : window.stop + 1], mems)
     _sync(data.device)
     return data.shape[0] * segment * (n_segments - warmup) / (clock() - start)
 
 
 @torch.no_grad()
-def eval_sliding_window(model: TransformerXLLM, data: torch.Tensor, length: int, predictions: int, warmup: int) -> float:
+def eval_sliding_window(
+    model: TransformerXLLM, data: torch.Tensor, length: int, predictions: int, warmup: int
+) -> float:
     """Tokens scored per second by a vanilla Transformer: for each predicted token, one forward over the window
     of the ``length`` tokens before it, scoring only the window's last position."""
     clock = _clock(data.device)
@@ -68,7 +70,7 @@ def eval_sliding_window(model: TransformerXLLM, data: torch.Tensor, length: int,
         if index == warmup:
             _sync(data.device)
             start = clock()
-        window = data[:, index:index + length]
+        window = data[:, index : index + length]
         hidden, _ = model.hidden_states(window)  # [length, B, d_model], no memory
         model.crit(hidden[-1], data[:, index + length].contiguous())
     _sync(data.device)
@@ -111,8 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads (1: steadier figures on a shared machine; GPUs ignore it)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (1: steadier figures on a shared machine; GPUs ignore it)"
+    )
     parser.add_argument("--attn-impl", default="auto", choices=["auto", "fused", "reference"])
     args = parser.parse_args(argv)
 
@@ -136,41 +139,65 @@ def main(argv: list[str] | None = None) -> dict:
             data = torch.randint(0, base.n_token, (args.batch, n_tokens), generator=generator).to(device)
             runs[length]["memory"].append(eval_with_memory(model, data, segment, args.warmup))
             runs[length]["sliding"].append(eval_sliding_window(model, data, length, args.predictions, args.warmup))
-            print(f"repeat {repeat + 1}/{args.repeats} L={length:5d}  memory {runs[length]['memory'][-1]:10.1f} "
-                  f"tokens/s   sliding window {runs[length]['sliding'][-1]:8.1f} tokens/s", flush=True)
+            print(
+                f"repeat {repeat + 1}/{args.repeats} L={length:5d}  memory {runs[length]['memory'][-1]:10.1f} "
+                f"tokens/s   sliding window {runs[length]['sliding'][-1]:8.1f} tokens/s",
+                flush=True,
+            )
         model.reset_length(mem_len=args.prompt_tokens + args.new_tokens)
         prompt = torch.randint(0, base.n_token, (args.prompt_tokens,), generator=generator).tolist()
         for name, value in generation_speed(model, prompt, args.new_tokens).items():
             generation[name].append(value)
-        print(f"repeat {repeat + 1}/{args.repeats} generation  kv cache {generation['kv_cache'][-1]:8.1f}   memory only "
-              f"{generation['memory_only'][-1]:8.1f}   recompute {generation['recompute'][-1]:8.1f} tokens/s", flush=True)
+        print(
+            f"repeat {repeat + 1}/{args.repeats} generation  kv cache {generation['kv_cache'][-1]:8.1f}   memory only "
+            f"{generation['memory_only'][-1]:8.1f}   recompute {generation['recompute'][-1]:8.1f} tokens/s",
+            flush=True,
+        )
 
-    figures: dict = {"preset": args.preset, "device": str(device), "batch": args.batch, "repeats": args.repeats,
-                     "threads": torch.get_num_threads(), "parameters": model.num_parameters(), "evaluation": {},
-                     "generation": {}}
+    figures: dict = {
+        "preset": args.preset,
+        "device": str(device),
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "parameters": model.num_parameters(),
+        "evaluation": {},
+        "generation": {},
+    }
     print(f"\n{'L':>5s} {'tgt_len':>7s} {'mem_len':>7s} {'memory tok/s':>13s} {'sliding tok/s':>14s} {'speed-up':>9s}")
     for length in lengths:
         memory, sliding = runs[length]["memory"], runs[length]["sliding"]
-        row = {"tgt_len": length // 4, "mem_len": 3 * length // 4,
-               "memory_tokens_per_s": statistics.median(memory), "sliding_tokens_per_s": statistics.median(sliding),
-               "speedup": statistics.median(m / s for m, s in zip(memory, sliding))}
+        row = {
+            "tgt_len": length // 4,
+            "mem_len": 3 * length // 4,
+            "memory_tokens_per_s": statistics.median(memory),
+            "sliding_tokens_per_s": statistics.median(sliding),
+            "speedup": statistics.median(m / s for m, s in zip(memory, sliding)),
+        }
         figures["evaluation"][str(length)] = row
-        print(f"{length:5d} {row['tgt_len']:7d} {row['mem_len']:7d} {row['memory_tokens_per_s']:13.1f} "
-              f"{row['sliding_tokens_per_s']:14.1f} {row['speedup']:8.1f}x")
+        print(
+            f"{length:5d} {row['tgt_len']:7d} {row['mem_len']:7d} {row['memory_tokens_per_s']:13.1f} "
+            f"{row['sliding_tokens_per_s']:14.1f} {row['speedup']:8.1f}x"
+        )
     kv, memory, recompute = generation["kv_cache"], generation["memory_only"], generation["recompute"]
     figures["generation"] = {
-        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "clock": _clock(device).__name__,
-        "kv_cache_tokens_per_s": statistics.median(kv), "memory_only_tokens_per_s": statistics.median(memory),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "clock": _clock(device).__name__,
+        "kv_cache_tokens_per_s": statistics.median(kv),
+        "memory_only_tokens_per_s": statistics.median(memory),
         "recompute_tokens_per_s": statistics.median(recompute),
         "kv_cache_over_recompute": statistics.median(a / b for a, b in zip(kv, recompute)),
         "kv_cache_over_memory_only": statistics.median(a / b for a, b in zip(kv, memory)),
         "memory_only_over_recompute": statistics.median(a / b for a, b in zip(memory, recompute)),
     }
     g = figures["generation"]
-    print(f"generation ({args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy): key/value cache "
-          f"{g['kv_cache_tokens_per_s']:.1f}, memory only {g['memory_only_tokens_per_s']:.1f}, full recomputation "
-          f"{g['recompute_tokens_per_s']:.1f} tokens/s; cache / recompute {g['kv_cache_over_recompute']:.1f}x, "
-          f"cache / memory only {g['kv_cache_over_memory_only']:.1f}x")
+    print(
+        f"generation ({args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy): key/value cache "
+        f"{g['kv_cache_tokens_per_s']:.1f}, memory only {g['memory_only_tokens_per_s']:.1f}, full recomputation "
+        f"{g['recompute_tokens_per_s']:.1f} tokens/s; cache / recompute {g['kv_cache_over_recompute']:.1f}x, "
+        f"cache / memory only {g['kv_cache_over_memory_only']:.1f}x"
+    )
     print(json.dumps(figures))
     return figures
 

@@ -37,8 +37,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("cuda_tests", "attention", "host_syncs", "train_throughput", "model_step", "eval_speed", "compile")
 # Seconds each section may take before it is stopped (the whole check must stay under 8 minutes).
-LIMITS = {"cuda_tests": 120, "attention": 45, "host_syncs": 60, "model_step": 75, "train_throughput": 170,
-          "eval_speed": 50, "compile": 120}
+LIMITS = {
+    "cuda_tests": 120,
+    "attention": 45,
+    "host_syncs": 60,
+    "model_step": 75,
+    "train_throughput": 170,
+    "eval_speed": 50,
+    "compile": 120,
+}
 
 
 def _last_json(text: str) -> dict:
@@ -51,21 +58,35 @@ def _last_json(text: str) -> dict:
 
 # ---- attention --------------------------------------------------------------------------------------------------
 
+
 def section_attention(args: argparse.Namespace) -> dict:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from txl_dist.model.attention import RelPartialLearnableMultiHeadAttn, attention_mask, relative_positions, \
-        sinusoid_encoding
+    from txl_dist.model.attention import (
+        RelPartialLearnableMultiHeadAttn,
+        attention_mask,
+        relative_positions,
+        sinusoid_encoding,
+    )
 
     device = torch.device("cuda")
     n_head, d_head, d_model, qlen, mlen, bsz = 8, 128, 1024, 128, 128, 16
-    results: dict = {"shape": {"n_head": n_head, "d_head": d_head, "d_model": d_model, "qlen": qlen, "mlen": mlen,
-                               "batch": bsz}}
+    results: dict = {
+        "shape": {"n_head": n_head, "d_head": d_head, "d_model": d_model, "qlen": qlen, "mlen": mlen, "batch": bsz}
+    }
     torch.manual_seed(0)
-    layer = RelPartialLearnableMultiHeadAttn(n_head, d_model, d_head, dropout=0.0, dropatt=0.0, pre_lnorm=False,
-                                             layer_norm_eps=1e-5, attn_impl="reference",
-                                             own_position_biases=True).to(device)
+    layer = RelPartialLearnableMultiHeadAttn(
+        n_head,
+        d_model,
+        d_head,
+        dropout=0.0,
+        dropatt=0.0,
+        pre_lnorm=False,
+        layer_norm_eps=1e-5,
+        attn_impl="reference",
+        own_position_biases=True,
+    ).to(device)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.05)
@@ -127,14 +148,16 @@ def section_attention(args: argparse.Namespace) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.autocast("cuda", dtype=torch.bfloat16):
             layer(w0, r0, mask, mem0).float().sum().backward()
         names = {e.key for e in prof.key_averages()}
-        results["bf16_attention_kernels"] = sorted(n for n in names if any(
-            s in n.lower() for s in ("fmha", "flash", "attention", "efficient", "cudnn")))[:10]
+        results["bf16_attention_kernels"] = sorted(
+            n for n in names if any(s in n.lower() for s in ("fmha", "flash", "attention", "efficient", "cudnn"))
+        )[:10]
     except Exception as error:  # the profiler is a diagnostic only
         results["bf16_attention_kernels"] = f"profiler failed: {error}"
     return results
 
 
 # ---- host syncs -------------------------------------------------------------------------------------------------
+
 
 def _count_syncs(step) -> dict:
     """Run ``step()`` once under torch.cuda.set_sync_debug_mode('warn'); count the syncs by source line."""
@@ -149,8 +172,11 @@ def _count_syncs(step) -> dict:
         if "synchroniz" not in str(message):
             return original(message, category, filename, lineno, file, line)
         frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
-        if frames and frames[-1].filename.endswith("torch/cuda/__init__.py") and "sync_debug_mode" in (
-                frames[-1].line or ""):
+        if (
+            frames
+            and frames[-1].filename.endswith("torch/cuda/__init__.py")
+            and "sync_debug_mode" in (frames[-1].line or "")
+        ):
             return  # switching the mode itself
         ours = [f for f in frames if "/txl_dist/" in f.filename or "/deepspeed/" in f.filename]
         frame = (ours or frames)[-1]
@@ -187,9 +213,10 @@ def section_host_syncs(args: argparse.Namespace) -> dict:
         data = torch.randint(0, config.n_token, (8, 8 * config.tgt_len + 1))
         state = {"mems": None, "i": 0}
 
-        def step():  # as the trainer does it: host-side target plan, pinned batches copied with non_blocking
+        # as the trainer does it: host-side target plan, pinned batches copied with non_blocking
+        def step(model=model, optimizer=optimizer, data=data, state=state, dtype=dtype):
             i = state["i"]
-            window = data[:, i * config.tgt_len:(i + 1) * config.tgt_len + 1]
+            window = data[:, i * config.tgt_len : (i + 1) * config.tgt_len + 1]
             plan = model.plan_targets(window[:, 1:], device)
             inputs, targets = to_device(window[:, :-1], device), to_device(window[:, 1:], device)
             with torch.autocast("cuda", dtype=dtype):
@@ -228,22 +255,30 @@ def _engine_syncs() -> dict:
     deepspeed.init_distributed()
     config = preset("lm1b_base", n_layer=2, d_model=256, n_head=4, d_head=64, d_inner=1024, d_embed=256)
     model = TransformerXLLM(config)
-    ds_config = build_deepspeed_config(train=TrainConfig(global_batch=8), optim=OptimConfig(),
-                                       precision=PrecisionConfig(dtype="bf16"), zero=ZeroConfig(stage=2),
-                                       world_size=1, device="cuda", num_parameters=model.num_parameters())
+    ds_config = build_deepspeed_config(
+        train=TrainConfig(global_batch=8),
+        optim=OptimConfig(),
+        precision=PrecisionConfig(dtype="bf16"),
+        zero=ZeroConfig(stage=2),
+        world_size=1,
+        device="cuda",
+        num_parameters=model.num_parameters(),
+    )
     optimizer = build_torch_optimizer(OptimConfig(), model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
-                                      config=ds_config)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), optimizer=optimizer, config=ds_config
+    )
     data = torch.randint(0, config.n_token, (8, 8 * config.tgt_len + 1))
     state = {"mems": None, "i": 0}
     device = torch.device("cuda")
 
     def step():  # Trainer._forward's recipe, then DeepSpeed's backward and step
         i = state["i"]
-        window = data[:, i * config.tgt_len:(i + 1) * config.tgt_len + 1]
+        window = data[:, i * config.tgt_len : (i + 1) * config.tgt_len + 1]
         plan = engine.module.plan_targets(window[:, 1:], device)
-        loss, state["mems"] = engine(to_device(window[:, :-1], device), to_device(window[:, 1:], device),
-                                     state["mems"], target_plan=plan)
+        loss, state["mems"] = engine(
+            to_device(window[:, :-1], device), to_device(window[:, 1:], device), state["mems"], target_plan=plan
+        )
         engine.backward(loss.mean())
         engine.step()
         state["i"] += 1
@@ -255,6 +290,7 @@ def _engine_syncs() -> dict:
 
 # ---- model step, eval speed -------------------------------------------------------------------------------------
 
+
 def _run_script(command: list[str], limit: float) -> dict:
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=limit)
     if result.returncode != 0:
@@ -263,34 +299,104 @@ def _run_script(command: list[str], limit: float) -> dict:
 
 
 def section_model_step(args: argparse.Namespace) -> dict:
-    return _run_script([sys.executable, "benchmarks/model_step.py", "--device", "cuda", "--dtype", "bf16",
-                        "--configs", "lm1b_base", "--batch", "64", "--steps", "10", "--warmup", "3",
-                        "--repeats", "2"], LIMITS["model_step"] - 5)
+    return _run_script(
+        [
+            sys.executable,
+            "benchmarks/model_step.py",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--configs",
+            "lm1b_base",
+            "--batch",
+            "64",
+            "--steps",
+            "10",
+            "--warmup",
+            "3",
+            "--repeats",
+            "2",
+        ],
+        LIMITS["model_step"] - 5,
+    )
 
 
 def section_compile(args: argparse.Namespace) -> dict:
-    return _run_script([sys.executable, "benchmarks/model_step.py", "--device", "cuda", "--dtype", "bf16",
-                        "--configs", "lm1b_base", "--impls", "fused,fused+compile", "--batch", "64", "--steps", "10",
-                        "--warmup", "4", "--repeats", "1"], LIMITS["compile"] - 5)
+    return _run_script(
+        [
+            sys.executable,
+            "benchmarks/model_step.py",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--configs",
+            "lm1b_base",
+            "--impls",
+            "fused,fused+compile",
+            "--batch",
+            "64",
+            "--steps",
+            "10",
+            "--warmup",
+            "4",
+            "--repeats",
+            "1",
+        ],
+        LIMITS["compile"] - 5,
+    )
 
 
 def section_eval_speed(args: argparse.Namespace) -> dict:
-    return _run_script([sys.executable, "benchmarks/eval_speed.py", "--device", "cuda", "--preset", "lm1b_base",
-                        "--lengths", "128,640", "--batch", "8", "--repeats", "2"], LIMITS["eval_speed"] - 5)
+    return _run_script(
+        [
+            sys.executable,
+            "benchmarks/eval_speed.py",
+            "--device",
+            "cuda",
+            "--preset",
+            "lm1b_base",
+            "--lengths",
+            "128,640",
+            "--batch",
+            "8",
+            "--repeats",
+            "2",
+        ],
+        LIMITS["eval_speed"] - 5,
+    )
 
 
 # ---- tests, training runs ---------------------------------------------------------------------------------------
 
+
 def section_cuda_tests(args: argparse.Namespace) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "tests", "-p", "no:cacheprovider",
-               "--continue-on-collection-errors"]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=LIMITS["cuda_tests"] - 5)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-m",
+        "cuda",
+        "tests",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+    ]
+    result = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LIMITS["cuda_tests"] - 5
+    )
     lines = result.stdout.strip().splitlines()
     failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    return {"returncode": result.returncode, "summary": lines[-1] if lines else "", "failures": failures,
-            "tail": "\n".join(lines[-40:]) if result.returncode else ""}
+    return {
+        "returncode": result.returncode,
+        "summary": lines[-1] if lines else "",
+        "failures": failures,
+        "tail": "\n".join(lines[-40:]) if result.returncode else "",
+    }
 
 
 def _synthetic_lm1b_shards(directory: Path, vocab_size: int, tokens: int) -> Path:
@@ -308,11 +414,15 @@ def _synthetic_lm1b_shards(directory: Path, vocab_size: int, tokens: int) -> Pat
         writer = ShardWriter(directory, split, vocab_size, dtype, 1 << 20)
         ids = (rng.zipf(1.2, size=count) - 1) % vocab_size
         for start in range(0, count, 65536):
-            block = ids[start:start + 65536]
+            block = ids[start : start + 65536]
             writer.add_block(block, np.array([0]))
         shards = writer.close()
-        splits[split] = SplitEntry(documents=sum(s.documents for s in shards), tokens=count,
-                                   blocks=sum(s.blocks for s in shards), shards=shards)
+        splits[split] = SplitEntry(
+            documents=sum(s.documents for s in shards),
+            tokens=count,
+            blocks=sum(s.blocks for s in shards),
+            shards=shards,
+        )
     identity = TokenizerIdentity(kind="synthetic", vocab_size=vocab_size, fingerprint="0" * 64, eos_id=0, eod_id=0)
     write_manifest(directory, Manifest(tokenizer=identity, dtype=dtype.name, block_tokens=65536, splits=splits))
     return directory
@@ -321,9 +431,23 @@ def _synthetic_lm1b_shards(directory: Path, vocab_size: int, tokens: int) -> Pat
 def _train(config: str, shards: Path, output: Path, overrides: list[str], limit: float) -> dict:
     beside = Path(sys.executable).parent / "deepspeed"
     launcher = [str(beside)] if beside.exists() else [shutil.which("deepspeed") or "deepspeed"]
-    command = [*launcher, "--num_gpus", "1", "--master_port", "29541", "launchers/train.py", "--config", config,
-               f"data.shards={shards}", f"train.output_dir={output}", "eval.every=0", "checkpoint.every=0",
-               "log.tensorboard=false", "schedule.warmup_steps=1", *overrides]
+    command = [
+        *launcher,
+        "--num_gpus",
+        "1",
+        "--master_port",
+        "29541",
+        "launchers/train.py",
+        "--config",
+        config,
+        f"data.shards={shards}",
+        f"train.output_dir={output}",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "log.tensorboard=false",
+        "schedule.warmup_steps=1",
+        *overrides,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
@@ -332,12 +456,16 @@ def _train(config: str, shards: Path, output: Path, overrides: list[str], limit:
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     windows = train[1:] or train
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
-            "step_time_ms": statistics.median(r["step_time_s"] for r in windows) * 1e3,
-            "max_allocated_mb": max(r.get("max_allocated_mb", 0.0) for r in train),
-            "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
-            "skipped_steps": train[-1].get("skipped_steps"), "loss_scale": train[-1].get("loss_scale"),
-            "wall_s": time.perf_counter() - start}
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
+        "step_time_ms": statistics.median(r["step_time_s"] for r in windows) * 1e3,
+        "max_allocated_mb": max(r.get("max_allocated_mb", 0.0) for r in train),
+        "first_loss": train[0]["loss"],
+        "last_loss": train[-1]["loss"],
+        "skipped_steps": train[-1].get("skipped_steps"),
+        "loss_scale": train[-1].get("loss_scale"),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def section_train_throughput(args: argparse.Namespace) -> dict:
@@ -349,15 +477,29 @@ def section_train_throughput(args: argparse.Namespace) -> dict:
     train_tokenizer.main(["--kind", "word", "--format", "ptb", "--output", str(tokenizer), "--no-progress"])
     build_shards.main(["--tokenizer", str(tokenizer), "--output", str(shards), "--format", "ptb", "--no-progress"])
     runs = [
-        ("ptb_small_bf16", "configs/ptb_small.yaml", shards, ["precision.dtype=bf16", "train.max_steps=300",
-                                                             "log.every=50"]),
-        ("ptb_small_fp16", "configs/ptb_small.yaml", shards, ["precision.dtype=fp16", "train.max_steps=300",
-                                                             "log.every=50"]),
+        (
+            "ptb_small_bf16",
+            "configs/ptb_small.yaml",
+            shards,
+            ["precision.dtype=bf16", "train.max_steps=300", "log.every=50"],
+        ),
+        (
+            "ptb_small_fp16",
+            "configs/ptb_small.yaml",
+            shards,
+            ["precision.dtype=fp16", "train.max_steps=300", "log.every=50"],
+        ),
     ]
     lm1b = work / "lm1b_shards"
     _synthetic_lm1b_shards(lm1b, 793471, 4_000_000)
-    runs.append(("lm1b_base_bf16", "configs/lm1b_base.yaml", lm1b,
-                 ["train.max_steps=40", "log.every=10", "train.global_batch=224"]))
+    runs.append(
+        (
+            "lm1b_base_bf16",
+            "configs/lm1b_base.yaml",
+            lm1b,
+            ["train.max_steps=40", "log.every=10", "train.global_batch=224"],
+        )
+    )
     for name, config, data, overrides in runs:
         try:
             results[name] = _train(config, data, work / name, [*args.train_overrides, *overrides], 110)
@@ -368,6 +510,7 @@ def section_train_throughput(args: argparse.Namespace) -> dict:
 
 
 # ---- driver -----------------------------------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -393,8 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    figures: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                     "cuda": torch.version.cuda, "sections": {}}
+    figures: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "sections": {},
+    }
     failed = []
     for section in sections:
         start = time.perf_counter()
@@ -402,10 +549,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LIMITS[section])
             log = result.stdout + result.stderr
-            value = _last_json(result.stdout) if result.returncode == 0 else {
-                "error": f"exited {result.returncode}", "tail": log[-3000:]}
+            value = (
+                _last_json(result.stdout)
+                if result.returncode == 0
+                else {"error": f"exited {result.returncode}", "tail": log[-3000:]}
+            )
         except subprocess.TimeoutExpired as error:
-            log = (error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else str(error.stdout)
+            log = (
+                (error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else str(error.stdout)
+            )
             value = {"error": f"stopped after {LIMITS[section]} s"}
         except ValueError as error:
             value = {"error": str(error), "tail": log[-3000:]}

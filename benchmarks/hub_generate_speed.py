@@ -63,8 +63,8 @@ def _prompt(export: Path, n_tokens: int, n_token: int) -> list[int]:
         return torch.randint(0, n_token, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     import treebank
 
-    ids = tokenizer.encode(" ".join(treebank.penn["test"].split()[:4 * n_tokens]))
-    return [tokenizer.eod_id] + ids[:n_tokens - 1]
+    ids = tokenizer.encode(" ".join(treebank.penn["test"].split()[: 4 * n_tokens]))
+    return [tokenizer.eod_id] + ids[: n_tokens - 1]
 
 
 def _random_export(directory: Path) -> Path:
@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
-    parser.add_argument("--hf-python", type=Path, default=Path(os.environ.get("TXL_HF_PYTHON", ROOT / ".venv-hf/bin/python")))
+    parser.add_argument(
+        "--hf-python", type=Path, default=Path(os.environ.get("TXL_HF_PYTHON", ROOT / ".venv-hf/bin/python"))
+    )
     args = parser.parse_args(argv)
     args.hf_python = Path(os.path.abspath(args.hf_python))  # not resolved: the venv's python is a link into it
     if not args.hf_python.is_file():
@@ -102,8 +104,14 @@ def main(argv: list[str] | None = None) -> dict:
         prompt = _prompt(export, args.prompt_tokens, model.config.n_token)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
-        worker = subprocess.Popen([str(args.hf_python), "-I", "-c", HF_TIMER, str(hub), str(args.threads)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=scratch)
+        worker = subprocess.Popen(
+            [str(args.hf_python), "-I", "-c", HF_TIMER, str(hub), str(args.threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=scratch,
+        )
         try:
             if worker.stdout.readline().strip() != "ready":
                 raise SystemExit("the transformers side did not start (see its error above)")
@@ -132,18 +140,26 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "benchmark": "hub_generate_speed",
         "model": str(args.export) if args.export else "ptb_small (random weights)",
-        "n_layer": model.config.n_layer, "d_model": model.config.d_model, "n_token": model.config.n_token,
-        "tgt_len": model.config.tgt_len, "mem_len": model.config.mem_len,
-        "prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
+        "n_layer": model.config.n_layer,
+        "d_model": model.config.d_model,
+        "n_token": model.config.n_token,
+        "tgt_len": model.config.tgt_len,
+        "mem_len": model.config.mem_len,
+        "prompt_tokens": len(prompt),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "threads": args.threads,
         "same_tokens": hf["tokens"] == txl_tokens,
         "txl_dist_tokens_per_s": round(txl_rate, 1),
         "transformers_tokens_per_s": round(hf_rate, 1),
         "transformers_over_txl_dist_median_ratio": round(statistics.median(ratios), 3),
         "modeling_file_forward_loop_tokens_per_s": round(args.new_tokens / statistics.median(loop_seconds), 1),
     }
-    print(f"txl_dist.generate: {txl_rate:.1f} tokens/s, transformers generate(): {hf_rate:.1f} tokens/s (medians of "
-          f"{args.repeats}), per-round ratio {summary['transformers_over_txl_dist_median_ratio']}; same tokens: "
-          f"{summary['same_tokens']}")
+    print(
+        f"txl_dist.generate: {txl_rate:.1f} tokens/s, transformers generate(): {hf_rate:.1f} tokens/s (medians of "
+        f"{args.repeats}), per-round ratio {summary['transformers_over_txl_dist_median_ratio']}; same tokens: "
+        f"{summary['same_tokens']}"
+    )
     print(json.dumps(summary))
     return summary
 

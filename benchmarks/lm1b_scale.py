@@ -39,8 +39,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -53,8 +53,14 @@ class Measured:
     """Wall time, the peak of the summed resident memory of a process tree (sampled every 50 ms), and the CPU
     time of all its processes."""
 
-    def __init__(self, command: list[str], env: dict[str, str], cwd: Path,
-                 stop_when: Callable[[], bool] | None = None, memory_limit: int | None = None):
+    def __init__(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        stop_when: Callable[[], bool] | None = None,
+        memory_limit: int | None = None,
+    ):
         """Run ``command``; with ``stop_when``, SIGTERM the processes started with --local_rank (training
         ranks) once it holds: they checkpoint and exit at the end of their step. With ``memory_limit`` (bytes),
         kill every process of the command once they hold more in all (``killed_at_rss`` records it)."""
@@ -62,8 +68,7 @@ class Measured:
         self.command = command
         children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         root = psutil.Process(process.pid)
         self.peak_rss = 0
         done = threading.Event()
@@ -109,15 +114,17 @@ class Measured:
         # Every process of the command was waited for (workers by their parent, ranks by the launcher), so the
         # CPU time of all of them is in this process's children's usage.
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.cpu_seconds = (children.ru_utime + children.ru_stime
-                            - children_before.ru_utime - children_before.ru_stime)
+        self.cpu_seconds = children.ru_utime + children.ru_stime - children_before.ru_utime - children_before.ru_stime
         if process.returncode != 0 and self.killed_at_rss is None:
             raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{self.stderr[-3000:]}")
 
     def figures(self, megabytes: float | None = None, tokens: int | None = None) -> dict:
-        out = {"seconds": round(self.seconds, 1), "peak_rss_mib": round(self.peak_rss / 2**20),
-               "cpu_seconds": round(self.cpu_seconds, 1),
-               "cpu_percent": round(100 * self.cpu_seconds / max(self.seconds, 1e-9))}
+        out = {
+            "seconds": round(self.seconds, 1),
+            "peak_rss_mib": round(self.peak_rss / 2**20),
+            "cpu_seconds": round(self.cpu_seconds, 1),
+            "cpu_percent": round(100 * self.cpu_seconds / max(self.seconds, 1e-9)),
+        }
         if megabytes is not None:
             out["mb_per_s"] = round(megabytes / self.seconds, 2)
             # What one core does when it is not shared: robust to other jobs on the machine.
@@ -137,21 +144,53 @@ def corpus_stage(args: argparse.Namespace, work: Path) -> tuple[Path, dict]:
     if args.corpus is not None:
         root = args.corpus / synthetic_lm1b.ROOT_NAME
         statistics = json.loads((root / "synthetic.json").read_text())
-        return root, {"reused": str(root), **{k: statistics[k] for k in ("train_bytes", "train_sentences",
-                                                                          "train_words")}}
-    run = Measured([PYTHON, "-m", "data_tools.synthetic_lm1b", "--output", str(work / "corpus"), "--scale",
-                    str(args.scale), "--seed", str(args.seed), "--workers", str(args.workers), "--no-progress"],
-                   environment(REPO), REPO)
+        return root, {
+            "reused": str(root),
+            **{k: statistics[k] for k in ("train_bytes", "train_sentences", "train_words")},
+        }
+    run = Measured(
+        [
+            PYTHON,
+            "-m",
+            "data_tools.synthetic_lm1b",
+            "--output",
+            str(work / "corpus"),
+            "--scale",
+            str(args.scale),
+            "--seed",
+            str(args.seed),
+            "--workers",
+            str(args.workers),
+            "--no-progress",
+        ],
+        environment(REPO),
+        REPO,
+    )
     root = work / "corpus" / synthetic_lm1b.ROOT_NAME
     statistics = json.loads((root / "synthetic.json").read_text())
-    return root, {**run.figures(statistics["train_bytes"] / 1e6),
-                  **{k: statistics[k] for k in ("train_bytes", "train_sentences", "train_words")}}
+    return root, {
+        **run.figures(statistics["train_bytes"] / 1e6),
+        **{k: statistics[k] for k in ("train_bytes", "train_sentences", "train_words")},
+    }
 
 
 def vocabulary_stage(args: argparse.Namespace, root: Path, work: Path, megabytes: float) -> tuple[Path, dict]:
     tokenizer = work / "tokenizer"
-    command = [PYTHON, "-m", "data_tools.train_tokenizer", "--preset", "lm1b", "--format", "lm1b", "--input",
-               str(root), "--output", str(tokenizer), "--overwrite", "--no-progress"]
+    command = [
+        PYTHON,
+        "-m",
+        "data_tools.train_tokenizer",
+        "--preset",
+        "lm1b",
+        "--format",
+        "lm1b",
+        "--input",
+        str(root),
+        "--output",
+        str(tokenizer),
+        "--overwrite",
+        "--no-progress",
+    ]
     if args.tokenizer_workers != 1:  # an older checkout has no --workers
         command += ["--workers", str(args.tokenizer_workers)]
     run = Measured(command, environment(args.repo), args.repo)
@@ -162,14 +201,33 @@ def vocabulary_stage(args: argparse.Namespace, root: Path, work: Path, megabytes
 SUMMARY = re.compile(r"build_shards: ([\d,]+) documents, ([\d,]+) tokens")
 
 
-def shards_stage(args: argparse.Namespace, root: Path, tokenizer: Path, work: Path, megabytes: float
-                 ) -> tuple[Path, dict]:
+def shards_stage(
+    args: argparse.Namespace, root: Path, tokenizer: Path, work: Path, megabytes: float
+) -> tuple[Path, dict]:
     figures, outputs = {}, {}
     for workers in sorted({1, args.workers}):
         output = work / f"shards_{workers}"
-        run = Measured([PYTHON, "-m", "data_tools.build_shards", "--tokenizer", str(tokenizer), "--output",
-                        str(output), "--format", "lm1b", "--input", str(root), "--workers", str(workers),
-                        "--overwrite", "--no-progress"], environment(args.repo), args.repo)
+        run = Measured(
+            [
+                PYTHON,
+                "-m",
+                "data_tools.build_shards",
+                "--tokenizer",
+                str(tokenizer),
+                "--output",
+                str(output),
+                "--format",
+                "lm1b",
+                "--input",
+                str(root),
+                "--workers",
+                str(workers),
+                "--overwrite",
+                "--no-progress",
+            ],
+            environment(args.repo),
+            args.repo,
+        )
         match = SUMMARY.search(run.stdout)
         tokens = int(match.group(2).replace(",", ""))
         # Input bytes: the training file's and the two heldout files'.
@@ -179,10 +237,13 @@ def shards_stage(args: argparse.Namespace, root: Path, tokenizer: Path, work: Pa
         one, many = (figures[f"workers{w}"] for w in (1, args.workers))
         figures[f"speedup_{args.workers}_over_1"] = round(one["seconds"] / many["seconds"], 3)
         figures[f"mb_per_s_per_worker_{args.workers}"] = round(many["mb_per_s"] / args.workers, 2)
-        same = all((outputs[1] / p.name).read_bytes() == p.read_bytes()
-                   for p in sorted(outputs[args.workers].glob("*.tar")))
-        figures["identical_shards"] = same and (sorted(p.name for p in outputs[1].glob("*.tar"))
-                                                == sorted(p.name for p in outputs[args.workers].glob("*.tar")))
+        same = all(
+            (outputs[1] / p.name).read_bytes() == p.read_bytes() for p in sorted(outputs[args.workers].glob("*.tar"))
+        )
+        figures["identical_shards"] = same and (
+            sorted(p.name for p in outputs[1].glob("*.tar"))
+            == sorted(p.name for p in outputs[args.workers].glob("*.tar"))
+        )
         shutil.rmtree(outputs[1])
     return outputs[args.workers], figures
 
@@ -207,12 +268,20 @@ print(json.dumps({"open_seconds": opened, "tokens_per_s": count * micro_batch * 
 
 
 def stream_stage(args: argparse.Namespace, shards: Path) -> dict:
-    run = Measured([PYTHON, "-c", STREAM_PROGRAM, str(shards), str(args.stream_seconds), "112", "32"],
-                   environment(args.repo), args.repo)
+    run = Measured(
+        [PYTHON, "-c", STREAM_PROGRAM, str(shards), str(args.stream_seconds), "112", "32"],
+        environment(args.repo),
+        args.repo,
+    )
     measured = json.loads(run.stdout.strip().splitlines()[-1])
-    return {"tokens_per_s": round(measured["tokens_per_s"]), "open_seconds": round(measured["open_seconds"], 2),
-            "peak_rss_mib": round(measured["peak_rss_mib"]), "micro_batch": 112, "tgt_len": 32,
-            "rank": "0 of 2, blocks shuffled"}
+    return {
+        "tokens_per_s": round(measured["tokens_per_s"]),
+        "open_seconds": round(measured["open_seconds"], 2),
+        "peak_rss_mib": round(measured["peak_rss_mib"]),
+        "micro_batch": 112,
+        "tgt_len": 32,
+        "rank": "0 of 2, blocks shuffled",
+    }
 
 
 def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
@@ -220,11 +289,30 @@ def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
     shutil.rmtree(output, ignore_errors=True)
     # The run is stopped by SIGTERM after --train-steps steps: at max_steps the trainer would evaluate the
     # whole valid split (160k tokens), which takes lm1b_base half an hour on 2 CPU cores.
-    overrides = [f"data.shards={shards}", f"train.output_dir={output}", "train.max_steps=1000000",
-                 "train.global_batch=2", "log.every=1", "eval.every=0", "checkpoint.every=0",
-                 "log.tensorboard=false", "schedule.warmup_steps=1", "data.verify_sha256=false", *args.train_overrides]
-    command = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(args.port), "launchers/train.py",
-               "--config", args.train_config, *overrides]
+    overrides = [
+        f"data.shards={shards}",
+        f"train.output_dir={output}",
+        "train.max_steps=1000000",
+        "train.global_batch=2",
+        "log.every=1",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "log.tensorboard=false",
+        "schedule.warmup_steps=1",
+        "data.verify_sha256=false",
+        *args.train_overrides,
+    ]
+    command = [
+        DEEPSPEED,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(args.port),
+        "launchers/train.py",
+        "--config",
+        args.train_config,
+        *overrides,
+    ]
     metrics = output / "metrics.jsonl"
 
     def enough_steps() -> bool:
@@ -238,20 +326,29 @@ def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
             path.unlink(missing_ok=True)
     if run.killed_at_rss is not None:
         log = [line for line in (run.stdout + run.stderr).splitlines() if "[rank" in line or "Time to load" in line]
-        return {"config": args.train_config, "overrides": args.train_overrides,
-                "killed_at_rss_mib_all_processes": round(run.killed_at_rss / 2**20),
-                "memory_limit_gib": args.memory_limit, "seconds_until_killed": round(run.seconds, 1),
-                "steps_done": metrics.read_text().count('"kind": "train"') if metrics.is_file() else 0,
-                "last_log_lines": log[-4:]}
+        return {
+            "config": args.train_config,
+            "overrides": args.train_overrides,
+            "killed_at_rss_mib_all_processes": round(run.killed_at_rss / 2**20),
+            "memory_limit_gib": args.memory_limit,
+            "seconds_until_killed": round(run.seconds, 1),
+            "steps_done": metrics.read_text().count('"kind": "train"') if metrics.is_file() else 0,
+            "last_log_lines": log[-4:],
+        }
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steps = [r for r in records if r.get("kind") == "train"][:args.train_steps]
+    steps = [r for r in records if r.get("kind") == "train"][: args.train_steps]
     later = steps[1:] or steps  # the first step includes the warm-up of every kernel
-    figures = {"config": args.train_config, "steps": len(steps), "ranks": 2,
-               "seconds_per_step": round(sum(r["step_time_s"] for r in later) / len(later), 2),
-               "tokens_per_s": round(sum(r["tokens_per_s"] for r in later) / len(later), 1),
-               "peak_rss_mib_rank0": round(max(r["peak_rss_mb"] for r in steps)),
-               "peak_rss_mib_all_processes": round(run.peak_rss / 2**20), "wall_seconds": round(run.seconds, 1),
-               "loss_first_last": [round(steps[0]["loss"], 3), round(steps[-1]["loss"], 3)]}
+    figures = {
+        "config": args.train_config,
+        "steps": len(steps),
+        "ranks": 2,
+        "seconds_per_step": round(sum(r["step_time_s"] for r in later) / len(later), 2),
+        "tokens_per_s": round(sum(r["tokens_per_s"] for r in later) / len(later), 1),
+        "peak_rss_mib_rank0": round(max(r["peak_rss_mb"] for r in steps)),
+        "peak_rss_mib_all_processes": round(run.peak_rss / 2**20),
+        "wall_seconds": round(run.seconds, 1),
+        "loss_first_last": [round(steps[0]["loss"], 3), round(steps[-1]["loss"], 3)],
+    }
     match = re.search(r"training (\S+) \((\d+) parameters\)", run.stderr + run.stdout)
     if match:
         figures["parameters"] = int(match.group(2))
@@ -282,10 +379,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--train-overrides", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--skip-training", action="store_true")
-    parser.add_argument("--train-only", type=Path, metavar="SHARDS",
-                        help="only the training stage, on these shards (e.g. lm1b_large with ZeRO-3 and offload)")
-    parser.add_argument("--memory-limit", type=float, metavar="GiB",
-                        help="kill the training stage once its processes hold this much memory in all")
+    parser.add_argument(
+        "--train-only",
+        type=Path,
+        metavar="SHARDS",
+        help="only the training stage, on these shards (e.g. lm1b_large with ZeRO-3 and offload)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="GiB",
+        help="kill the training stage once its processes hold this much memory in all",
+    )
     parser.add_argument("--port", type=int, default=29671)
     parser.add_argument("--clean", action="store_true", help="remove the work dir's corpus and outputs at the end")
     args = parser.parse_args(argv)
@@ -293,8 +398,13 @@ def main(argv: list[str] | None = None) -> dict:
     temporary = args.work_dir is None
     work = Path(tempfile.mkdtemp(prefix="lm1b_scale.")) if temporary else args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    results: dict = {"benchmark": "lm1b_scale", "scale": args.scale, "repo": str(args.repo),
-                     "cpu_count": os.cpu_count(), "load_average_start": os.getloadavg()[0]}
+    results: dict = {
+        "benchmark": "lm1b_scale",
+        "scale": args.scale,
+        "repo": str(args.repo),
+        "cpu_count": os.cpu_count(),
+        "load_average_start": os.getloadavg()[0],
+    }
     if args.train_only is not None:
         results["training"] = training_stage(args, args.train_only.resolve(), work)
         print(json.dumps(results))
@@ -306,8 +416,11 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer, results["vocabulary"] = vocabulary_stage(args, root, work, megabytes)
         print(f"vocabulary: {json.dumps(results['vocabulary'])}", flush=True)
         # The shard builder reads the heldout files too (valid and test): its MB/s counts them.
-        heldout = sum(p.stat().st_size for p in (root / "heldout-monolingual.tokenized.shuffled").iterdir()
-                      if p.name.endswith(("00000-of-00050", "00001-of-00050")))
+        heldout = sum(
+            p.stat().st_size
+            for p in (root / "heldout-monolingual.tokenized.shuffled").iterdir()
+            if p.name.endswith(("00000-of-00050", "00001-of-00050"))
+        )
         shards, results["shards"] = shards_stage(args, root, tokenizer, work, megabytes + heldout / 1e6)
         print(f"shards: {json.dumps(results['shards'])}", flush=True)
         results["streams"] = stream_stage(args, shards)
@@ -323,11 +436,17 @@ def main(argv: list[str] | None = None) -> dict:
             if temporary:
                 shutil.rmtree(work, ignore_errors=True)
     results["load_average_end"] = os.getloadavg()[0]
-    targets = {"vocabulary_seconds<=90": results["vocabulary"]["seconds"] <= 90,
-               "vocabulary_peak_rss<=2GB": results["vocabulary"]["peak_rss_mib"] <= 2e9 / 2**20}
+    targets = {
+        "vocabulary_seconds<=90": results["vocabulary"]["seconds"] <= 90,
+        "vocabulary_peak_rss<=2GB": results["vocabulary"]["peak_rss_mib"] <= 2e9 / 2**20,
+    }
     shard_figures = results["shards"].get(f"workers{args.workers}", {})
-    targets.update({"shards_seconds<=90": shard_figures.get("seconds", 1e9) <= 90,
-                    "shards_peak_rss<=2GB": shard_figures.get("peak_rss_mib", 1e9) <= 2e9 / 2**20})
+    targets.update(
+        {
+            "shards_seconds<=90": shard_figures.get("seconds", 1e9) <= 90,
+            "shards_peak_rss<=2GB": shard_figures.get("peak_rss_mib", 1e9) <= 2e9 / 2**20,
+        }
+    )
     if args.workers == 2:
         targets["speedup_2_over_1>=1.7"] = results["shards"]["speedup_2_over_1"] >= 1.7
         targets["mb_per_s_per_worker>=25"] = results["shards"]["mb_per_s_per_worker_2"] >= 25

@@ -38,8 +38,18 @@ def main(argv: list[str] | None = None) -> dict:
     summary: dict = {"config": args.config, "steps": args.steps, "tgt_len": tgt_len, "results": {}}
     for name, mem_len in variants.items():
         out = work / name
-        train(args.config, shards, out, [f"model.mem_len={mem_len}", f"train.max_steps={args.steps}",
-                                         "eval.every=0", "checkpoint.every=0", "log.every=100"])
+        train(
+            args.config,
+            shards,
+            out,
+            [
+                f"model.mem_len={mem_len}",
+                f"train.max_steps={args.steps}",
+                "eval.every=0",
+                "checkpoint.every=0",
+                "log.every=100",
+            ],
+        )
         settings = {"own": ["--mem-len", str(mem_len), "--tgt-len", str(tgt_len)]}
         if mem_len:
             settings["eval_config"] = ["--mem-len", str(eval_mem), "--tgt-len", str(cfg.eval.tgt_len or tgt_len)]
@@ -47,15 +57,23 @@ def main(argv: list[str] | None = None) -> dict:
         for label, extra in settings.items():
             for split in ("valid", "test"):
                 result = evaluate(out, split, f"{split}_{label}", *extra)
-                results[f"{split}_{label}"] = {"ppl": result["ppl"], "mem_len": result["settings"]["mem_len"],
-                                               "tgt_len": result["settings"]["tgt_len"]}
-                print(f"{name:8s} ({label:11s} mem_len {result['settings']['mem_len']:3d}): {split} ppl "
-                      f"{result['ppl']:8.2f}", flush=True)
+                results[f"{split}_{label}"] = {
+                    "ppl": result["ppl"],
+                    "mem_len": result["settings"]["mem_len"],
+                    "tgt_len": result["settings"]["tgt_len"],
+                }
+                print(
+                    f"{name:8s} ({label:11s} mem_len {result['settings']['mem_len']:3d}): {split} ppl "
+                    f"{result['ppl']:8.2f}",
+                    flush=True,
+                )
         summary["results"][name] = results
     memory, vanilla = summary["results"]["memory"], summary["results"]["vanilla"]
     summary["valid_ppl_ratio_vanilla_over_memory"] = vanilla["valid_own"]["ppl"] / memory["valid_own"]["ppl"]
-    print(f"valid ppl: memory {memory['valid_own']['ppl']:.2f} vs vanilla {vanilla['valid_own']['ppl']:.2f} "
-          f"(ratio {summary['valid_ppl_ratio_vanilla_over_memory']:.3f})")
+    print(
+        f"valid ppl: memory {memory['valid_own']['ppl']:.2f} vs vanilla {vanilla['valid_own']['ppl']:.2f} "
+        f"(ratio {summary['valid_ppl_ratio_vanilla_over_memory']:.3f})"
+    )
     print(json.dumps(summary))
     return summary
 

@@ -57,8 +57,8 @@ def measure(config_name: str, impl: str, batch: int, steps: int, warmup: int, de
             warmup_seconds = time.perf_counter() - warm_start
             start = clock()
         window = slice(step * config.tgt_len, (step + 1) * config.tgt_len)
-        inputs, targets = data[:, window], data[:, window.start + 1:window.stop + 1]
-        plan = model.plan_targets(data_host[:, window.start + 1:window.stop + 1], device)
+        inputs, targets = data[:, window], data[:, window.start + 1 : window.stop + 1]
+        plan = model.plan_targets(data_host[:, window.start + 1 : window.stop + 1], device)
         with torch.autocast(device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss, mems = model(inputs, targets, mems, target_plan=plan)
         loss.mean().backward()
@@ -80,8 +80,20 @@ def measure(config_name: str, impl: str, batch: int, steps: int, warmup: int, de
 
 # The PTB-sized model of the speed comparison with HuggingFace (issue 12): 6 layers, d_model 256, 8 heads x 32,
 # d_inner 1024, a 10k vocabulary with cutoffs [2000, 5000], tgt_len = mem_len = 64.
-COMPARE_MODEL = dict(n_token=10000, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024, div_val=1,
-                     cutoffs=[2000, 5000], tgt_len=64, mem_len=64, dropout=0.1, dropatt=0.0)
+COMPARE_MODEL = dict(
+    n_token=10000,
+    n_layer=6,
+    d_model=256,
+    n_head=8,
+    d_head=32,
+    d_inner=1024,
+    div_val=1,
+    cutoffs=[2000, 5000],
+    tgt_len=64,
+    mem_len=64,
+    dropout=0.1,
+    dropatt=0.0,
+)
 
 
 def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, dropout: float) -> dict:
@@ -110,8 +122,9 @@ def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, 
         hf = TransfoXLLMHeadModel(TransfoXLConfig(**to_hf_config(config))).train()
     hf.load_state_dict(to_hf_state_dict(ours.state_dict(), config), strict=True)
     segments = warmup + steps
-    data = torch.randint(0, config.n_token, (batch, repeats * segments * config.tgt_len + 1),
-                         generator=torch.Generator().manual_seed(1))
+    data = torch.randint(
+        0, config.n_token, (batch, repeats * segments * config.tgt_len + 1), generator=torch.Generator().manual_seed(1)
+    )
 
     def ours_step(inputs, targets, mems):
         loss, mems = ours(inputs, targets, mems)
@@ -134,8 +147,8 @@ def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, 
         seconds = {"ours": 0.0, "hf": 0.0}
         for index in range(segments):
             start_token = (repeat * segments + index) * config.tgt_len
-            inputs = data[:, start_token:start_token + config.tgt_len]
-            targets = data[:, start_token + 1:start_token + config.tgt_len + 1]
+            inputs = data[:, start_token : start_token + config.tgt_len]
+            targets = data[:, start_token + 1 : start_token + config.tgt_len + 1]
             for name, step in (("ours", ours_step), ("hf", hf_step)):
                 started = clock()
                 mems[name] = step(inputs, targets, mems[name])
@@ -143,16 +156,29 @@ def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, 
                     seconds[name] += clock() - started
         ours_runs.append(batch * config.tgt_len * steps / seconds["ours"])
         hf_runs.append(batch * (config.tgt_len - 1) * steps / seconds["hf"])
-        print(f"repeat {repeat + 1}/{repeats}: ours {ours_runs[-1]:8.0f} tokens/s   HuggingFace {hf_runs[-1]:8.0f} "
-              f"tokens/s   ratio {ours_runs[-1] / hf_runs[-1]:.3f}", flush=True)
+        print(
+            f"repeat {repeat + 1}/{repeats}: ours {ours_runs[-1]:8.0f} tokens/s   HuggingFace {hf_runs[-1]:8.0f} "
+            f"tokens/s   ratio {ours_runs[-1] / hf_runs[-1]:.3f}",
+            flush=True,
+        )
     ratios = [o / h for o, h in zip(ours_runs, hf_runs)]
-    figures = {"model": {**COMPARE_MODEL, "dropout": dropout}, "batch": batch, "threads": threads, "steps": steps,
-               "clock": clock.__name__, "alternation": "step by step",
-               "repeats": repeats, "ours_tokens_per_s": statistics.median(ours_runs),
-               "hf_tokens_per_s": statistics.median(hf_runs), "ours_over_hf": statistics.median(ratios),
-               "ratios": ratios}
-    print(f"ours / HuggingFace TransfoXL training step: {figures['ours_over_hf']:.3f} (median of {repeats} "
-          f"alternating repeats; {figures['ours_tokens_per_s']:.0f} against {figures['hf_tokens_per_s']:.0f} tokens/s)")
+    figures = {
+        "model": {**COMPARE_MODEL, "dropout": dropout},
+        "batch": batch,
+        "threads": threads,
+        "steps": steps,
+        "clock": clock.__name__,
+        "alternation": "step by step",
+        "repeats": repeats,
+        "ours_tokens_per_s": statistics.median(ours_runs),
+        "hf_tokens_per_s": statistics.median(hf_runs),
+        "ours_over_hf": statistics.median(ratios),
+        "ratios": ratios,
+    }
+    print(
+        f"ours / HuggingFace TransfoXL training step: {figures['ours_over_hf']:.3f} (median of {repeats} "
+        f"alternating repeats; {figures['ours_tokens_per_s']:.0f} against {figures['hf_tokens_per_s']:.0f} tokens/s)"
+    )
     return figures
 
 
@@ -166,9 +192,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--compare-hf", action="store_true",
-                        help="our training step against HuggingFace's TransfoXL (transformers 4.37.2) on the "
-                             "PTB-sized model, same weights and batches, fp32 on the CPU")
+    parser.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="our training step against HuggingFace's TransfoXL (transformers 4.37.2) on the "
+        "PTB-sized model, same weights and batches, fp32 on the CPU",
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for --compare-hf")
     parser.add_argument("--dropout", type=float, default=0.1, help="dropout for --compare-hf")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "IMPL"), help=argparse.SUPPRESS)
@@ -188,16 +217,38 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):
         for config in configs:
             for impl in impls:
-                command = [sys.executable, __file__, "--worker", config, impl, "--batch", str(args.batch),
-                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-                           "--dtype", args.dtype]
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    config,
+                    impl,
+                    "--batch",
+                    str(args.batch),
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--device",
+                    args.device,
+                    "--dtype",
+                    args.dtype,
+                ]
                 out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 runs[(config, impl)].append(json.loads(out.strip().splitlines()[-1]))
-                print(f"repeat {repeat + 1}/{args.repeats} {config:10s} {impl:9s} "
-                      f"{runs[(config, impl)][-1]['tokens_per_s']:10.0f} tokens/s", flush=True)
+                print(
+                    f"repeat {repeat + 1}/{args.repeats} {config:10s} {impl:9s} "
+                    f"{runs[(config, impl)][-1]['tokens_per_s']:10.0f} tokens/s",
+                    flush=True,
+                )
 
-    figures: dict = {"device": args.device, "dtype": args.dtype, "batch": args.batch, "repeats": args.repeats,
-                     "results": {}}
+    figures: dict = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "results": {},
+    }
     print(f"\n{'config':10s} {'attention':9s} {'tokens/s (median)':>18s} {'peak RSS MB':>12s} {'params':>10s}")
     for (config, impl), results in runs.items():
         row = {
@@ -214,11 +265,14 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = impls[0]
     for config in configs:
         for impl in impls[1:]:
-            per_repeat = [v["tokens_per_s"] / b["tokens_per_s"]
-                          for v, b in zip(runs[(config, impl)], runs[(config, baseline)])]
+            per_repeat = [
+                v["tokens_per_s"] / b["tokens_per_s"] for v, b in zip(runs[(config, impl)], runs[(config, baseline)])
+            ]
             figures["results"][config][f"{impl}_over_{baseline}"] = statistics.median(per_repeat)
-            print(f"{config}: {impl} / {baseline} throughput = {statistics.median(per_repeat):.3f} "
-                  f"(median of per-repeat ratios)")
+            print(
+                f"{config}: {impl} / {baseline} throughput = {statistics.median(per_repeat):.3f} "
+                f"(median of per-repeat ratios)"
+            )
     print(json.dumps(figures))
     return figures
 

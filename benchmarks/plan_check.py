@@ -34,8 +34,15 @@ STEPS = 4
 # name -> (config, overrides, shards kind). "ptb": the Penn Treebank's 10,000 words; "lm1b": a synthetic corpus
 # of One Billion Word's law with a word vocabulary of about 100k.
 # A 4-layer model of lm1b_base's width on the synthetic corpus's 95k words.
-MID = ["model.n_layer=4", "model.d_model=512", "model.d_inner=2048", "model.n_head=8", "model.d_head=64",
-       "model.cutoffs=[20000,40000,80000]", "train.global_batch=8"]
+MID = [
+    "model.n_layer=4",
+    "model.d_model=512",
+    "model.d_inner=2048",
+    "model.n_head=8",
+    "model.d_head=64",
+    "model.cutoffs=[20000,40000,80000]",
+    "train.global_batch=8",
+]
 CASES: dict[str, tuple[str, list[str], str]] = {
     "tiny_zero2": ("configs/tiny_cpu.yaml", [], "ptb"),
     "ptb_small_zero2": ("configs/ptb_small.yaml", [], "ptb"),
@@ -43,18 +50,33 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "mid_zero0_bf16": ("configs/lm1b_base.yaml", [*MID, "zero.stage=0"], "lm1b"),
     "mid_zero1_bf16": ("configs/lm1b_base.yaml", [*MID, "zero.stage=1"], "lm1b"),
     "mid_zero2_bf16": ("configs/lm1b_base.yaml", MID, "lm1b"),
-    "mid_zero2_fp32_mb16": ("configs/lm1b_base.yaml", [*MID, "precision.dtype=fp32", "train.global_batch=32",
-                                                       "model.mem_len=96"], "lm1b"),
-    "mid_zero3_bf16": ("configs/lm1b_base.yaml", [*MID, "zero.stage=3", "zero.stage3_param_persistence_threshold=0"],
-                       "lm1b"),
+    "mid_zero2_fp32_mb16": (
+        "configs/lm1b_base.yaml",
+        [*MID, "precision.dtype=fp32", "train.global_batch=32", "model.mem_len=96"],
+        "lm1b",
+    ),
+    "mid_zero3_bf16": (
+        "configs/lm1b_base.yaml",
+        [*MID, "zero.stage=3", "zero.stage3_param_persistence_threshold=0"],
+        "lm1b",
+    ),
     # lm1b_base itself (bf16, ZeRO-2) with a vocabulary of 935k words: 2 sequences per step, as in the issue.
     "lm1b_base_zero2": ("configs/lm1b_base.yaml", ["train.global_batch=2"], "lm1b_935k"),
 }
-RUN_SETTINGS = [f"train.max_steps={STEPS}", "log.every=1", "eval.every=0", "checkpoint.every=0",
-                "log.tensorboard=false", "schedule.warmup_steps=1", "schedule.total_steps=1000", "eval.max_batches=1"]
+RUN_SETTINGS = [
+    f"train.max_steps={STEPS}",
+    "log.every=1",
+    "eval.every=0",
+    "checkpoint.every=0",
+    "log.tensorboard=false",
+    "schedule.warmup_steps=1",
+    "schedule.total_steps=1000",
+    "eval.max_batches=1",
+]
 
 
 # ---- one probe (a rank under the deepspeed launcher) ----------------------------------------------------------
+
 
 def probe(out: str, argv: list[str]) -> None:
     """Train under the profiler's memory tracking; rank r writes OUT.r.json with its peak of live tensor bytes,
@@ -70,15 +92,24 @@ def probe(out: str, argv: list[str]) -> None:
         from txl_dist.training.trainer import Trainer
 
         Trainer(cfg, deepspeed_overlay=args.deepspeed_config).run()
-    events = sorted((event.start_ns(), event.nbytes()) for event in profiler.profiler.kineto_results.events()
-                    if event.name() == "[memory]")
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in profiler.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
     live = peak = 0
     for _, size in events:
         live += size
         peak = max(peak, live)
-    Path(f"{out}.{rank}.json").write_text(json.dumps({
-        "tensor_peak_bytes": peak, "rss_before_model_bytes": before,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    Path(f"{out}.{rank}.json").write_text(
+        json.dumps(
+            {
+                "tensor_peak_bytes": peak,
+                "rss_before_model_bytes": before,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
+        )
+    )
     import torch.distributed as dist
 
     dist.destroy_process_group()
@@ -91,6 +122,7 @@ def _rss_bytes() -> int:
 
 # ---- the driver -----------------------------------------------------------------------------------------------
 
+
 def shards_of(kind: str, work: Path) -> Path:
     from data_tools import build_shards, synthetic_lm1b, train_tokenizer
 
@@ -101,26 +133,63 @@ def shards_of(kind: str, work: Path) -> Path:
         return ptb_word_shards(work / "ptb")[1]
     # "lm1b": a flatter law than One Billion Word's over 400k ranks, the lm1b preset's vocabulary (words seen 3
     # times: 95k); "lm1b_935k": flatter still over 1.2M ranks, every word seen (935k: lm1b_base's size).
-    scale, exponent, ranks, counting = {"lm1b": (0.01, 1.25, 400_000, ["--preset", "lm1b"]),
-                                        "lm1b_935k": (0.05, 1.2, 1_200_000, [
-                                            "--kind", "word", "--specials", "<S>", "</S>", "--eos", "</S>",
-                                            "--unk", "<UNK>"])}[kind]
+    scale, exponent, ranks, counting = {
+        "lm1b": (0.01, 1.25, 400_000, ["--preset", "lm1b"]),
+        "lm1b_935k": (
+            0.05,
+            1.2,
+            1_200_000,
+            ["--kind", "word", "--specials", "<S>", "</S>", "--eos", "</S>", "--unk", "<UNK>"],
+        ),
+    }[kind]
     home = work / kind
     shards = home / "shards"
     if not (shards / "manifest.json").is_file():
-        synthetic_lm1b.write_corpus(home, synthetic_lm1b.CorpusShape(scale=scale, exponent=exponent,
-                                                                     vocabulary=ranks), progress=False)
+        synthetic_lm1b.write_corpus(
+            home, synthetic_lm1b.CorpusShape(scale=scale, exponent=exponent, vocabulary=ranks), progress=False
+        )
         source = home / synthetic_lm1b.ROOT_NAME
-        train_tokenizer.main([*counting, "--format", "lm1b", "--input", str(source), "--output",
-                              str(home / "tokenizer"), "--overwrite", "--no-progress", "--workers", "2"])
-        build_shards.main(["--tokenizer", str(home / "tokenizer"), "--output", str(shards), "--format", "lm1b",
-                           "--input", str(source), "--overwrite", "--no-progress", "--workers", "2"])
+        train_tokenizer.main(
+            [
+                *counting,
+                "--format",
+                "lm1b",
+                "--input",
+                str(source),
+                "--output",
+                str(home / "tokenizer"),
+                "--overwrite",
+                "--no-progress",
+                "--workers",
+                "2",
+            ]
+        )
+        build_shards.main(
+            [
+                "--tokenizer",
+                str(home / "tokenizer"),
+                "--output",
+                str(shards),
+                "--format",
+                "lm1b",
+                "--input",
+                str(source),
+                "--overwrite",
+                "--no-progress",
+                "--workers",
+                "2",
+            ]
+        )
     return shards
 
 
 def launch(script: list[str], port: int) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     command = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), *script]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{port}*"):
@@ -160,31 +229,57 @@ def main() -> None:
         cfg = load_config(config, settings)
         cfg = with_manifest_vocab(cfg, read_manifest(shards).tokenizer.vocab_size, "the manifest")
         plan = plan_memory(cfg, 2, device="cpu")
-        row = {"parameters": plan.parameters, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
-               "planned_mib": round(plan.peak / MiB), "measured_peak_rss_mib": round(measured / MiB),
-               "planned_over_measured": round(plan.peak / measured, 3),
-               "seconds": round(time.perf_counter() - started, 1)}
+        row = {
+            "parameters": plan.parameters,
+            "micro_batch": plan.micro_batch,
+            "grad_accum": plan.grad_accum,
+            "planned_mib": round(plan.peak / MiB),
+            "measured_peak_rss_mib": round(measured / MiB),
+            "planned_over_measured": round(plan.peak / measured, 3),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
         if args.tensor_peaks:
             out = work / "runs" / f"{name}_probe"
-            launch(["benchmarks/plan_check.py", "--probe", str(out), "--config", config,
-                    f"train.output_dir={out}_run", *settings], 29800 + index)
+            launch(
+                [
+                    "benchmarks/plan_check.py",
+                    "--probe",
+                    str(out),
+                    "--config",
+                    config,
+                    f"train.output_dir={out}_run",
+                    *settings,
+                ],
+                29800 + index,
+            )
             probes = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
             tensors = max(p["tensor_peak_bytes"] for p in probes)
             # Allocated bytes, as a GPU counts them (DeepSpeed's reduction bucket whole, for one).
             allocated = plan_memory(cfg, 2, device="cuda").peak
-            row.update({"planned_tensors_mib": round(allocated / MiB), "measured_tensor_peak_mib": round(tensors / MiB),
-                        "planned_over_measured_tensors": round(allocated / tensors, 3),
-                        "rss_before_model_mib": [round(p["rss_before_model_bytes"] / MiB) for p in probes]})
+            row.update(
+                {
+                    "planned_tensors_mib": round(allocated / MiB),
+                    "measured_tensor_peak_mib": round(tensors / MiB),
+                    "planned_over_measured_tensors": round(allocated / tensors, 3),
+                    "rss_before_model_mib": [round(p["rss_before_model_bytes"] / MiB) for p in probes],
+                }
+            )
         results[name] = row
         print(f"{name:22s} {json.dumps(row)}", flush=True)
-    print(f"\n{'case':22s} {'params':>12s} {'planned MiB':>12s} {'peak RSS MiB':>13s} {'ratio':>7s}"
-          + (f" {'plan tensors':>13s} {'tensor peak':>12s} {'ratio':>7s}" if args.tensor_peaks else ""))
+    print(
+        f"\n{'case':22s} {'params':>12s} {'planned MiB':>12s} {'peak RSS MiB':>13s} {'ratio':>7s}"
+        + (f" {'plan tensors':>13s} {'tensor peak':>12s} {'ratio':>7s}" if args.tensor_peaks else "")
+    )
     for name, row in results.items():
-        line = (f"{name:22s} {row['parameters']:12,d} {row['planned_mib']:12d} {row['measured_peak_rss_mib']:13d} "
-                f"{row['planned_over_measured']:7.2f}")
+        line = (
+            f"{name:22s} {row['parameters']:12,d} {row['planned_mib']:12d} {row['measured_peak_rss_mib']:13d} "
+            f"{row['planned_over_measured']:7.2f}"
+        )
         if args.tensor_peaks:
-            line += (f" {row['planned_tensors_mib']:13d} {row['measured_tensor_peak_mib']:12d} "
-                     f"{row['planned_over_measured_tensors']:7.2f}")
+            line += (
+                f" {row['planned_tensors_mib']:13d} {row['measured_tensor_peak_mib']:12d} "
+                f"{row['planned_over_measured_tensors']:7.2f}"
+            )
         print(line)
     print(json.dumps({"benchmark": "plan_check", "ranks": 2, "device": "cpu", "steps": STEPS, "results": results}))
 

@@ -48,13 +48,18 @@ def build_ptb_shards(directory: Path, min_tokens: int, block_tokens: int, tokens
     with ShardWriter(directory, "train", len(vocabulary), dtype, tokens_per_shard) as writer:
         for _ in range(repeats):
             for start in range(0, corpus.size, block_tokens):
-                writer.add_block(corpus[start:start + block_tokens], np.array([0]))
+                writer.add_block(corpus[start : start + block_tokens], np.array([0]))
     shards = writer.shards
-    split = SplitEntry(documents=sum(s.documents for s in shards), tokens=sum(s.tokens for s in shards),
-                       blocks=sum(s.blocks for s in shards), shards=shards)
+    split = SplitEntry(
+        documents=sum(s.documents for s in shards),
+        tokens=sum(s.tokens for s in shards),
+        blocks=sum(s.blocks for s in shards),
+        shards=shards,
+    )
     tokenizer = TokenizerIdentity(kind="word", vocab_size=len(vocabulary), fingerprint="0" * 64, eos_id=0, eod_id=0)
-    write_manifest(directory, Manifest(tokenizer=tokenizer, dtype=dtype.name, block_tokens=block_tokens,
-                                       splits={"train": split}))
+    write_manifest(
+        directory, Manifest(tokenizer=tokenizer, dtype=dtype.name, block_tokens=block_tokens, splits={"train": split})
+    )
     return split.tokens
 
 
@@ -69,8 +74,16 @@ def measure(directory: str, micro_batch: int, tgt_len: int, world_size: int, shu
     from txl_dist.data import TrainStreams
 
     before = rss_mib()
-    streams = TrainStreams(directory, "train", tgt_len=tgt_len, micro_batch=micro_batch, grad_accum=1,
-                           world_size=world_size, rank=0, shuffle_blocks=shuffle)
+    streams = TrainStreams(
+        directory,
+        "train",
+        tgt_len=tgt_len,
+        micro_batch=micro_batch,
+        grad_accum=1,
+        world_size=world_size,
+        rank=0,
+        shuffle_blocks=shuffle,
+    )
     batches = 0
     start = time.perf_counter()
     for batch in streams:
@@ -100,12 +113,20 @@ def main() -> None:
     parser.add_argument("--shuffle", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.micro_batch, args.tgt_len, args.world_size, args.shuffle,
-                                 args.seconds)))
+        print(
+            json.dumps(
+                measure(args.measure, args.micro_batch, args.tgt_len, args.world_size, args.shuffle, args.seconds)
+            )
+        )
         return
 
-    figures = {"micro_batch": args.micro_batch, "tgt_len": args.tgt_len, "world_size": args.world_size,
-               "block_tokens": args.block_tokens, "corpora": []}
+    figures = {
+        "micro_batch": args.micro_batch,
+        "tgt_len": args.tgt_len,
+        "world_size": args.world_size,
+        "block_tokens": args.block_tokens,
+        "corpora": [],
+    }
     with tempfile.TemporaryDirectory(prefix="stream_throughput.") as scratch:
         for min_tokens in args.tokens:
             directory = Path(scratch) / f"ptb_{int(min_tokens)}"
@@ -120,22 +141,39 @@ def main() -> None:
                 shard.path = f"pipe:cat {directory / shard.path}"
             write_manifest(piped, manifest)
             corpus = {"tokens": num_tokens}
-            for order, source, shuffle in (("sequential", directory, False), ("shuffled", directory, True),
-                                           ("pipe_sequential", piped, False)):
+            for order, source, shuffle in (
+                ("sequential", directory, False),
+                ("shuffled", directory, True),
+                ("pipe_sequential", piped, False),
+            ):
                 runs = []
                 for _ in range(args.repeats):
-                    command = [sys.executable, __file__, "--measure", str(source), "--micro-batch",
-                               str(args.micro_batch), "--tgt-len", str(args.tgt_len), "--world-size",
-                               str(args.world_size), "--seconds", str(args.seconds)] + (["--shuffle"] if shuffle else [])
+                    command = [
+                        sys.executable,
+                        __file__,
+                        "--measure",
+                        str(source),
+                        "--micro-batch",
+                        str(args.micro_batch),
+                        "--tgt-len",
+                        str(args.tgt_len),
+                        "--world-size",
+                        str(args.world_size),
+                        "--seconds",
+                        str(args.seconds),
+                    ] + (["--shuffle"] if shuffle else [])
                     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                     runs.append(json.loads(output.strip().splitlines()[-1]))
                 summary = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                 summary["tokens_per_s_runs"] = [round(run["tokens_per_s"]) for run in runs]
                 corpus[order] = summary
-                print(f"  {order:15s} {summary['tokens_per_s'] / 1e6:6.1f} M tokens/s per rank "
-                      f"(runs: {', '.join(f'{r / 1e6:.1f}' for r in summary['tokens_per_s_runs'])}); "
-                      f"{summary['tokens_read'] / 1e6:.0f} M tokens read; peak RSS {summary['peak_rss_mib']:.0f} MiB, "
-                      f"{summary['loader_rss_mib']:.1f} MiB more after reading than before the loader", flush=True)
+                print(
+                    f"  {order:15s} {summary['tokens_per_s'] / 1e6:6.1f} M tokens/s per rank "
+                    f"(runs: {', '.join(f'{r / 1e6:.1f}' for r in summary['tokens_per_s_runs'])}); "
+                    f"{summary['tokens_read'] / 1e6:.0f} M tokens read; peak RSS {summary['peak_rss_mib']:.0f} MiB, "
+                    f"{summary['loader_rss_mib']:.1f} MiB more after reading than before the loader",
+                    flush=True,
+                )
             figures["corpora"].append(corpus)
     print(json.dumps(figures))
 

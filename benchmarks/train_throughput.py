@@ -45,43 +45,68 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):
         for config, stage, precision in variants:
             out = work / f"{config}_zero{stage}_{precision}_{repeat}"
-            records = train(f"configs/{config}.yaml", shards, out, [
-                f"zero.stage={stage}", f"precision.dtype={precision}", f"train.max_steps={args.steps}",
-                f"log.every={log_every}", "schedule.warmup_steps=1", "eval.every=0", "checkpoint.every=0",
-                "log.tensorboard=false"])
+            records = train(
+                f"configs/{config}.yaml",
+                shards,
+                out,
+                [
+                    f"zero.stage={stage}",
+                    f"precision.dtype={precision}",
+                    f"train.max_steps={args.steps}",
+                    f"log.every={log_every}",
+                    "schedule.warmup_steps=1",
+                    "eval.every=0",
+                    "checkpoint.every=0",
+                    "log.tensorboard=false",
+                ],
+            )
             train_records = [r for r in records if r["kind"] == "train"]
             windows = train_records[1:]
-            figures = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
-                       "peak_rss_mb": max(r.get("peak_rss_mb", r.get("max_allocated_mb", 0)) for r in windows),
-                       "losses": [r["loss"] for r in train_records],
-                       "eval_loss": next((r["loss"] for r in reversed(records) if r["kind"] == "eval"), None)}
+            figures = {
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
+                "peak_rss_mb": max(r.get("peak_rss_mb", r.get("max_allocated_mb", 0)) for r in windows),
+                "losses": [r["loss"] for r in train_records],
+                "eval_loss": next((r["loss"] for r in reversed(records) if r["kind"] == "eval"), None),
+            }
             runs[(config, stage, precision)].append(figures)
-            print(f"repeat {repeat + 1}/{args.repeats} {config:10s} ZeRO-{stage} {precision:4s} "
-                  f"{figures['tokens_per_s']:9.0f} tokens/s  peak RSS {figures['peak_rss_mb']:6.0f} MB  "
-                  f"valid loss {figures['eval_loss']:.4f}", flush=True)
+            print(
+                f"repeat {repeat + 1}/{args.repeats} {config:10s} ZeRO-{stage} {precision:4s} "
+                f"{figures['tokens_per_s']:9.0f} tokens/s  peak RSS {figures['peak_rss_mb']:6.0f} MB  "
+                f"valid loss {figures['eval_loss']:.4f}",
+                flush=True,
+            )
 
     summary: dict = {"ranks": 2, "device": "cpu", "steps": args.steps, "repeats": args.repeats, "results": {}}
-    print(f"\n{'config':10s} {'stage':>5s} {'dtype':>5s} {'tokens/s':>10s} {'vs ZeRO-0':>9s} {'vs ' + precisions[0]:>9s} "
-          f"{'peak RSS MB':>12s} {'max loss gap':>12s}")
+    print(
+        f"\n{'config':10s} {'stage':>5s} {'dtype':>5s} {'tokens/s':>10s} {'vs ZeRO-0':>9s} {'vs ' + precisions[0]:>9s} "
+        f"{'peak RSS MB':>12s} {'max loss gap':>12s}"
+    )
     for config, stage, precision in variants:
         results = runs[(config, stage, precision)]
-        row = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
-               "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
-               "eval_loss": statistics.median(r["eval_loss"] for r in results)}
+        row = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
+            "eval_loss": statistics.median(r["eval_loss"] for r in results),
+        }
         if 0 in stages:
-            row["vs_stage0"] = statistics.median(r["tokens_per_s"] / base["tokens_per_s"]
-                                                 for r, base in zip(results, runs[(config, 0, precision)]))
+            row["vs_stage0"] = statistics.median(
+                r["tokens_per_s"] / base["tokens_per_s"] for r, base in zip(results, runs[(config, 0, precision)])
+            )
         if precision != precisions[0]:
             bases = runs[(config, stage, precisions[0])]
-            row[f"vs_{precisions[0]}"] = statistics.median(r["tokens_per_s"] / b["tokens_per_s"]
-                                                           for r, b in zip(results, bases))
-            row["max_train_loss_gap"] = max(abs(a - b) for r, base in zip(results, bases)
-                                            for a, b in zip(r["losses"], base["losses"]))
+            row[f"vs_{precisions[0]}"] = statistics.median(
+                r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(results, bases)
+            )
+            row["max_train_loss_gap"] = max(
+                abs(a - b) for r, base in zip(results, bases) for a, b in zip(r["losses"], base["losses"])
+            )
             row["eval_loss_gap"] = statistics.median(r["eval_loss"] - b["eval_loss"] for r, b in zip(results, bases))
         summary["results"].setdefault(config, {})[f"zero{stage}_{precision}"] = row
-        print(f"{config:10s} {stage:5d} {precision:>5s} {row['tokens_per_s']:10.0f} "
-              f"{row.get('vs_stage0', float('nan')):9.2f} {row.get('vs_' + precisions[0], float('nan')):9.2f} "
-              f"{row['peak_rss_mb']:12.0f} {row.get('max_train_loss_gap', float('nan')):12.4f}")
+        print(
+            f"{config:10s} {stage:5d} {precision:>5s} {row['tokens_per_s']:10.0f} "
+            f"{row.get('vs_stage0', float('nan')):9.2f} {row.get('vs_' + precisions[0], float('nan')):9.2f} "
+            f"{row['peak_rss_mb']:12.0f} {row.get('max_train_loss_gap', float('nan')):12.4f}"
+        )
     print(json.dumps(summary))
     return summary
 

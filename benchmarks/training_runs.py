@@ -22,18 +22,32 @@ def ptb_word_shards(directory: Path) -> tuple[Path, Path]:
     """(tokenizer, shards) of the Penn Treebank with its 10,000-word vocabulary, built once into ``directory``."""
     tokenizer, shards = directory / "tokenizer", directory / "shards"
     if not (shards / "manifest.json").is_file():
-        train_tokenizer.main(["--kind", "word", "--format", "ptb", "--output", str(tokenizer), "--overwrite",
-                              "--no-progress"])
-        build_shards.main(["--tokenizer", str(tokenizer), "--output", str(shards), "--format", "ptb", "--overwrite",
-                           "--no-progress"])
+        train_tokenizer.main(
+            ["--kind", "word", "--format", "ptb", "--output", str(tokenizer), "--overwrite", "--no-progress"]
+        )
+        build_shards.main(
+            ["--tokenizer", str(tokenizer), "--output", str(shards), "--format", "ptb", "--overwrite", "--no-progress"]
+        )
     return tokenizer, shards
 
 
-def train(config: str, shards: Path, output_dir: Path, overrides: list[str], ranks: int = 2,
-          port: int = 29561) -> list[dict]:
+def train(
+    config: str, shards: Path, output_dir: Path, overrides: list[str], ranks: int = 2, port: int = 29561
+) -> list[dict]:
     """Run launchers/train.py to the end; return its metrics.jsonl records."""
-    command = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port), "launchers/train.py",
-               "--config", config, f"data.shards={shards}", f"train.output_dir={output_dir}", *overrides]
+    command = [
+        DEEPSPEED,
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(port),
+        "launchers/train.py",
+        "--config",
+        config,
+        f"data.shards={shards}",
+        f"train.output_dir={output_dir}",
+        *overrides,
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -47,8 +61,17 @@ def train(config: str, shards: Path, output_dir: Path, overrides: list[str], ran
 def evaluate(model_dir: Path, split: str, name: str, *extra: str) -> dict:
     """launchers/evaluate.py on one process; its JSON result (kept as ``{model_dir}/eval_{name}.json``)."""
     out = model_dir / f"eval_{name}.json"
-    command = [sys.executable, "launchers/evaluate.py", str(model_dir), "--split", split, "--no-progress",
-               "--output", str(out), *extra]
+    command = [
+        sys.executable,
+        "launchers/evaluate.py",
+        str(model_dir),
+        "--split",
+        split,
+        "--no-progress",
+        "--output",
+        str(out),
+        *extra,
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.read_text(encoding="utf-8"))

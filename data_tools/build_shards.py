@@ -31,13 +31,13 @@ read little-endian) is below F * 2**64: the same document always lands in the sa
 How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), ``--workers``
 processes decode and tokenise them, the parent and ``--workers - 1`` spawned ones (the tokenizer is loaded once
 per worker; `data_tools.workers.ordered_map`: results in input order, up to 16 unanswered chunks per spawned
-worker, so that none runs dry while the parent writes; the parent takes a chunk when they are all busy), and the parent packs the documents into blocks and blocks into
-shards. With ``--workers 1`` all of it runs in one process, and so does a source of fewer than 32 chunks (32 MB
-with the default ``--chunk-bytes``). With a
-word tokenizer, plain one-document-per-line text is tokenised with numpy (`txl_dist.word_scan`; the same tokens
-as the str path, three times faster). Which documents share a block depends only on the documents' token counts: a document that does not
-fit in what is left of the current block starts the next one, and a document longer than a block spans as many
-blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
+worker, so that none runs dry while the parent writes; the parent takes a chunk when they are all busy), and
+the parent packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one
+process, and so does a source of fewer than 32 chunks (32 MB with the default ``--chunk-bytes``). With a word
+tokenizer, plain one-document-per-line text is tokenised with numpy (`txl_dist.word_scan`; the same tokens as the
+str path, three times faster). Which documents share a block depends only on the documents' token counts: a document
+that does not fit in what is left of the current block starts the next one, and a document longer than a block spans
+as many blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
 ``--workers``.
 
 Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) and one
@@ -67,8 +67,9 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -77,10 +78,21 @@ from data_tools import corpus
 from data_tools.corpus import InputError, InputFile, ReadPosition
 from data_tools.workers import WorkerError, ordered_map
 from txl_dist.data.format import (
-    MANIFEST_NAME, Manifest, ManifestError, ShardEntry, SplitEntry, TokenizerIdentity, token_dtype, write_manifest,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    ShardEntry,
+    SplitEntry,
+    TokenizerIdentity,
+    token_dtype,
+    write_manifest,
 )
 from txl_dist.fileio import (
-    OutputPathError, atomic_write_text, describe_os_error, refuse_output_over_inputs, sha256_file,
+    OutputPathError,
+    atomic_write_text,
+    describe_os_error,
+    refuse_output_over_inputs,
+    sha256_file,
 )
 from txl_dist.tokenizer import Tokenizer, TokenizerError, WordTokenizer, load_tokenizer
 from txl_dist.word_scan import scan_lines
@@ -107,7 +119,7 @@ class Holdout:
 
     def takes(self, document: list[str]) -> bool:
         digest = hashlib.blake2b("\n".join(document).encode("utf-8"), digest_size=8).digest()
-        return int.from_bytes(digest, "little") < self.fraction * 2.0 ** 64
+        return int.from_bytes(digest, "little") < self.fraction * 2.0**64
 
 
 @dataclasses.dataclass
@@ -135,21 +147,29 @@ class BuildSettings:
             raise BuildError("no split to build: give --split NAME=GLOB (or --format lm1b|ptb)")
         if self.doc_unit not in corpus.DOC_UNITS:
             raise BuildError(f"--doc-per {self.doc_unit!r}: expected one of {list(corpus.DOC_UNITS)}")
-        for flag, value in (("--tokens-per-block", self.tokens_per_block), ("--chunk-bytes", self.chunk_bytes),
-                            ("--tokens-per-shard", self.tokens_per_shard)):
+        for flag, value in (
+            ("--tokens-per-block", self.tokens_per_block),
+            ("--chunk-bytes", self.chunk_bytes),
+            ("--tokens-per-shard", self.tokens_per_shard),
+        ):
             if value <= 0:
                 raise BuildError(f"{flag} {value}: must be positive")
         if self.tokens_per_shard < self.tokens_per_block:
-            raise BuildError(f"--tokens-per-shard {self.tokens_per_shard} is smaller than "
-                             f"--tokens-per-block {self.tokens_per_block}")
+            raise BuildError(
+                f"--tokens-per-shard {self.tokens_per_shard} is smaller than --tokens-per-block {self.tokens_per_block}"
+            )
         if self.holdout is not None:
             if not 0.0 < self.holdout.fraction < 1.0:
-                raise BuildError(f"--holdout {self.holdout.split}={self.holdout.fraction}: the fraction must lie in (0, 1)")
+                raise BuildError(
+                    f"--holdout {self.holdout.split}={self.holdout.fraction}: the fraction must lie in (0, 1)"
+                )
             if self.holdout.source not in self.sources:
                 raise BuildError(f"--holdout takes documents from split '{self.holdout.source}', which is not built")
             if self.holdout.split in self.sources:
-                raise BuildError(f"--holdout {self.holdout.split}=...: split '{self.holdout.split}' also has inputs; "
-                                 f"drop one of the two")
+                raise BuildError(
+                    f"--holdout {self.holdout.split}=...: split '{self.holdout.split}' also has inputs; "
+                    f"drop one of the two"
+                )
 
     def streams_of(self, source: str) -> list[str]:
         """The splits fed by the documents of ``source``."""
@@ -177,6 +197,7 @@ class BuildSettings:
 
 
 # ---- worker side: keep the imports of this module light, workers are spawned and import it -------------------
+
 
 @dataclasses.dataclass
 class StreamPiece:
@@ -227,16 +248,28 @@ def _tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]
     chunk, streams = task
     chunk = corpus.resolve(chunk)
     settings, tokenizer, dtype = _worker
-    if (isinstance(tokenizer, WordTokenizer) and settings.doc_unit == "line" and not chunk.jsonl
-            and len(streams) == 1 and streams[0][1] == 0 and settings.input_format != "wikitext"):
+    if (
+        isinstance(tokenizer, WordTokenizer)
+        and settings.doc_unit == "line"
+        and not chunk.jsonl
+        and len(streams) == 1
+        and streams[0][1] == 0
+        and settings.input_format != "wikitext"
+    ):
         result = _tokenize_lines(chunk, streams[0][0], tokenizer, dtype)
         if result is not None:
             return result
-    if (tokenizer.character_level and settings.doc_unit == "line" and not chunk.jsonl and len(streams) == 1
-            and streams[0][1] is not None):
+    if (
+        tokenizer.character_level
+        and settings.doc_unit == "line"
+        and not chunk.jsonl
+        and len(streams) == 1
+        and streams[0][1] is not None
+    ):
         return _tokenize_characters(chunk, streams[0][0], streams[0][1], tokenizer, dtype)
-    text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict,
-                                  keep_blank=settings.input_format == "wikitext")
+    text = corpus.chunk_documents(
+        chunk, settings.doc_unit, settings.jsonl_field, settings.strict, keep_blank=settings.input_format == "wikitext"
+    )
     if len(streams) == 1:
         routes = {streams[0][0]: np.arange(len(text.documents))}
     else:
@@ -251,12 +284,10 @@ def _tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]
         if first_document:
             selected = selected[text.indices[selected] >= first_document]
         pieces[split] = _encode_piece(tokenizer, text, selected, dtype)
-    return ChunkResult(chunk.start.chunk, len(chunk.data), len(text.documents), text.empty,
-                       text.replaced_bytes, pieces)
+    return ChunkResult(chunk.start.chunk, len(chunk.data), len(text.documents), text.empty, text.replaced_bytes, pieces)
 
 
-def _tokenize_lines(chunk: corpus.Chunk, split: str, tokenizer: WordTokenizer, dtype: np.dtype
-                    ) -> ChunkResult | None:
+def _tokenize_lines(chunk: corpus.Chunk, split: str, tokenizer: WordTokenizer, dtype: np.dtype) -> ChunkResult | None:
     """The word tokenizer's fast path for one-document-per-line text (One Billion Word, PTB): the words are
     found and looked up with numpy (`txl_dist.word_scan`), about three times faster than ``str.split`` and a
     dict lookup per word. None for text it does not take (see `txl_dist.word_scan.scan_lines`)."""
@@ -265,18 +296,25 @@ def _tokenize_lines(chunk: corpus.Chunk, split: str, tokenizer: WordTokenizer, d
         return None
     tokens, document_tokens = tokenizer.encode_scanned_lines(scan, dtype)
     documents = np.flatnonzero(scan.words_per_line)
-    piece = StreamPiece(tokens, document_tokens, scan.words_per_line[documents] + 1,
-                        scan.characters_per_line()[documents] + 1, documents)
-    return ChunkResult(chunk.start.chunk, len(chunk.data), len(documents), len(scan.words_per_line) - len(documents),
-                       0, {split: piece})
+    piece = StreamPiece(
+        tokens,
+        document_tokens,
+        scan.words_per_line[documents] + 1,
+        scan.characters_per_line()[documents] + 1,
+        documents,
+    )
+    return ChunkResult(
+        chunk.start.chunk, len(chunk.data), len(documents), len(scan.words_per_line) - len(documents), 0, {split: piece}
+    )
 
 
 # Which bytes are whitespace for str.split() (ASCII only: a byte of 128 or more is part of a character).
 _BYTE_IS_SPACE = np.array([code < 128 and chr(code).isspace() for code in range(256)])
 
 
-def _tokenize_characters(chunk: corpus.Chunk, split: str, first_document: int, tokenizer: Tokenizer,
-                         dtype: np.dtype) -> ChunkResult:
+def _tokenize_characters(
+    chunk: corpus.Chunk, split: str, first_document: int, tokenizer: Tokenizer, dtype: np.dtype
+) -> ChunkResult:
     """The byte and character tokenizers' path: every line a document, blank lines included, nothing replaced
     or dropped, so the chunk's tokens are its bytes (characters) with a newline closing an unended last line.
     Documents before ``first_document`` (a resume inside the chunk) are left out."""
@@ -289,7 +327,9 @@ def _tokenize_characters(chunk: corpus.Chunk, split: str, first_document: int, t
         try:
             ids = tokenizer.encode_text(text, where=f"{chunk.path}, the text from byte {chunk.start.offset}")
         except ValueError as error:  # a character outside the tokenizer's alphabet
-            raise InputError(f"{error}; train the tokenizer on this text, or give it an --alphabet that holds it") from None
+            raise InputError(
+                f"{error}; train the tokenizer on this text, or give it an --alphabet that holds it"
+            ) from None
         is_space = tokenizer.is_space[ids]
     newline = tokenizer.eos_id
     if len(ids) and ids[-1] != newline:
@@ -302,13 +342,17 @@ def _tokenize_characters(chunk: corpus.Chunk, split: str, first_document: int, t
     words = np.diff(np.searchsorted(np.flatnonzero(word_starts), ends), prepend=0)
     first = min(first_document, len(ends))
     begin = int(ends[first - 1]) if first else 0
-    piece = StreamPiece(ids[begin:].astype(dtype), document_tokens[first:], words[first:] + 1,
-                        document_tokens[first:].copy(), np.arange(first, len(ends)))
+    piece = StreamPiece(
+        ids[begin:].astype(dtype),
+        document_tokens[first:],
+        words[first:] + 1,
+        document_tokens[first:].copy(),
+        np.arange(first, len(ends)),
+    )
     return ChunkResult(chunk.start.chunk, len(data), len(ends), 0, 0, {split: piece})
 
 
-def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.ndarray, dtype: np.dtype
-                  ) -> StreamPiece:
+def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.ndarray, dtype: np.dtype) -> StreamPiece:
     """The documents ``text.documents[selected]`` as a piece of a split's stream."""
     if len(selected) == len(text.documents):
         documents = text.documents
@@ -316,11 +360,13 @@ def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.nda
         documents = [text.documents[i] for i in selected.tolist()]
     tokens, document_tokens = tokenizer.encode_documents(documents, dtype=dtype)
     # Words and characters of the raw text plus one per document (its separator); see ShardEntry.
-    return StreamPiece(tokens, document_tokens, text.words[selected] + 1, text.characters[selected] + 1,
-                       text.indices[selected])
+    return StreamPiece(
+        tokens, document_tokens, text.words[selected] + 1, text.characters[selected] + 1, text.indices[selected]
+    )
 
 
 # ---- parent side --------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamPosition:
@@ -359,40 +405,64 @@ class BlockPacker:
         if self._resume_inside is not None:
             resume, self._resume_inside = self._resume_inside, None
             if (chunk, int(indices[0])) != (resume.chunk, resume.document):
-                raise BuildError(f"the input no longer matches the journal: the split should continue inside "
-                                 f"document {resume.document} of chunk {resume.chunk}")
-            self._add_long(piece.tokens[resume.skip_tokens:ends[0]], None, chunk, int(indices[0]),
-                           resume.skip_tokens, self._after(chunk, indices, 1))
+                raise BuildError(
+                    f"the input no longer matches the journal: the split should continue inside "
+                    f"document {resume.document} of chunk {resume.chunk}"
+                )
+            self._add_long(
+                piece.tokens[resume.skip_tokens : ends[0]],
+                None,
+                chunk,
+                int(indices[0]),
+                resume.skip_tokens,
+                self._after(chunk, indices, 1),
+            )
             i = 1
         while i < count:
             room = self.tokens_per_block - self._length
             fit = int(np.searchsorted(ends, starts[i] + room, side="right"))
             if fit > i:  # documents i..fit-1 fit whole in the current block
-                self._append(piece.tokens[starts[i]:ends[fit - 1]], starts[i:fit] - starts[i],
-                             int(piece.document_words[i:fit].sum()), int(piece.document_characters[i:fit].sum()))
+                self._append(
+                    piece.tokens[starts[i] : ends[fit - 1]],
+                    starts[i:fit] - starts[i],
+                    int(piece.document_words[i:fit].sum()),
+                    int(piece.document_characters[i:fit].sum()),
+                )
                 i = fit
                 if self._length == self.tokens_per_block:
                     self._flush(self._after(chunk, indices, i))
             elif self._length:  # document i starts the next block
                 self._flush(StreamPosition(chunk, int(indices[i])))
             else:  # document i alone is longer than a block
-                self._add_long(piece.tokens[starts[i]:ends[i]],
-                               (int(piece.document_words[i]), int(piece.document_characters[i])),
-                               chunk, int(indices[i]), 0, self._after(chunk, indices, i + 1))
+                self._add_long(
+                    piece.tokens[starts[i] : ends[i]],
+                    (int(piece.document_words[i]), int(piece.document_characters[i])),
+                    chunk,
+                    int(indices[i]),
+                    0,
+                    self._after(chunk, indices, i + 1),
+                )
                 i += 1
 
     @staticmethod
     def _after(chunk: int, indices: np.ndarray, i: int) -> StreamPosition:
         return StreamPosition(chunk, int(indices[i]) if i < len(indices) else int(indices[-1]) + 1)
 
-    def _add_long(self, tokens: np.ndarray, begins: tuple[int, int] | None, chunk: int, document: int,
-                  skipped: int, after: StreamPosition) -> None:
+    def _add_long(
+        self,
+        tokens: np.ndarray,
+        begins: tuple[int, int] | None,
+        chunk: int,
+        document: int,
+        skipped: int,
+        after: StreamPosition,
+    ) -> None:
         """A document (or, after a resume, the rest of one) that starts an empty block and may span several.
         ``begins`` holds its words and characters when the document begins here."""
         block = self.tokens_per_block
         position = 0
         while len(tokens) - position > block:
-            self._append_part(tokens[position:position + block], begins if position == 0 else None)
+            self._append_part(tokens[position : position + block], begins if position == 0 else None)
             position += block
             self._flush(StreamPosition(chunk, document, skipped + position))
         self._append_part(tokens[position:], begins if position == 0 else None)
@@ -438,9 +508,11 @@ class BuildSummary:
 
     def line(self) -> str:
         rate = self.bytes_read / 1e6 / max(self.seconds, 1e-9)
-        return (f"build_shards: {self.documents:,} documents, {self.tokens:,} tokens, {self.empty_documents:,} "
-                f"empty documents skipped, {self.replaced_bytes:,} non-UTF-8 bytes replaced, {self.shards} shards "
-                f"in {self.output}, {self.seconds:.2f} s, {rate:.1f} MB/s")
+        return (
+            f"build_shards: {self.documents:,} documents, {self.tokens:,} tokens, {self.empty_documents:,} "
+            f"empty documents skipped, {self.replaced_bytes:,} non-UTF-8 bytes replaced, {self.shards} shards "
+            f"in {self.output}, {self.seconds:.2f} s, {rate:.1f} MB/s"
+        )
 
 
 _STATISTICS = ("bytes", "documents", "empty_documents", "replaced_bytes")
@@ -459,22 +531,29 @@ class _Journal:
         self.state = state
 
     @classmethod
-    def new(cls, path: Path, settings: BuildSettings, record: dict[str, Any]) -> "_Journal":
+    def new(cls, path: Path, settings: BuildSettings, record: dict[str, Any]) -> _Journal:
         state = {
             "settings": record,
-            "sources": {source: {"done": False, "read_from": dataclasses.asdict(ReadPosition()),
-                                 "statistics_next_chunk": 0, "statistics": dict.fromkeys(_STATISTICS, 0)}
-                        for source in settings.sources},
+            "sources": {
+                source: {
+                    "done": False,
+                    "read_from": dataclasses.asdict(ReadPosition()),
+                    "statistics_next_chunk": 0,
+                    "statistics": dict.fromkeys(_STATISTICS, 0),
+                }
+                for source in settings.sources
+            },
             # position: where the split continues in its source; null once its last shard is written.
-            "streams": {split: {"position": dataclasses.asdict(StreamPosition()), "shards": []}
-                        for split in settings.splits()},
+            "streams": {
+                split: {"position": dataclasses.asdict(StreamPosition()), "shards": []} for split in settings.splits()
+            },
         }
         journal = cls(path, state)
         journal.save()
         return journal
 
     @classmethod
-    def load(cls, path: Path, record: dict[str, Any]) -> "_Journal":
+    def load(cls, path: Path, record: dict[str, Any]) -> _Journal:
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
             journaled = state["settings"]
@@ -482,8 +561,9 @@ class _Journal:
             raise BuildError(f"{path}: unreadable resume state ({error}); start again with --overwrite") from error
         if journaled != record:
             differing = sorted(key for key in set(journaled) | set(record) if journaled.get(key) != record.get(key))
-            details = "; ".join(f"{key}: journal {_shorten(journaled.get(key))}, now {_shorten(record.get(key))}"
-                                for key in differing)
+            details = "; ".join(
+                f"{key}: journal {_shorten(journaled.get(key))}, now {_shorten(record.get(key))}" for key in differing
+            )
             raise BuildError(
                 f"{path}: the interrupted build used other settings ({', '.join(differing)} differ: {details}); "
                 f"resume with the same settings and inputs, or start again with --overwrite"
@@ -516,8 +596,12 @@ class _Builder:
 
         started = time.perf_counter()
         # Before anything in the output is deleted: a shard of the previous build given as an input would be gone.
-        inputs = [f.name for files in self.settings.sources.values() for f in files
-                  if not f.name.startswith(corpus.TREEBANK_PREFIX)]
+        inputs = [
+            f.name
+            for files in self.settings.sources.values()
+            for f in files
+            if not f.name.startswith(corpus.TREEBANK_PREFIX)
+        ]
         try:
             refuse_output_over_inputs(self.output, inputs)
         except OutputPathError as error:
@@ -535,8 +619,10 @@ class _Builder:
         manifest = self._manifest(journal)
         empty = [name for name, split in manifest.splits.items() if split.documents == 0]
         if empty and not allow_empty:
-            raise BuildError(f"split {empty[0]!r} has no documents (its inputs are empty or blank): no manifest "
-                             f"written; check the inputs, or pass --allow-empty to write empty splits")
+            raise BuildError(
+                f"split {empty[0]!r} has no documents (its inputs are empty or blank): no manifest "
+                f"written; check the inputs, or pass --allow-empty to write empty splits"
+            )
         write_manifest(self.output, manifest)
         journal.path.unlink()
         statistics = [journal.state["sources"][s]["statistics"] for s in self.settings.sources]
@@ -569,8 +655,10 @@ class _Builder:
                 raise BuildError(f"{output}: the build is complete ({MANIFEST_NAME} exists), nothing to resume")
             raise BuildError(f"{output}: no {STATE_NAME} to resume from; start again with --overwrite")
         if entries and not overwrite:
-            raise BuildError(f"{output}: not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
-                             f"pass --overwrite to replace its shards, or --resume to continue an interrupted build")
+            raise BuildError(
+                f"{output}: not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
+                f"pass --overwrite to replace its shards, or --resume to continue an interrupted build"
+            )
         for name in entries:
             if name in (MANIFEST_NAME, STATE_NAME) or OUTPUT_FILE.match(name):
                 (output / name).unlink()
@@ -583,11 +671,15 @@ class _Builder:
                 path = self.output / entry.path
                 journaled.add(entry.path)
                 if not path.is_file():
-                    raise BuildError(f"{path}: missing, but {journal.path} lists it as written; start again with --overwrite")
+                    raise BuildError(
+                        f"{path}: missing, but {journal.path} lists it as written; start again with --overwrite"
+                    )
                 actual = sha256_file(path)
                 if actual != entry.sha256:
-                    raise BuildError(f"{path}: sha256 {actual} differs from {entry.sha256} in {journal.path}; the shard "
-                                     f"changed after it was written: start again with --overwrite")
+                    raise BuildError(
+                        f"{path}: sha256 {actual} differs from {entry.sha256} in {journal.path}; the shard "
+                        f"changed after it was written: start again with --overwrite"
+                    )
         # Shards written after the last journal entry (and partial files) are rewritten identically.
         for path in self.output.iterdir():
             if OUTPUT_FILE.match(path.name) and path.name not in journaled:
@@ -609,8 +701,10 @@ class _Builder:
             position = packers[split].block_start
             stream["position"] = dataclasses.asdict(position) if position else None
             # Re-reading restarts at the chunk where the split furthest behind continues.
-            earliest = min((StreamPosition(**s["position"]).chunk for s in stream_states.values()
-                            if s["position"] is not None), default=None)
+            earliest = min(
+                (StreamPosition(**s["position"]).chunk for s in stream_states.values() if s["position"] is not None),
+                default=None,
+            )
             if earliest is not None:
                 source_state["read_from"] = dataclasses.asdict(chunk_starts[earliest])
                 for chunk in [c for c in chunk_starts if c < earliest]:
@@ -618,19 +712,28 @@ class _Builder:
             journal.save()
 
         packers: dict[str, BlockPacker] = {}
-        positions = {split: StreamPosition(**stream_states[split]["position"]) for split in splits
-                     if stream_states[split]["position"] is not None}
+        positions = {
+            split: StreamPosition(**stream_states[split]["position"])
+            for split in splits
+            if stream_states[split]["position"] is not None
+        }
         writers = {}
         for split in splits:
             done = journal.shards(split)
             writers[split] = writer_class(
-                self.output, split, self.tokenizer.vocab_size, self.dtype, settings.tokens_per_shard,
-                first_shard_index=len(done), first_token_offset=sum(s.tokens for s in done),
+                self.output,
+                split,
+                self.tokenizer.vocab_size,
+                self.dtype,
+                settings.tokens_per_shard,
+                first_shard_index=len(done),
+                first_token_offset=sum(s.tokens for s in done),
                 first_block_offset=sum(s.blocks for s in done),
                 on_shard=lambda entry, split=split: on_shard(split, entry),
             )
-            packers[split] = BlockPacker(writers[split], settings.tokens_per_block,
-                                         positions.get(split, StreamPosition()))
+            packers[split] = BlockPacker(
+                writers[split], settings.tokens_per_block, positions.get(split, StreamPosition())
+            )
 
         # This process tokenises too, with the builder's tokenizer. A spawned worker costs seconds to start (a
         # million-word vocabulary to load): a small source (One Billion Word's valid and test files) is
@@ -651,16 +754,34 @@ class _Builder:
                 yield corpus.portable(chunk) if workers > 1 else chunk, tuple(firsts)
 
         plain = all(not f.name.endswith(".gz") for f in files)
-        bar = tqdm(total=sum(f.size for f in files) if plain else None,
-                   initial=sum(f.size for f in files[:read_from.file]) + read_from.offset if plain else 0,
-                   unit="B", unit_scale=True, desc=f"{source}", file=sys.stderr, disable=not self.progress,
-                   dynamic_ncols=True)
-        worker_settings = _WorkerSettings(str(settings.tokenizer_directory), settings.doc_unit, settings.jsonl_field,
-                                          settings.strict, settings.holdout, input_format=settings.input_format)
+        bar = tqdm(
+            total=sum(f.size for f in files) if plain else None,
+            initial=sum(f.size for f in files[: read_from.file]) + read_from.offset if plain else 0,
+            unit="B",
+            unit_scale=True,
+            desc=f"{source}",
+            file=sys.stderr,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
+        worker_settings = _WorkerSettings(
+            str(settings.tokenizer_directory),
+            settings.doc_unit,
+            settings.jsonl_field,
+            settings.strict,
+            settings.holdout,
+            input_format=settings.input_format,
+        )
         totals = source_state["statistics"]
         counted = {split: [0, 0] for split in splits}  # documents, tokens (of this run, for the progress bar)
-        results = ordered_map(_tokenize_chunk, tasks(), workers, _start_worker, (worker_settings,),
-                              local_initargs=(worker_settings, self.tokenizer))
+        results = ordered_map(
+            _tokenize_chunk,
+            tasks(),
+            workers,
+            _start_worker,
+            (worker_settings,),
+            local_initargs=(worker_settings, self.tokenizer),
+        )
         try:
             for result in results:
                 for split, piece in result.pieces.items():
@@ -673,8 +794,11 @@ class _Builder:
                     source_state["statistics_next_chunk"] = result.chunk + 1
                 self.bytes_read += result.bytes
                 bar.update(result.bytes)
-                bar.set_postfix(documents=sum(c[0] for c in counted.values()),
-                                tokens=sum(c[1] for c in counted.values()), refresh=False)
+                bar.set_postfix(
+                    documents=sum(c[0] for c in counted.values()),
+                    tokens=sum(c[1] for c in counted.values()),
+                    refresh=False,
+                )
             for split in splits:
                 packers[split].close()
                 stream_states[split]["position"] = None
@@ -693,23 +817,43 @@ class _Builder:
         for split in self.settings.splits():
             shards = journal.shards(split)
             splits[split] = SplitEntry(
-                documents=sum(s.documents for s in shards), tokens=sum(s.tokens for s in shards),
-                blocks=sum(s.blocks for s in shards), shards=shards,
-                words=sum(s.words for s in shards), characters=sum(s.characters for s in shards),
+                documents=sum(s.documents for s in shards),
+                tokens=sum(s.tokens for s in shards),
+                blocks=sum(s.blocks for s in shards),
+                shards=shards,
+                words=sum(s.words for s in shards),
+                characters=sum(s.characters for s in shards),
             )
-        build = {**self.record, "tokenizer_directory": str(self.settings.tokenizer_directory),
-                 "statistics": {s: journal.state["sources"][s]["statistics"] for s in self.settings.sources}}
-        return Manifest(tokenizer=TokenizerIdentity(**self.tokenizer.identity()), dtype=self.dtype.name,
-                        block_tokens=self.settings.tokens_per_block, splits=splits, build=build)
+        build = {
+            **self.record,
+            "tokenizer_directory": str(self.settings.tokenizer_directory),
+            "statistics": {s: journal.state["sources"][s]["statistics"] for s in self.settings.sources},
+        }
+        return Manifest(
+            tokenizer=TokenizerIdentity(**self.tokenizer.identity()),
+            dtype=self.dtype.name,
+            block_tokens=self.settings.tokens_per_block,
+            splits=splits,
+            build=build,
+        )
 
 
-def build_shards(settings: BuildSettings, output: str | Path, *, workers: int = 1, resume: bool = False,
-                 overwrite: bool = False, progress: bool = True, allow_empty: bool = False) -> BuildSummary:
+def build_shards(
+    settings: BuildSettings,
+    output: str | Path,
+    *,
+    workers: int = 1,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    allow_empty: bool = False,
+) -> BuildSummary:
     """Build (or with ``resume`` finish) the shards of ``settings`` in ``output``; see the module docstring."""
     return _Builder(settings, Path(output), workers, progress).run(resume, overwrite, allow_empty)
 
 
 # ---- command line -------------------------------------------------------------------------------------------
+
 
 def _parse_split(text: str) -> tuple[str, list[str]]:
     name, equals, patterns = text.partition("=")
@@ -727,39 +871,90 @@ def _parse_holdout(text: str) -> Holdout:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m data_tools.build_shards", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", required=True, type=Path, help="tokenizer directory (data_tools.train_tokenizer)")
+    parser = argparse.ArgumentParser(
+        prog="python -m data_tools.build_shards",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--tokenizer", required=True, type=Path, help="tokenizer directory (data_tools.train_tokenizer)"
+    )
     parser.add_argument("--output", required=True, type=Path, help="directory for the shards and manifest.json")
-    parser.add_argument("--format", choices=corpus.FORMATS, default="text",
-                        help="text: --split NAME=GLOB inputs; lm1b: the One Billion Word r13output directory "
-                             "(--input); ptb: the Penn Treebank (--input DIR, or the treebank package)")
-    parser.add_argument("--split", action="append", type=_parse_split, default=[], metavar="NAME=GLOB[,GLOB]",
-                        help="a split and its input files (text/.gz/.jsonl); repeat for more splits")
-    parser.add_argument("--input", type=Path, help="the corpus directory for --format lm1b|ptb|wikitext; the file, "
-                        "its zip or their directory for --format enwik8|text8")
-    parser.add_argument("--held-out-bytes", type=int, default=corpus.HELD_OUT_BYTES,
-                        help="--format enwik8|text8: bytes of valid and of test at the end of the file (the "
-                             "authors' 5,000,000; smaller for a scaled-down copy)")
-    parser.add_argument("--lm1b-valid", default=corpus.LM1B_DEFAULT_VALID_FILE,
-                        help="heldout file used as the lm1b valid split (never the test file heldout-00000)")
-    parser.add_argument("--holdout", type=_parse_holdout, action="append", default=[], metavar="NAME=FRACTION",
-                        help="draw split NAME from the train documents by a hash of each document (once per build)")
+    parser.add_argument(
+        "--format",
+        choices=corpus.FORMATS,
+        default="text",
+        help="text: --split NAME=GLOB inputs; lm1b: the One Billion Word r13output directory "
+        "(--input); ptb: the Penn Treebank (--input DIR, or the treebank package)",
+    )
+    parser.add_argument(
+        "--split",
+        action="append",
+        type=_parse_split,
+        default=[],
+        metavar="NAME=GLOB[,GLOB]",
+        help="a split and its input files (text/.gz/.jsonl); repeat for more splits",
+    )
+    parser.add_argument(
+        "--input",
+        type=Path,
+        help="the corpus directory for --format lm1b|ptb|wikitext; the file, "
+        "its zip or their directory for --format enwik8|text8",
+    )
+    parser.add_argument(
+        "--held-out-bytes",
+        type=int,
+        default=corpus.HELD_OUT_BYTES,
+        help="--format enwik8|text8: bytes of valid and of test at the end of the file (the "
+        "authors' 5,000,000; smaller for a scaled-down copy)",
+    )
+    parser.add_argument(
+        "--lm1b-valid",
+        default=corpus.LM1B_DEFAULT_VALID_FILE,
+        help="heldout file used as the lm1b valid split (never the test file heldout-00000)",
+    )
+    parser.add_argument(
+        "--holdout",
+        type=_parse_holdout,
+        action="append",
+        default=[],
+        metavar="NAME=FRACTION",
+        help="draw split NAME from the train documents by a hash of each document (once per build)",
+    )
     parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
     parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="tokenising processes, this one included (it takes a chunk when the others are busy)")
-    parser.add_argument("--tokens-per-block", type=int, default=DEFAULT_TOKENS_PER_BLOCK,
-                        help="most tokens of a block (one webdataset sample)")
-    parser.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD,
-                        help="a shard is closed after the block that reaches this many tokens")
-    parser.add_argument("--chunk-bytes", type=int, default=corpus.DEFAULT_CHUNK_BYTES,
-                        help="bytes of text per unit of work sent to a worker")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenising processes, this one included (it takes a chunk when the others are busy)",
+    )
+    parser.add_argument(
+        "--tokens-per-block",
+        type=int,
+        default=DEFAULT_TOKENS_PER_BLOCK,
+        help="most tokens of a block (one webdataset sample)",
+    )
+    parser.add_argument(
+        "--tokens-per-shard",
+        type=int,
+        default=DEFAULT_TOKENS_PER_SHARD,
+        help="a shard is closed after the block that reaches this many tokens",
+    )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=corpus.DEFAULT_CHUNK_BYTES,
+        help="bytes of text per unit of work sent to a worker",
+    )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted build in --output")
     parser.add_argument("--overwrite", action="store_true", help="replace the shards of a previous build in --output")
-    parser.add_argument("--allow-empty", action="store_true",
-                        help="write the manifest even when a split has no document (otherwise an error)")
+    parser.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="write the manifest even when a split has no document (otherwise an error)",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -767,8 +962,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace) -> BuildSettings:
     if len(args.holdout) > 1:
         given = ", ".join(f"{h.split}={h.fraction}" for h in args.holdout)
-        raise BuildError(f"--holdout is given {len(args.holdout)} times ({given}): a build draws one held-out split; "
-                         f"give the other splits their own inputs (--split NAME=GLOB)")
+        raise BuildError(
+            f"--holdout is given {len(args.holdout)} times ({given}): a build draws one held-out split; "
+            f"give the other splits their own inputs (--split NAME=GLOB)"
+        )
     if args.format == "text":
         if args.input is not None:
             raise BuildError("--input is for --format lm1b|ptb; give text inputs with --split NAME=GLOB")
@@ -789,18 +986,27 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         else:
             sources = corpus.ptb_splits(args.input)
     return BuildSettings(
-        tokenizer_directory=args.tokenizer.resolve(), sources=sources, input_format=args.format,
-        doc_unit=args.doc_per or "line", jsonl_field=args.jsonl_field, strict=args.strict,
+        tokenizer_directory=args.tokenizer.resolve(),
+        sources=sources,
+        input_format=args.format,
+        doc_unit=args.doc_per or "line",
+        jsonl_field=args.jsonl_field,
+        strict=args.strict,
         holdout=args.holdout[0] if args.holdout else None,
-        tokens_per_block=args.tokens_per_block, tokens_per_shard=args.tokens_per_shard, chunk_bytes=args.chunk_bytes,
+        tokens_per_block=args.tokens_per_block,
+        tokens_per_shard=args.tokens_per_shard,
+        chunk_bytes=args.chunk_bytes,
     )
 
 
 def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int) -> dict[str, list[InputFile]]:
     """The splits of ``--format enwik8|text8|wikitext`` (see `data_tools.corpus`)."""
     if path is None:
-        what = ("the folder of wiki.*.tokens" if input_format == "wikitext"
-                else f"{input_format}, {input_format}.zip or their folder")
+        what = (
+            "the folder of wiki.*.tokens"
+            if input_format == "wikitext"
+            else f"{input_format}, {input_format}.zip or their folder"
+        )
         raise BuildError(f"--format {input_format} needs --input ({what})")
     if input_format == "wikitext":
         return corpus.wikitext_splits(path)
@@ -812,8 +1018,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         settings = settings_from_args(args)
-        summary = build_shards(settings, args.output, workers=args.workers, resume=args.resume,
-                               overwrite=args.overwrite, progress=args.progress, allow_empty=args.allow_empty)
+        summary = build_shards(
+            settings,
+            args.output,
+            workers=args.workers,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=args.progress,
+            allow_empty=args.allow_empty,
+        )
     except (BuildError, InputError, TokenizerError, ManifestError, WorkerError) as error:
         print(f"build_shards: error: {error}", file=sys.stderr)
         return 1

@@ -29,8 +29,9 @@ import json
 import os
 import zipfile
 import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO
 
 import numpy as np
 
@@ -237,10 +238,15 @@ def held_out_tail_ranges(total: int, held_out: int = HELD_OUT_BYTES) -> dict[str
     if held_out < 1:
         raise InputError(f"--held-out-bytes {held_out}: must be positive")
     if total <= 2 * held_out:
-        raise InputError(f"a corpus of {total:,} bytes has nothing left for train after 2 x {held_out:,} held-out "
-                         f"bytes (the authors' split needs more than {2 * held_out:,}; see --held-out-bytes)")
-    return {"train": (0, total - 2 * held_out), "valid": (total - 2 * held_out, total - held_out),
-            "test": (total - held_out, total)}
+        raise InputError(
+            f"a corpus of {total:,} bytes has nothing left for train after 2 x {held_out:,} held-out "
+            f"bytes (the authors' split needs more than {2 * held_out:,}; see --held-out-bytes)"
+        )
+    return {
+        "train": (0, total - 2 * held_out),
+        "valid": (total - 2 * held_out, total - held_out),
+        "test": (total - held_out, total),
+    }
 
 
 def _character_corpus(path: str | os.PathLike, name: str) -> tuple[str, str | None, int]:
@@ -259,7 +265,9 @@ def _character_corpus(path: str | os.PathLike, name: str) -> tuple[str, str | No
     try:
         with zipfile.ZipFile(path) as archive:
             members = [info for info in archive.infolist() if not info.is_dir()]
-            info = next((i for i in members if Path(i.filename).name == name), members[0] if len(members) == 1 else None)
+            info = next(
+                (i for i in members if Path(i.filename).name == name), members[0] if len(members) == 1 else None
+            )
     except (zipfile.BadZipFile, OSError) as error:
         raise InputError(f"{path}: not a readable zip archive ({error})") from error
     if info is None:
@@ -271,8 +279,10 @@ def enwik8_splits(path: str | os.PathLike, held_out: int = HELD_OUT_BYTES) -> di
     """train/valid/test of enwik8 (the file, ``enwik8.zip``, or a directory with either): the byte ranges of
     `held_out_tail_ranges`, every byte kept (the authors' data goes through text files of byte values)."""
     name, member, total = _character_corpus(path, "enwik8")
-    return {split: [InputFile(name, stop - start, start, stop, member)]
-            for split, (start, stop) in held_out_tail_ranges(total, held_out).items()}
+    return {
+        split: [InputFile(name, stop - start, start, stop, member)]
+        for split, (start, stop) in held_out_tail_ranges(total, held_out).items()
+    }
 
 
 # What str.strip() removes among ASCII bytes (text8 is ASCII: its character offsets are byte offsets).
@@ -324,8 +334,10 @@ def wikitext_splits(directory: str | os.PathLike) -> dict[str, list[InputFile]]:
         paths = {split: directory / name for split, name in names.items()}
         if all(p.is_file() for p in paths.values()):
             return {split: input_files([str(p)]) for split, p in paths.items()}
-    raise InputError(f"{directory}: expected {', '.join(WIKITEXT_FILES.values())} (or the authors' renamed "
-                     f"{', '.join(WIKITEXT_RENAMED.values())}); unzip wikitext-103-v1.zip and pass its folder")
+    raise InputError(
+        f"{directory}: expected {', '.join(WIKITEXT_FILES.values())} (or the authors' renamed "
+        f"{', '.join(WIKITEXT_RENAMED.values())}); unzip wikitext-103-v1.zip and pass its folder"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +371,7 @@ def portable(chunk: Chunk) -> Chunk:
     their CRC-32, and the worker reads them again (from the page cache: 0.3 ms per MB, where sending them
     through a pipe costs 2 ms, most of it in a worker thread fighting the tokenising one for the GIL). Chunks
     of .gz files and of the treebank package travel with their bytes."""
-    if (chunk.data is None or chunk.path.endswith((".gz", ".zip")) or chunk.path.startswith(TREEBANK_PREFIX)):
+    if chunk.data is None or chunk.path.endswith((".gz", ".zip")) or chunk.path.startswith(TREEBANK_PREFIX):
         return chunk
     return dataclasses.replace(chunk, data=None, length=len(chunk.data), crc32=zlib.crc32(chunk.data))
 
@@ -380,8 +392,9 @@ def resolve(chunk: Chunk) -> Chunk:
     return dataclasses.replace(chunk, data=data)
 
 
-def read_chunks(files: Sequence[InputFile], doc_unit: str, chunk_bytes: int,
-                start: ReadPosition = ReadPosition()) -> Iterator[Chunk]:
+def read_chunks(
+    files: Sequence[InputFile], doc_unit: str, chunk_bytes: int, start: ReadPosition = ReadPosition()
+) -> Iterator[Chunk]:
     """Chunks of about ``chunk_bytes`` (a whole file per chunk for ``doc_unit == "file"``), from ``start`` on.
 
     A chunk ends at a line end, and for paragraphs after a blank line, so no document spans two chunks (a
@@ -404,8 +417,9 @@ def read_chunks(files: Sequence[InputFile], doc_unit: str, chunk_bytes: int,
                     data = _read_chunk(handle, unit, chunk_bytes)
                     if not data and (unit != "file" or offset):
                         break
-                    yield Chunk(ReadPosition(chunk_index, file_index, offset, line), input_file.name,
-                                input_file.jsonl, data)
+                    yield Chunk(
+                        ReadPosition(chunk_index, file_index, offset, line), input_file.name, input_file.jsonl, data
+                    )
                     chunk_index += 1
                     offset += len(data)
                     line += data.count(b"\n")
@@ -424,7 +438,7 @@ def _read_chunk(handle: BinaryIO, unit: str, chunk_bytes: int) -> bytes:
     if unit == "blank-line" and data:
         # End after a blank line so that no paragraph spans two chunks ("blank": only ASCII whitespace, which
         # `chunk_documents` also sees as blank).
-        last_line = data[data.rfind(b"\n", 0, len(data) - 1) + 1:]
+        last_line = data[data.rfind(b"\n", 0, len(data) - 1) + 1 :]
         parts = [data]
         while last_line.strip():
             last_line = handle.readline()
@@ -474,8 +488,7 @@ def words_per_line(text: str) -> np.ndarray:
     return np.diff(np.searchsorted(np.flatnonzero(word_starts), line_ends), prepend=0)
 
 
-def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool, keep_blank: bool = False
-                    ) -> ChunkText:
+def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool, keep_blank: bool = False) -> ChunkText:
     """Decode a chunk and cut it into documents (see the module docstring). ``keep_blank`` keeps the lines of
     nothing but whitespace as (empty) documents with one document per line: WikiText, whose every line, blank or
     not, ends with ``<eos>`` in the authors' data."""
@@ -491,8 +504,14 @@ def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool,
         if words.all() or keep_blank:
             return ChunkText([[line] for line in lines], np.arange(len(lines)), words, characters, 0, replaced_bytes)
         indices = np.flatnonzero(words)  # a line without words holds only whitespace
-        return ChunkText([[lines[i]] for i in indices.tolist()], indices, words[indices], characters[indices],
-                         len(lines) - len(indices), replaced_bytes)
+        return ChunkText(
+            [[lines[i]] for i in indices.tolist()],
+            indices,
+            words[indices],
+            characters[indices],
+            len(lines) - len(indices),
+            replaced_bytes,
+        )
     if chunk.jsonl:
         candidates = _jsonl_documents(text, chunk, jsonl_field)
     elif doc_unit == "file":
@@ -507,8 +526,14 @@ def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool,
             indices.append(index)
     words = [sum(len(line.split()) for line in document) for document in documents]
     characters = [sum(map(len, document)) + len(document) - 1 for document in documents]
-    return ChunkText(documents, np.array(indices, dtype=np.int64), np.array(words, dtype=np.int64),
-                     np.array(characters, dtype=np.int64), len(candidates) - len(documents), replaced_bytes)
+    return ChunkText(
+        documents,
+        np.array(indices, dtype=np.int64),
+        np.array(words, dtype=np.int64),
+        np.array(characters, dtype=np.int64),
+        len(candidates) - len(documents),
+        replaced_bytes,
+    )
 
 
 def _decode(chunk: Chunk, strict: bool) -> tuple[str, int]:
@@ -566,4 +591,4 @@ def _trim_blank_lines(lines: list[str]) -> list[str]:
     if first is None:
         return []
     last = max(i for i, line in enumerate(lines) if line.strip())
-    return lines[first:last + 1]
+    return lines[first : last + 1]

@@ -14,14 +14,19 @@ from __future__ import annotations
 import argparse
 import sys
 import tarfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from txl_dist.data.format import (
-    Manifest, ManifestError, ShardEntry, block_key, decode_block, read_manifest,
+    Manifest,
+    ManifestError,
+    ShardEntry,
+    block_key,
+    decode_block,
+    read_manifest,
 )
 from txl_dist.fileio import sha256_file
 from txl_dist.tokenizer import TokenizerError, load_tokenizer
@@ -93,8 +98,9 @@ class _SplitChecker:
                 problems.append(f"{at}: {len(tokens)} tokens, the manifest says {entry.block_tokens[i]}")
             if len(tokens) and int(tokens.max()) >= vocab_size:
                 problems.append(f"{at}: token id {int(tokens.max())} >= vocab_size {vocab_size}")
-            if len(doc_offsets) and (doc_offsets[0] < 0 or doc_offsets[-1] >= len(tokens)
-                                     or np.any(np.diff(doc_offsets) <= 0)):
+            if len(doc_offsets) and (
+                doc_offsets[0] < 0 or doc_offsets[-1] >= len(tokens) or np.any(np.diff(doc_offsets) <= 0)
+            ):
                 problems.append(f"{at}: doc_offsets must increase within [0, {len(tokens)})")
             else:
                 before = [int(tokens[o - 1]) if o > 0 else self.previous_token for o in doc_offsets]
@@ -122,8 +128,10 @@ def verify_shards(directory: str | Path, progress: bool = False) -> list[str]:
                 problems += checker.check(directory / entry.path, entry)
                 bar.update(entry.bytes)
             if split.tokens and checker.previous_token != manifest.tokenizer.eod_id:
-                problems.append(f"{directory / split.shards[-1].path}: split {name} does not end with eod_id "
-                                f"{manifest.tokenizer.eod_id}")
+                problems.append(
+                    f"{directory / split.shards[-1].path}: split {name} does not end with eod_id "
+                    f"{manifest.tokenizer.eod_id}"
+                )
     return problems
 
 
@@ -156,22 +164,48 @@ def first_documents(directory: str | Path, manifest: Manifest, split: str, count
 
 
 def statistics_table(manifest: Manifest) -> str:
-    header = ("split", "shards", "blocks", "documents", "tokens", "words", "characters", "MB", "tokens/doc",
-              "tokens/word")
+    header = (
+        "split",
+        "shards",
+        "blocks",
+        "documents",
+        "tokens",
+        "words",
+        "characters",
+        "MB",
+        "tokens/doc",
+        "tokens/word",
+    )
     rows = [header]
     for name, split in manifest.splits.items():
         megabytes = sum(s.bytes for s in split.shards) / 1e6
-        rows.append((name, f"{len(split.shards):,}", f"{split.blocks:,}", f"{split.documents:,}", f"{split.tokens:,}",
-                     f"{split.words:,}", f"{split.characters:,}", f"{megabytes:.1f}",
-                     f"{split.tokens / max(split.documents, 1):.1f}", f"{split.tokens / max(split.words, 1):.3f}"))
+        rows.append(
+            (
+                name,
+                f"{len(split.shards):,}",
+                f"{split.blocks:,}",
+                f"{split.documents:,}",
+                f"{split.tokens:,}",
+                f"{split.words:,}",
+                f"{split.characters:,}",
+                f"{megabytes:.1f}",
+                f"{split.tokens / max(split.documents, 1):.1f}",
+                f"{split.tokens / max(split.words, 1):.3f}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(width) if i else cell.ljust(width)
-                               for i, (cell, width) in enumerate(zip(row, widths))) for row in rows)
+    return "\n".join(
+        "  ".join(cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths)))
+        for row in rows
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_tools.inspect_shards", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m data_tools.inspect_shards",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("directory", type=Path, help="a shard directory (with manifest.json)")
     parser.add_argument("--verify", action="store_true", help="check every shard file against the manifest")
     parser.add_argument("--decode", type=int, default=0, metavar="N", help="print the first N documents of each split")
@@ -181,9 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         manifest = read_manifest(args.directory)
         tokenizer_identity = manifest.tokenizer
-        print(f"{args.directory}: {tokenizer_identity.kind} tokenizer, vocab_size {tokenizer_identity.vocab_size}, "
-              f"fingerprint {tokenizer_identity.fingerprint[:16]}..., eos_id {tokenizer_identity.eos_id}, "
-              f"eod_id {tokenizer_identity.eod_id}, dtype {manifest.dtype}, block_tokens {manifest.block_tokens}")
+        print(
+            f"{args.directory}: {tokenizer_identity.kind} tokenizer, vocab_size {tokenizer_identity.vocab_size}, "
+            f"fingerprint {tokenizer_identity.fingerprint[:16]}..., eos_id {tokenizer_identity.eos_id}, "
+            f"eod_id {tokenizer_identity.eod_id}, dtype {manifest.dtype}, block_tokens {manifest.block_tokens}"
+        )
         print(statistics_table(manifest))
         if args.decode:
             directory = args.tokenizer or manifest.build.get("tokenizer_directory")
@@ -191,8 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise TokenizerError("--decode needs --tokenizer DIR (the manifest records none)")
             tokenizer = load_tokenizer(directory)
             if tokenizer.fingerprint != tokenizer_identity.fingerprint:
-                raise TokenizerError(f"{directory}: fingerprint {tokenizer.fingerprint} is not the shards' "
-                                     f"{tokenizer_identity.fingerprint}")
+                raise TokenizerError(
+                    f"{directory}: fingerprint {tokenizer.fingerprint} is not the shards' "
+                    f"{tokenizer_identity.fingerprint}"
+                )
             for split in manifest.splits:
                 for number, ids in enumerate(first_documents(args.directory, manifest, split, args.decode)):
                     print(f"--- {split} document {number} ({len(ids)} tokens)")
@@ -204,8 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for problem in problems:
                 print(f"FAIL {problem}")
             shards = sum(len(split.shards) for split in manifest.splits.values())
-            print(f"verify: {'all' if not problems else 'NOT all'} of {shards} shards match the manifest"
-                  + (f" ({len(problems)} problems)" if problems else ""))
+            print(
+                f"verify: {'all' if not problems else 'NOT all'} of {shards} shards match the manifest"
+                + (f" ({len(problems)} problems)" if problems else "")
+            )
             return 1 if problems else 0
     except (ManifestError, TokenizerError) as error:
         print(f"inspect_shards: error: {error}", file=sys.stderr)

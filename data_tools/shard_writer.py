@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import webdataset as wds
@@ -112,9 +112,12 @@ class ShardWriter:
                 f"got [{tokens.min()}, {tokens.max()}]"
             )
         doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
-        if doc_offsets.size and (doc_offsets.min() < 0 or doc_offsets.max() >= tokens.size
-                                 or np.any(np.diff(doc_offsets) <= 0)):
-            raise ValueError(f"split {self.split}, block {self._block_offset}: doc_offsets must increase within the block")
+        if doc_offsets.size and (
+            doc_offsets.min() < 0 or doc_offsets.max() >= tokens.size or np.any(np.diff(doc_offsets) <= 0)
+        ):
+            raise ValueError(
+                f"split {self.split}, block {self._block_offset}: doc_offsets must increase within the block"
+            )
         if self._open is None:
             self._start_shard()
         shard = self._open
@@ -135,9 +138,17 @@ class ShardWriter:
         handle = _HashingFile(tmp, self.directory / name)
         writer = wds.TarWriter(handle, encoder=False, mtime=TAR_MTIME, user="txl", group="txl", mode=0o444)
         self._open = {
-            "name": name, "tmp": tmp, "handle": handle, "writer": writer, "keys": [], "block_tokens": [],
-            "documents": 0, "words": 0, "characters": 0,
-            "token_offset": self._token_offset, "block_offset": self._block_offset,
+            "name": name,
+            "tmp": tmp,
+            "handle": handle,
+            "writer": writer,
+            "keys": [],
+            "block_tokens": [],
+            "documents": 0,
+            "words": 0,
+            "characters": 0,
+            "token_offset": self._token_offset,
+            "block_offset": self._block_offset,
         }
 
     def _finish_shard(self) -> None:
@@ -174,7 +185,7 @@ class ShardWriter:
             self._finish_shard()
         return self.shards
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -38,8 +38,8 @@ import functools
 import sys
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -47,8 +47,24 @@ CONSONANTS = np.frombuffer(b"bcdfghjklmnpqrstvwxyz", dtype=np.uint8)
 VOWELS = np.frombuffer(b"aeiou", dtype=np.uint8)
 # Non-ASCII letters of enwik8's text: 2 bytes (e, a, o with accents), 3 bytes (a dash, CJK), 4 bytes (a symbol).
 WIDE_CHARACTERS = ["é", "ö", "ñ", "–", "日", "本", "𝄞"]
-MARKUP = [b"[[", b"]]", b"'''", b"''", b"{{cite web", b"|", b"}}", b"&quot;", b"&lt;ref&gt;", b"&lt;/ref&gt;",
-          b"==", b"*", b"(", b")", b",", b"."]
+MARKUP = [
+    b"[[",
+    b"]]",
+    b"'''",
+    b"''",
+    b"{{cite web",
+    b"|",
+    b"}}",
+    b"&quot;",
+    b"&lt;ref&gt;",
+    b"&lt;/ref&gt;",
+    b"==",
+    b"*",
+    b"(",
+    b")",
+    b",",
+    b".",
+]
 
 
 def zipf_words(types: int, generator: np.random.Generator, wide_share: float = 0.0) -> list[bytes]:
@@ -89,8 +105,10 @@ def enwik8_bytes(size: int, seed: int = 0) -> bytes:
     words = zipf_words(30_000, generator, wide_share=0.02)
     vocabulary = np.array(words + MARKUP, dtype=object)
     markup_ids = np.arange(len(words), len(vocabulary))
-    parts = [b'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.3/" version="0.3" xml:lang="en">\n'
-             b"  <siteinfo>\n    <sitename>Wikipedia</sitename>\n  </siteinfo>\n"]
+    parts = [
+        b'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.3/" version="0.3" xml:lang="en">\n'
+        b"  <siteinfo>\n    <sitename>Wikipedia</sitename>\n  </siteinfo>\n"
+    ]
     written, page = len(parts[0]), 0
     while written < size:
         page += 1
@@ -106,10 +124,12 @@ def enwik8_bytes(size: int, seed: int = 0) -> bytes:
         if page % 200 == 1:
             text_array[len(text_array) // 2] = 0xFF
         title = b" ".join(vocabulary[zipf_ranks(2, len(words), generator)].tolist()).title()
-        chunk = (b"  <page>\n    <title>" + title + b"</title>\n    <id>" + str(page).encode() + b"</id>\n"
-                 b"    <revision>\n      <id>" + str(1000 + page).encode() + b"</id>\n"
-                 b"      <timestamp>2006-03-01T00:00:00Z</timestamp>\n"
-                 b'      <text xml:space="preserve">' + text_array.tobytes() + b"</text>\n    </revision>\n  </page>\n")
+        chunk = (
+            b"  <page>\n    <title>" + title + b"</title>\n    <id>" + str(page).encode() + b"</id>\n"
+            b"    <revision>\n      <id>" + str(1000 + page).encode() + b"</id>\n"
+            b"      <timestamp>2006-03-01T00:00:00Z</timestamp>\n"
+            b'      <text xml:space="preserve">' + text_array.tobytes() + b"</text>\n    </revision>\n  </page>\n"
+        )
         parts.append(chunk)
         written += len(chunk)
     return b"".join(parts)[:size]
@@ -155,15 +175,17 @@ def write_wikitext(output: Path, train_words: int, seed: int = 0) -> dict[str, P
     generator = np.random.default_rng([seed, 103])
     # WikiText-2 has 33k word types in 2M training tokens, WikiText-103 267k in 103M.
     words = zipf_words(min(267_000, max(1000, train_words // 40)), generator, wide_share=0.01)
-    vocabulary = words + [b"<unk>", b"@-@", b"@,@", b"@.@", b",", b".", b"(", b")", b"\"", b";"]
+    vocabulary = words + [b"<unk>", b"@-@", b"@,@", b"@.@", b",", b".", b"(", b")", b'"', b";"]
     train = wikitext_lines(train_words, vocabulary, generator)
     seen = {token for line in train for token in line.split()}
     heldout_vocabulary = [word for word in vocabulary if word in seen]
     output.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for split, lines in (("train", train), ("valid", wikitext_lines(max(1000, train_words // 40), heldout_vocabulary,
-                                                                    generator)),
-                         ("test", wikitext_lines(max(1000, train_words // 40), heldout_vocabulary, generator))):
+    for split, lines in (
+        ("train", train),
+        ("valid", wikitext_lines(max(1000, train_words // 40), heldout_vocabulary, generator)),
+        ("test", wikitext_lines(max(1000, train_words // 40), heldout_vocabulary, generator)),
+    ):
         paths[split] = output / f"wiki.{split}.tokens"
         paths[split].write_bytes(b"\n".join(lines) + b"\n")
     return paths
@@ -182,8 +204,11 @@ def write_character_corpus(kind: str, output: Path, size: int, seed: int = 0, ma
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_tools.synthetic_charlm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m data_tools.synthetic_charlm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("layout", choices=("enwik8", "text8", "wikitext"))
     parser.add_argument("--output", required=True, type=Path, help="the file (enwik8, text8) or folder (wikitext)")
     parser.add_argument("--bytes", type=int, default=100_000_000, help="enwik8/text8: the file's size")

@@ -37,8 +37,8 @@ import json
 import multiprocessing
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -52,7 +52,7 @@ HELDOUT_SENTENCES_PER_FILE = 6_134  # 306,688 / 50, rounded up
 CONSONANTS = b"bcdfghjklmnpqrstvwxz"  # 20 letters, plus "y" below: the 21 digits of a rank's spelling
 DIGITS = np.frombuffer(CONSONANTS + b"y", dtype=np.uint8)
 VOWELS = np.frombuffer(b"aeiou", dtype=np.uint8)
-ACCENT = "é".encode("utf-8")  # the 2-byte vowel of one type in 50
+ACCENT = "é".encode()  # the 2-byte vowel of one type in 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,9 @@ class CorpusShape:
         """(path relative to the root, sentences) of every file, training files first."""
         train = max(1, round(TRAIN_SENTENCES_PER_FILE * self.scale))
         heldout = max(1, round(HELDOUT_SENTENCES_PER_FILE * self.scale))
-        return ([(f"{corpus.LM1B_TRAIN_DIR}/{name}", train) for name in corpus.LM1B_TRAIN_FILES]
-                + [(f"{corpus.LM1B_HELDOUT_DIR}/{name}", heldout) for name in HELDOUT_FILES])
+        return [(f"{corpus.LM1B_TRAIN_DIR}/{name}", train) for name in corpus.LM1B_TRAIN_FILES] + [
+            (f"{corpus.LM1B_HELDOUT_DIR}/{name}", heldout) for name in HELDOUT_FILES
+        ]
 
 
 def sample_ranks(shape: CorpusShape, size: int, generator: np.random.Generator) -> np.ndarray:
@@ -132,7 +133,7 @@ def spell_words(ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     cells[:, 0] = grid[:, 0]
     cells[:, 1] = np.where(accented, ACCENT[0], grid[:, 1])
     cells[:, 2] = np.where(accented, ACCENT[1], 0)
-    cells[:, 3:columns + 1] = grid[:, 2:]
+    cells[:, 3 : columns + 1] = grid[:, 2:]
     cells[:, columns + 1] = ord(" ")
     filled = cells != 0
     lengths = filled.sum(axis=1)
@@ -185,8 +186,9 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
     root = Path(output) / ROOT_NAME
     for directory in (corpus.LM1B_TRAIN_DIR, corpus.LM1B_HELDOUT_DIR):
         (root / directory).mkdir(parents=True, exist_ok=True)
-    tasks = [(shape, relative, index, sentences, str(root))
-             for index, (relative, sentences) in enumerate(shape.files())]
+    tasks = [
+        (shape, relative, index, sentences, str(root)) for index, (relative, sentences) in enumerate(shape.files())
+    ]
     started = time.perf_counter()
     totals = {"train": [0, 0, 0], "heldout": [0, 0, 0]}  # bytes, sentences, words
     if workers > 1:
@@ -195,8 +197,15 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
     else:
         pool, results = None, map(_write_file, tasks)
     try:
-        for relative, size, sentences, words in tqdm(results, total=len(tasks), unit="file", desc="writing",
-                                                     file=sys.stderr, disable=not progress, dynamic_ncols=True):
+        for relative, size, sentences, words in tqdm(
+            results,
+            total=len(tasks),
+            unit="file",
+            desc="writing",
+            file=sys.stderr,
+            disable=not progress,
+            dynamic_ncols=True,
+        ):
             part = totals["train" if relative.startswith(corpus.LM1B_TRAIN_DIR) else "heldout"]
             part[0] += size
             part[1] += sentences
@@ -206,17 +215,25 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
             pool.terminate()
             pool.join()
     statistics = {
-        "root": str(root), "shape": dataclasses.asdict(shape), "seconds": round(time.perf_counter() - started, 2),
-        **{f"{part}_{name}": value for part, values in totals.items()
-           for name, value in zip(("bytes", "sentences", "words"), values)},
+        "root": str(root),
+        "shape": dataclasses.asdict(shape),
+        "seconds": round(time.perf_counter() - started, 2),
+        **{
+            f"{part}_{name}": value
+            for part, values in totals.items()
+            for name, value in zip(("bytes", "sentences", "words"), values)
+        },
     }
     (root / "synthetic.json").write_text(json.dumps(statistics, indent=1) + "\n", encoding="utf-8")
     return statistics
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_tools.synthetic_lm1b", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m data_tools.synthetic_lm1b",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--output", required=True, type=Path, help=f"directory to hold {ROOT_NAME}/")
     parser.add_argument("--scale", type=float, default=1.0, help="1.0: the full corpus (0.8B training tokens)")
     parser.add_argument("--seed", type=int, default=0)
@@ -229,9 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     statistics = write_corpus(args.output, shape, args.workers, args.progress)
-    print(f"synthetic_lm1b: {statistics['train_sentences']:,} training sentences, {statistics['train_words']:,} words, "
-          f"{statistics['train_bytes'] / 1e9:.2f} GB (+ {statistics['heldout_bytes'] / 1e6:.1f} MB heldout) in "
-          f"{statistics['root']}, {statistics['seconds']:.1f} s")
+    print(
+        f"synthetic_lm1b: {statistics['train_sentences']:,} training sentences, {statistics['train_words']:,} words, "
+        f"{statistics['train_bytes'] / 1e9:.2f} GB (+ {statistics['heldout_bytes'] / 1e6:.1f} MB heldout) in "
+        f"{statistics['root']}, {statistics['seconds']:.1f} s"
+    )
     return 0
 
 

@@ -18,10 +18,11 @@
     python -m data_tools.train_tokenizer --preset text8 --format text8 --input text8.zip --output tok_text8/
     python -m data_tools.train_tokenizer --preset wikitext --format wikitext --input wikitext-103/ --output tok_wt103/
 
-The output directory holds the tokenizer's file (``spm.model``, ``vocab.txt``, ``bytes.txt`` or ``chars.txt``) and ``tokenizer.json``; load it
-with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb is read. An input without a
-document (empty or blank files) is an error, before anything is written, unless --allow-empty (a word vocabulary of
-the special symbols only). A write failure (read-only or full output) is one line naming the file.
+The output directory holds the tokenizer's file (``spm.model``, ``vocab.txt``, ``bytes.txt`` or ``chars.txt``) and
+``tokenizer.json``; load it with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb
+is read. An input without a document (empty or blank files) is an error, before anything is written, unless
+--allow-empty (a word vocabulary of the special symbols only). A write failure (read-only or full output) is one
+line naming the file.
 
 Words are counted by ``--workers`` processes, each over the chunks it is given (with numpy for plain
 one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary
@@ -39,8 +40,9 @@ import io
 import re
 import sys
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -51,8 +53,19 @@ from data_tools.workers import WorkerError, ordered_map
 from txl_dist import word_scan
 from txl_dist.fileio import OutputPathError, atomic_write, describe_os_error, refuse_output_over_inputs
 from txl_dist.tokenizer import (
-    BYTE_VOCAB, CHAR_VOCAB, KINDS, NEWLINE, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB, Tokenizer,
-    TokenizerError, byte_piece, char_piece, write_tokenizer_json, write_word_vocab,
+    BYTE_VOCAB,
+    CHAR_VOCAB,
+    KINDS,
+    NEWLINE,
+    SENTENCEPIECE_MODEL,
+    TOKENIZER_JSON,
+    WORD_VOCAB,
+    Tokenizer,
+    TokenizerError,
+    byte_piece,
+    char_piece,
+    write_tokenizer_json,
+    write_word_vocab,
 )
 
 TEXT8_ALPHABET = " abcdefghijklmnopqrstuvwxyz"
@@ -77,8 +90,15 @@ class TrainError(ValueError):
 class _Reading:
     """The documents of the inputs, line by line, with a progress bar and counts for the record."""
 
-    def __init__(self, files: list[InputFile], doc_unit: str, jsonl_field: str, strict: bool, progress: bool,
-                 allow_empty: bool = False):
+    def __init__(
+        self,
+        files: list[InputFile],
+        doc_unit: str,
+        jsonl_field: str,
+        strict: bool,
+        progress: bool,
+        allow_empty: bool = False,
+    ):
         self.files, self.doc_unit, self.jsonl_field, self.strict = files, doc_unit, jsonl_field, strict
         self.progress, self.allow_empty = progress, allow_empty
         self.statistics = {"documents": 0, "lines": 0, "empty_documents": 0, "replaced_bytes": 0, "bytes": 0}
@@ -86,8 +106,15 @@ class _Reading:
     def line_batches(self) -> Iterator[list[str]]:
         """The non-blank lines of the non-empty documents, a chunk at a time."""
         plain = all(not f.name.endswith(".gz") for f in self.files)
-        with tqdm(total=sum(f.size for f in self.files) if plain else None, unit="B", unit_scale=True,
-                  desc="reading", file=sys.stderr, disable=not self.progress, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=sum(f.size for f in self.files) if plain else None,
+            unit="B",
+            unit_scale=True,
+            desc="reading",
+            file=sys.stderr,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        ) as bar:
             for chunk in corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES):
                 text = corpus.chunk_documents(chunk, self.doc_unit, self.jsonl_field, self.strict)
                 lines = [line for document in text.documents for line in document if line.strip()]
@@ -117,8 +144,15 @@ class _Reading:
         totals: list[_WordCounts] = []
         results = ordered_map(_count_chunk, chunks, workers, _start_counting, (settings,), finalizer=_counted)
         try:
-            with tqdm(total=sum(f.size for f in self.files) if plain else None, unit="B", unit_scale=True,
-                      desc="counting", file=sys.stderr, disable=not self.progress, dynamic_ncols=True) as bar:
+            with tqdm(
+                total=sum(f.size for f in self.files) if plain else None,
+                unit="B",
+                unit_scale=True,
+                desc="counting",
+                file=sys.stderr,
+                disable=not self.progress,
+                dynamic_ncols=True,
+            ) as bar:
                 for result in results:
                     if isinstance(result, _WordCounts):
                         totals.append(result)
@@ -137,13 +171,16 @@ class _Reading:
         if self.statistics["documents"] == 0 and not self.allow_empty:
             # Raised from the end of the reading, before the tokenizer's files are written.
             names = ", ".join(str(f.name) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
-            raise TrainError(f"no document in the input {names} ({len(self.files)} files, "
-                             f"{self.statistics['bytes']:,} bytes, {self.statistics['empty_documents']:,} blank "
-                             f"documents): check --input, or pass --allow-empty for a tokenizer of the special "
-                             f"symbols only")
+            raise TrainError(
+                f"no document in the input {names} ({len(self.files)} files, "
+                f"{self.statistics['bytes']:,} bytes, {self.statistics['empty_documents']:,} blank "
+                f"documents): check --input, or pass --allow-empty for a tokenizer of the special "
+                f"symbols only"
+            )
 
 
 # ---- word counting in worker processes (spawned: they import this module, so keep its imports light) --------
+
 
 @dataclasses.dataclass(frozen=True)
 class _CountSettings:
@@ -182,14 +219,16 @@ class _WordCounts:
         return self.__dict__
 
     @staticmethod
-    def combine(parts: list["_WordCounts"]) -> collections.Counter:
+    def combine(parts: list[_WordCounts]) -> collections.Counter:
         """The counts of several processes as one Counter of words (str)."""
-        keys, counts = word_scan.merge_counts([k for part in parts for k in part.keys],
-                                              [c for part in parts for c in part.key_counts])
+        keys, counts = word_scan.merge_counts(
+            [k for part in parts for k in part.keys], [c for part in parts for c in part.key_counts]
+        )
         # Short and long words come from chunks that are valid UTF-8 split at ASCII whitespace: each is valid
         # UTF-8 on its own, and decodes to the str that str.split() gives.
-        total = collections.Counter(dict(zip((word.decode("utf-8") for word in word_scan.unpack_keys(keys)),
-                                             counts.tolist())))
+        total = collections.Counter(
+            dict(zip((word.decode("utf-8") for word in word_scan.unpack_keys(keys)), counts.tolist()))
+        )
         for part in parts:
             for word, count in part.long.items():
                 total[word.decode("utf-8")] += count
@@ -216,24 +255,43 @@ def _count_chunk(chunk: corpus.Chunk) -> dict[str, int]:
         text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
         lines = [line for document in text.documents for line in document if line.strip()]
         counts.text.update(" ".join(lines).split())
-        return {"documents": len(text.documents), "lines": len(lines), "empty_documents": text.empty,
-                "replaced_bytes": text.replaced_bytes, "bytes": len(chunk.data)}
+        return {
+            "documents": len(text.documents),
+            "lines": len(lines),
+            "empty_documents": text.empty,
+            "replaced_bytes": text.replaced_bytes,
+            "bytes": len(chunk.data),
+        }
     short = scan.short()
     counts.add_keys(*word_scan.count_keys(scan.packed_keys(short)))
     long_words = np.flatnonzero(~short)
     if len(long_words):
         counts.long.update(scan.words(long_words))
     documents = int(np.count_nonzero(scan.words_per_line))
-    return {"documents": documents, "lines": documents, "empty_documents": len(scan.words_per_line) - documents,
-            "replaced_bytes": 0, "bytes": len(chunk.data)}
+    return {
+        "documents": documents,
+        "lines": documents,
+        "empty_documents": len(scan.words_per_line) - documents,
+        "replaced_bytes": 0,
+        "bytes": len(chunk.data),
+    }
 
 
 def _counted() -> _WordCounts:
     return _counts[1]
 
 
-def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | None, specials: list[str],
-               eos: str | None, eod: str | None, unk: str, workers: int = 1) -> Tokenizer:
+def train_word(
+    reading: _Reading,
+    output: Path,
+    min_count: int,
+    max_size: int | None,
+    specials: list[str],
+    eos: str | None,
+    eod: str | None,
+    unk: str,
+    workers: int = 1,
+) -> Tokenizer:
     """Vocabulary: ``specials`` (and ``eod``; and ``unk`` unless it is a kept word), then the words seen at
     least ``min_count`` times by descending count (ties in code point order), at most ``max_size`` entries in
     all. The words are counted by ``workers`` processes; the vocabulary is the same for any number."""
@@ -253,10 +311,12 @@ def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | 
     if max_size is not None and max_size <= len(specials) + 1:
         raise TrainError(f"--max-size {max_size}: leaves no room for words besides the specials {specials}")
     counts = reading.count_words(workers)
-    words = sorted((word for word, count in counts.items() if count >= min_count and word not in specials),
-                   key=lambda word: (-counts[word], word))
+    words = sorted(
+        (word for word, count in counts.items() if count >= min_count and word not in specials),
+        key=lambda word: (-counts[word], word),
+    )
     if max_size is not None:
-        words = words[:max_size - len(specials)]
+        words = words[: max_size - len(specials)]
     if unk not in specials and unk not in set(words):
         # PTB's text holds <unk>, which then keeps its place among the words; otherwise it is a special.
         specials.append(unk)
@@ -266,10 +326,25 @@ def train_word(reading: _Reading, output: Path, min_count: int, max_size: int | 
     write_word_vocab(output / WORD_VOCAB, entries, [counts.get(token, 0) for token in entries])
     ids = {token: i for i, token in enumerate(entries)}
     eod = eod or eos
-    training = {"kind": "word", "min_count": min_count, "max_size": max_size, "specials": specials,
-                "distinct_words": len(counts), **reading.record()}
-    return write_tokenizer_json(output, "word", [WORD_VOCAB], len(entries), ids[eos], ids[eod], ids[unk],
-                                {"eos": eos, "eod": eod, "unk": unk}, training)
+    training = {
+        "kind": "word",
+        "min_count": min_count,
+        "max_size": max_size,
+        "specials": specials,
+        "distinct_words": len(counts),
+        **reading.record(),
+    }
+    return write_tokenizer_json(
+        output,
+        "word",
+        [WORD_VOCAB],
+        len(entries),
+        ids[eos],
+        ids[eod],
+        ids[unk],
+        {"eos": eos, "eod": eod, "unk": unk},
+        training,
+    )
 
 
 def sample_lines(batches: Iterable[list[str]], size: int, seed: int) -> list[str]:
@@ -343,10 +418,19 @@ def _cut_word(word: str, max_bytes: int) -> list[str]:
     return pieces
 
 
-def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_type: str,
-                        character_coverage: float, input_sentence_size: int, user_symbols: list[str],
-                        eod_symbol: str | None, seed: int, threads: int,
-                        max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH) -> Tokenizer:
+def train_sentencepiece(
+    reading: _Reading,
+    output: Path,
+    vocab_size: int,
+    model_type: str,
+    character_coverage: float,
+    input_sentence_size: int,
+    user_symbols: list[str],
+    eod_symbol: str | None,
+    seed: int,
+    threads: int,
+    max_sentence_length: int = DEFAULT_MAX_SENTENCE_LENGTH,
+) -> Tokenizer:
     """A SentencePiece model trained on ``input_sentence_size`` pieces sampled uniformly from the input's lines
     (see `sample_lines`: memory is bounded whatever the corpus size, and training is reproducible). A line
     longer than ``max_sentence_length`` bytes is first cut into pieces that are not (`training_pieces`), so
@@ -374,17 +458,26 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
     sample = sample_lines(piece_batches(), input_sentence_size, seed)
     if not sample:
         files = ", ".join(f.name for f in reading.files[:3]) + (", ..." if len(reading.files) > 3 else "")
-        raise TrainError(f"the input holds no text to train on ({reading.statistics['documents']:,} documents, "
-                         f"{reading.statistics['empty_documents']:,} of them blank, in {files})")
+        raise TrainError(
+            f"the input holds no text to train on ({reading.statistics['documents']:,} documents, "
+            f"{reading.statistics['empty_documents']:,} of them blank, in {files})"
+        )
     model = io.BytesIO()
     try:
         # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
         # would make the same training give different bytes (and fingerprints) in different directories.
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
-            character_coverage=character_coverage, input_sentence_size=0, shuffle_input_sentence=False,
+            sentence_iterator=iter(sample),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
             max_sentence_length=max_sentence_length,
-            user_defined_symbols=user_symbols, num_threads=threads, minloglevel=1,
+            user_defined_symbols=user_symbols,
+            num_threads=threads,
+            minloglevel=1,
         )
     except RuntimeError as error:
         raise TrainError(f"sentencepiece could not train ({error})") from error
@@ -392,21 +485,49 @@ def train_sentencepiece(reading: _Reading, output: Path, vocab_size: int, model_
     processor = sentencepiece.SentencePieceProcessor(model_file=str(output / SENTENCEPIECE_MODEL))
     eos_id, unk_id = processor.eos_id(), processor.unk_id()
     eod_id = processor.piece_to_id(eod_symbol) if eod_symbol is not None else eos_id
-    training = {"kind": "sentencepiece", "model_type": model_type, "character_coverage": character_coverage,
-                "input_sentence_size": input_sentence_size, "sampled_lines": len(sample), "seed": seed,
-                "threads": threads, "max_sentence_length": max_sentence_length, "lines_cut": cut_lines,
-                "user_symbols": user_symbols, **reading.record()}
-    pieces = {"eos": processor.id_to_piece(eos_id), "eod": processor.id_to_piece(eod_id),
-              "unk": processor.id_to_piece(unk_id)}
-    return write_tokenizer_json(output, "sentencepiece", [SENTENCEPIECE_MODEL], processor.get_piece_size(),
-                                eos_id, eod_id, unk_id, pieces, training)
+    training = {
+        "kind": "sentencepiece",
+        "model_type": model_type,
+        "character_coverage": character_coverage,
+        "input_sentence_size": input_sentence_size,
+        "sampled_lines": len(sample),
+        "seed": seed,
+        "threads": threads,
+        "max_sentence_length": max_sentence_length,
+        "lines_cut": cut_lines,
+        "user_symbols": user_symbols,
+        **reading.record(),
+    }
+    pieces = {
+        "eos": processor.id_to_piece(eos_id),
+        "eod": processor.id_to_piece(eod_id),
+        "unk": processor.id_to_piece(unk_id),
+    }
+    return write_tokenizer_json(
+        output,
+        "sentencepiece",
+        [SENTENCEPIECE_MODEL],
+        processor.get_piece_size(),
+        eos_id,
+        eod_id,
+        unk_id,
+        pieces,
+        training,
+    )
 
 
 def _raw_chunks(reading: _Reading, what: str) -> Iterator[corpus.Chunk]:
     """The input's chunks as read, counted in ``reading.statistics`` (every line a document, none skipped)."""
     plain = all(not f.compressed for f in reading.files)
-    with tqdm(total=sum(f.size for f in reading.files) if plain else None, unit="B", unit_scale=True, desc=what,
-              file=sys.stderr, disable=not reading.progress, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=sum(f.size for f in reading.files) if plain else None,
+        unit="B",
+        unit_scale=True,
+        desc=what,
+        file=sys.stderr,
+        disable=not reading.progress,
+        dynamic_ncols=True,
+    ) as bar:
         for chunk in corpus.read_chunks(reading.files, "line", corpus.DEFAULT_CHUNK_BYTES):
             lines = chunk.data.count(b"\n") + (not chunk.data.endswith(b"\n"))
             reading.statistics["documents"] += lines
@@ -426,8 +547,9 @@ def train_byte(reading: _Reading, output: Path) -> Tokenizer:
     write_word_vocab(output / BYTE_VOCAB, [byte_piece(value) for value in range(256)], counts.tolist())
     training = {"kind": "byte", "distinct_bytes": int(np.count_nonzero(counts)), **reading.record()}
     newline = byte_piece(NEWLINE)
-    return write_tokenizer_json(output, "byte", [BYTE_VOCAB], 256, NEWLINE, NEWLINE, None,
-                                {"eos": newline, "eod": newline}, training)
+    return write_tokenizer_json(
+        output, "byte", [BYTE_VOCAB], 256, NEWLINE, NEWLINE, None, {"eos": newline, "eod": newline}, training
+    )
 
 
 def train_char(reading: _Reading, output: Path, alphabet: str | None) -> Tokenizer:
@@ -443,17 +565,22 @@ def train_char(reading: _Reading, output: Path, alphabet: str | None) -> Tokeniz
         if alphabet is not None:
             outside = sorted(set(counts) - set(alphabet) - {"\n"})
             if outside:
-                raise TrainError(f"{chunk.path}: character {outside[0]!r} (U+{ord(outside[0]):04X}) is not in "
-                                 f"--alphabet {alphabet!r}")
+                raise TrainError(
+                    f"{chunk.path}: character {outside[0]!r} (U+{ord(outside[0]):04X}) is not in "
+                    f"--alphabet {alphabet!r}"
+                )
     if alphabet is not None and len(set(alphabet)) != len(alphabet):
         raise TrainError(f"--alphabet {alphabet!r}: a character appears twice")
-    characters = sorted((set(alphabet) if alphabet is not None else set(counts)) - {"\n"},
-                        key=lambda character: (-counts.get(character, 0), character))
+    characters = sorted(
+        (set(alphabet) if alphabet is not None else set(counts)) - {"\n"},
+        key=lambda character: (-counts.get(character, 0), character),
+    )
     entries = ["\n"] + characters
     write_word_vocab(output / CHAR_VOCAB, [char_piece(c) for c in entries], [counts.get(c, 0) for c in entries])
     training = {"kind": "char", "alphabet": alphabet, "distinct_characters": len(counts), **reading.record()}
-    return write_tokenizer_json(output, "char", [CHAR_VOCAB], len(entries), 0, 0, None,
-                                {"eos": "\n", "eod": "\n"}, training)
+    return write_tokenizer_json(
+        output, "char", [CHAR_VOCAB], len(entries), 0, 0, None, {"eos": "\n", "eod": "\n"}, training
+    )
 
 
 def _training_files(args: argparse.Namespace) -> list[InputFile]:
@@ -492,45 +619,78 @@ def _prepare_output(output: Path, overwrite: bool) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m data_tools.train_tokenizer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m data_tools.train_tokenizer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), help="named settings (flags given still win)")
     parser.add_argument("--kind", choices=KINDS)
-    parser.add_argument("--input", nargs="+", help="text/.gz/.jsonl files or glob patterns; for --format "
-                        "lm1b|ptb the corpus directory (ptb: optional, default the treebank package)")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        help="text/.gz/.jsonl files or glob patterns; for --format "
+        "lm1b|ptb the corpus directory (ptb: optional, default the treebank package)",
+    )
     parser.add_argument("--format", choices=corpus.FORMATS, default="text")
     parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
     parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
     parser.add_argument("--output", required=True, type=Path, help="the tokenizer directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
-    parser.add_argument("--allow-empty", action="store_true",
-                        help="accept an input without any document (otherwise an error)")
+    parser.add_argument(
+        "--allow-empty", action="store_true", help="accept an input without any document (otherwise an error)"
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="--kind word: processes counting words, this one included (the vocabulary is the "
-                             "same for any number)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="--kind word: processes counting words, this one included (the vocabulary is the same for any number)",
+    )
     sp = parser.add_argument_group("sentencepiece")
     sp.add_argument("--vocab-size", type=int, default=32000)
     sp.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
-    sp.add_argument("--character-coverage", type=float, default=0.9995,
-                    help="share of characters the model covers (1.0 for small alphabets)")
-    sp.add_argument("--input-sentence-size", type=int, default=2_000_000,
-                    help="lines sampled from the input for training (bounds memory and time)")
+    sp.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="share of characters the model covers (1.0 for small alphabets)",
+    )
+    sp.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=2_000_000,
+        help="lines sampled from the input for training (bounds memory and time)",
+    )
     sp.add_argument("--seed", type=int, default=0, help="seed of the sampling of --input-sentence-size lines")
-    sp.add_argument("--max-sentence-length", type=int, default=DEFAULT_MAX_SENTENCE_LENGTH,
-                    help="bytes; longer lines are cut (at sentence ends, else at whitespace) into training pieces")
+    sp.add_argument(
+        "--max-sentence-length",
+        type=int,
+        default=DEFAULT_MAX_SENTENCE_LENGTH,
+        help="bytes; longer lines are cut (at sentence ends, else at whitespace) into training pieces",
+    )
     sp.add_argument("--user-symbols", nargs="*", default=[], help="pieces never split, e.g. '<eod>'")
     sp.add_argument("--eod-symbol", help="end-of-document user symbol; documents then end with it")
-    sp.add_argument("--threads", type=int, default=8,
-                    help="training threads; the model depends on their number, so a fixed default keeps training "
-                         "reproducible across machines")
-    parser.add_argument("--held-out-bytes", type=int, default=corpus.HELD_OUT_BYTES,
-                        help="--format enwik8|text8: bytes of valid and of test at the end of the file, left out "
-                             "of training (the authors' 5,000,000; smaller for a scaled-down copy)")
+    sp.add_argument(
+        "--threads",
+        type=int,
+        default=8,
+        help="training threads; the model depends on their number, so a fixed default keeps training "
+        "reproducible across machines",
+    )
+    parser.add_argument(
+        "--held-out-bytes",
+        type=int,
+        default=corpus.HELD_OUT_BYTES,
+        help="--format enwik8|text8: bytes of valid and of test at the end of the file, left out "
+        "of training (the authors' 5,000,000; smaller for a scaled-down copy)",
+    )
     char = parser.add_argument_group("char")
-    char.add_argument("--alphabet", help="the characters of the vocabulary (default: those of the training text); "
-                      "the newline is always id 0")
+    char.add_argument(
+        "--alphabet",
+        help="the characters of the vocabulary (default: those of the training text); the newline is always id 0",
+    )
     word = parser.add_argument_group("word")
     word.add_argument("--min-count", type=int, default=1, help="keep words seen at least this often")
     word.add_argument("--max-size", type=int, help="at most this many entries, specials included")
@@ -552,29 +712,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.kind is None:
             raise TrainError("--kind: choose sentencepiece, word, byte or char (or a --preset)")
         if args.kind == "sentencepiece" and args.workers != 1:
-            raise TrainError(f"--workers {args.workers}: only --kind word counts in processes; sentencepiece "
-                             f"trains with --threads")
+            raise TrainError(
+                f"--workers {args.workers}: only --kind word counts in processes; sentencepiece trains with --threads"
+            )
         files = _training_files(args)
         try:  # before anything in the output is deleted
-            refuse_output_over_inputs(args.output, [f.name for f in files
-                                                    if not f.name.startswith(corpus.TREEBANK_PREFIX)])
+            refuse_output_over_inputs(
+                args.output, [f.name for f in files if not f.name.startswith(corpus.TREEBANK_PREFIX)]
+            )
         except OutputPathError as error:
             raise TrainError(str(error)) from None
         created = not args.output.exists()
         _prepare_output(args.output, args.overwrite)
-        reading = _Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress,
-                           args.allow_empty)
+        reading = _Reading(
+            files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress, args.allow_empty
+        )
         if args.kind == "byte":
             tokenizer = train_byte(reading, args.output)
         elif args.kind == "char":
             tokenizer = train_char(reading, args.output, args.alphabet)
         elif args.kind == "word":
-            tokenizer = train_word(reading, args.output, args.min_count, args.max_size, args.specials, args.eos,
-                                   args.eod, args.unk, args.workers)
+            tokenizer = train_word(
+                reading,
+                args.output,
+                args.min_count,
+                args.max_size,
+                args.specials,
+                args.eos,
+                args.eod,
+                args.unk,
+                args.workers,
+            )
         else:
-            tokenizer = train_sentencepiece(reading, args.output, args.vocab_size, args.model_type,
-                                            args.character_coverage, args.input_sentence_size, args.user_symbols,
-                                            args.eod_symbol, args.seed, args.threads, args.max_sentence_length)
+            tokenizer = train_sentencepiece(
+                reading,
+                args.output,
+                args.vocab_size,
+                args.model_type,
+                args.character_coverage,
+                args.input_sentence_size,
+                args.user_symbols,
+                args.eod_symbol,
+                args.seed,
+                args.threads,
+                args.max_sentence_length,
+            )
     except (TrainError, InputError, TokenizerError, OSError) as error:
         # A refused input leaves no trace: the folder this run created goes again while nothing is in it.
         if created and args.output.is_dir() and not any(args.output.iterdir()):
@@ -587,10 +769,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train_tokenizer: error: {message}", file=sys.stderr)
         return 1
     statistics = reading.statistics
-    print(f"train_tokenizer: {tokenizer.kind} tokenizer of {tokenizer.vocab_size:,} entries in {args.output} "
-          f"(eos {tokenizer.eos_id}, eod {tokenizer.eod_id}, unk {tokenizer.unk_id}) from {statistics['documents']:,} "
-          f"documents, {statistics['lines']:,} lines; {statistics['empty_documents']:,} empty documents skipped, "
-          f"{statistics['replaced_bytes']:,} non-UTF-8 bytes replaced; {time.perf_counter() - started:.1f} s")
+    print(
+        f"train_tokenizer: {tokenizer.kind} tokenizer of {tokenizer.vocab_size:,} entries in {args.output} "
+        f"(eos {tokenizer.eos_id}, eod {tokenizer.eod_id}, unk {tokenizer.unk_id}) from {statistics['documents']:,} "
+        f"documents, {statistics['lines']:,} lines; {statistics['empty_documents']:,} empty documents skipped, "
+        f"{statistics['replaced_bytes']:,} non-UTF-8 bytes replaced; {time.perf_counter() - started:.1f} s"
+    )
     return 0
 
 

@@ -27,8 +27,9 @@ import pickle
 import queue
 import signal
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 
 class WorkerError(RuntimeError):
@@ -42,9 +43,16 @@ class _Finalize:
 _LOCAL = -1  # the caller's own "worker" id in the queue of pending results
 
 
-def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, initializer: Callable,
-                initargs: tuple = (), in_flight_per_worker: int = 16, finalizer: Callable[[], Any] | None = None,
-                local_initargs: tuple | None = None) -> Iterator:
+def ordered_map(
+    function: Callable[[Any], Any],
+    tasks: Iterable,
+    workers: int,
+    initializer: Callable,
+    initargs: tuple = (),
+    in_flight_per_worker: int = 16,
+    finalizer: Callable[[], Any] | None = None,
+    local_initargs: tuple | None = None,
+) -> Iterator:
     """``map(function, tasks)`` over ``workers`` processes, this one included; results come in task order.
 
     ``workers - 1`` processes are spawned; each holds at most ``in_flight_per_worker`` unanswered tasks, and a
@@ -73,8 +81,11 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
         for _ in range(workers - 1):
             task_receiver, task_sender = context.Pipe(duplex=False)
             result_receiver, result_sender = context.Pipe(duplex=False)
-            process = context.Process(target=_serve, daemon=True,
-                                      args=(task_receiver, result_sender, function, initializer, initargs, finalizer))
+            process = context.Process(
+                target=_serve,
+                daemon=True,
+                args=(task_receiver, result_sender, function, initializer, initargs, finalizer),
+            )
             process.start()
             task_receiver.close()
             result_sender.close()
@@ -84,8 +95,9 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
 
         def died(worker: int) -> WorkerError:
             processes[worker].join(timeout=1)
-            return WorkerError(f"worker process {processes[worker].pid} died without a result "
-                               f"(exit code {processes[worker].exitcode})")
+            return WorkerError(
+                f"worker process {processes[worker].pid} died without a result (exit code {processes[worker].exitcode})"
+            )
 
         # A thread per worker takes its replies off the pipe as they come: a worker never waits for this
         # process to finish a task of its own before it can send a result and go on.
@@ -169,8 +181,14 @@ def ordered_map(function: Callable[[Any], Any], tasks: Iterable, workers: int, i
             connection.close()
 
 
-def _serve(tasks: Connection, results: Connection, function: Callable, initializer: Callable, initargs: tuple,
-           finalizer: Callable[[], Any] | None = None) -> None:
+def _serve(
+    tasks: Connection,
+    results: Connection,
+    function: Callable,
+    initializer: Callable,
+    initargs: tuple,
+    finalizer: Callable[[], Any] | None = None,
+) -> None:
     """A worker: run ``function`` on each task (``finalizer`` on a `_Finalize`) until ``None``, sending
     ("result", value) or ("error", exc)."""
     # Ctrl-C reaches the whole process group; the parent decides, and stops the workers itself.

@@ -42,27 +42,43 @@ def zero_to_export(args: argparse.Namespace) -> str:
     from txl_dist.export import write_export
 
     if args.no_verify:
-        print(f"convert.py zero-to-export: warning: --no-verify: {args.checkpoint} is read without checking its files "
-              f"against COMPLETE.json", file=sys.stderr)
+        print(
+            f"convert.py zero-to-export: warning: --no-verify: {args.checkpoint} is read without checking its files "
+            f"against COMPLETE.json",
+            file=sys.stderr,
+        )
     checkpoint = read_training_checkpoint(args.checkpoint, verify=not args.no_verify)
     tokenizer_dir = find_tokenizer(checkpoint, args.tokenizer)
     weights = consolidate_weights(checkpoint)
     client = checkpoint.client
     training_info = {
-        "source": str(checkpoint.tag_dir.resolve()), "step": client["step"], "tokens_seen": client["tokens_seen"],
-        "best_eval": client.get("best"), "world_size": client.get("world_size"),
+        "source": str(checkpoint.tag_dir.resolve()),
+        "step": client["step"],
+        "tokens_seen": client["tokens_seen"],
+        "best_eval": client.get("best"),
+        "world_size": client.get("world_size"),
         "data": {"shards": checkpoint.run_config.data.shards, "train_split": checkpoint.run_config.data.train_split},
         "run_config": client["config"],
     }
-    out = write_export(weights, checkpoint.run_config.model, args.output, tokenizer_dir=tokenizer_dir,
-                       tokenizer_identity=client["tokenizer"], training_info=training_info, overwrite=args.overwrite)
+    out = write_export(
+        weights,
+        checkpoint.run_config.model,
+        args.output,
+        tokenizer_dir=tokenizer_dir,
+        tokenizer_identity=client["tokenizer"],
+        training_info=training_info,
+        overwrite=args.overwrite,
+    )
     return f"{checkpoint.tag_dir} (step {client['step']}) -> {out}"
 
 
 def _warn_unverified_export(args: argparse.Namespace) -> None:
     if args.no_verify:
-        print(f"convert.py {args.command}: warning: --no-verify: {args.export} is read without checking its files "
-              f"against checksums.json", file=sys.stderr)
+        print(
+            f"convert.py {args.command}: warning: --no-verify: {args.export} is read without checking its files "
+            f"against checksums.json",
+            file=sys.stderr,
+        )
 
 
 def export_to_hf(args: argparse.Namespace) -> str:
@@ -78,8 +94,10 @@ def export_to_hub(args: argparse.Namespace) -> str:
 
     _warn_unverified_export(args)
     out = write_hub_folder(args.export, args.output, overwrite=args.overwrite, verify=not args.no_verify)
-    return (f"{args.export} -> {out} (transformers 5: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
-            f"trust_remote_code=True), AutoTokenizer.from_pretrained({str(out)!r}))")
+    return (
+        f"{args.export} -> {out} (transformers 5: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+        f"trust_remote_code=True), AutoTokenizer.from_pretrained({str(out)!r}))"
+    )
 
 
 def hf_to_export(args: argparse.Namespace) -> str:
@@ -87,9 +105,15 @@ def hf_to_export(args: argparse.Namespace) -> str:
     from txl_dist.export import write_export
 
     config, state, identity, tokenizer_dir = read_hf_folder(args.hf)
-    out = write_export(state, config, args.output, tokenizer_dir=tokenizer_dir, tokenizer_identity=identity,
-                       training_info={"source": str(Path(args.hf).resolve()), "converted_from": "huggingface"},
-                       overwrite=args.overwrite)
+    out = write_export(
+        state,
+        config,
+        args.output,
+        tokenizer_dir=tokenizer_dir,
+        tokenizer_identity=identity,
+        training_info={"source": str(Path(args.hf).resolve()), "converted_from": "huggingface"},
+        overwrite=args.overwrite,
+    )
     return f"{args.hf} -> {out}"
 
 
@@ -110,57 +134,90 @@ def original_to_export(args: argparse.Namespace) -> str:
 
     config, identity = read_config_file(args.config)
     state = from_original_state_dict(load_original(args.original), config)
-    out = write_export(state, config, args.output, tokenizer_dir=args.tokenizer, tokenizer_identity=identity,
-                       training_info={"source": str(Path(args.original).resolve()), "converted_from": "original"},
-                       overwrite=args.overwrite)
+    out = write_export(
+        state,
+        config,
+        args.output,
+        tokenizer_dir=args.tokenizer,
+        tokenizer_identity=identity,
+        training_info={"source": str(Path(args.original).resolve()), "converted_from": "original"},
+        overwrite=args.overwrite,
+    )
     return f"{args.original} -> {out}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="launchers/convert.py", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="launchers/convert.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, function, help_text: str, inputs: tuple[str, ...],
-                output_is_file: bool = False) -> argparse.ArgumentParser:
+    def command(
+        name: str, function, help_text: str, inputs: tuple[str, ...], output_is_file: bool = False
+    ) -> argparse.ArgumentParser:
         """A subcommand; ``inputs`` names its arguments that are paths it reads (`guard_output` keeps the output
         away from them)."""
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(function=function, inputs=inputs, output_is_file=output_is_file)
-        sub.add_argument("--overwrite", action="store_true",
-                         help="replace an existing output (only an empty folder or one txl_dist wrote)")
+        sub.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace an existing output (only an empty folder or one txl_dist wrote)",
+        )
         return sub
 
     export_no_verify = "read the export without checking its files against its checksums.json"
-    sub = command("zero-to-export", zero_to_export, "a DeepSpeed training checkpoint -> an export folder",
-                  inputs=("checkpoint", "tokenizer"))
+    sub = command(
+        "zero-to-export",
+        zero_to_export,
+        "a DeepSpeed training checkpoint -> an export folder",
+        inputs=("checkpoint", "tokenizer"),
+    )
     sub.add_argument("checkpoint", help="run folder, its checkpoints/ folder, or one checkpoint folder")
     sub.add_argument("output", help="the export folder to write")
     sub.add_argument("--tokenizer", help="tokenizer folder (default: the one the run recorded, found by fingerprint)")
-    sub.add_argument("--no-verify", action="store_true",
-                     help="read the checkpoint without checking its files against its COMPLETE.json")
-    sub = command("export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder",
-                  inputs=("export",))
+    sub.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="read the checkpoint without checking its files against its COMPLETE.json",
+    )
+    sub = command(
+        "export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder", inputs=("export",)
+    )
     sub.add_argument("export")
     sub.add_argument("output")
     sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
-    sub = command("export-to-hub", export_to_hub,
-                  "an export folder -> a folder for current transformers (remote code, fast tokenizer)",
-                  inputs=("export",))
+    sub = command(
+        "export-to-hub",
+        export_to_hub,
+        "an export folder -> a folder for current transformers (remote code, fast tokenizer)",
+        inputs=("export",),
+    )
     sub.add_argument("export")
     sub.add_argument("output")
     sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
     sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",))
     sub.add_argument("hf")
     sub.add_argument("output")
-    sub = command("export-to-original", export_to_original, "an export folder -> the authors' state dict (.pt)",
-                  inputs=("export",), output_is_file=True)
+    sub = command(
+        "export-to-original",
+        export_to_original,
+        "an export folder -> the authors' state dict (.pt)",
+        inputs=("export",),
+        output_is_file=True,
+    )
     sub.add_argument("export")
     sub.add_argument("output", help="the .pt file to write")
     sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
-    sub = command("original-to-export", original_to_export,
-                  "the authors' state dict + a config.json of their argument names -> an export folder",
-                  inputs=("original", "config", "tokenizer"))
+    sub = command(
+        "original-to-export",
+        original_to_export,
+        "the authors' state dict + a config.json of their argument names -> an export folder",
+        inputs=("original", "config", "tokenizer"),
+    )
     sub.add_argument("original", help="a state dict saved from the authors' MemTransformerLM (.pt)")
     sub.add_argument("config", help="config.json with the authors' argument names (n_token, n_layer, ...)")
     sub.add_argument("output")

@@ -11,11 +11,12 @@
     # clamp_len 1000 with same_length, reporting bits per character
     python launchers/evaluate.py runs/enwik8_large --split test --eval-settings
 
-The model comes from an export folder or a DeepSpeed checkpoint (any ZeRO stage and number of ranks, gathered
-on the CPU; verified against its COMPLETE.json first, unless --no-verify, and read weights-only). The shards default to the ones the model was trained on. Prints a summary and writes JSON
-(--output; by default ``eval_{split}.json`` in an export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss, per-token and per-word
-perplexity (words: the whitespace-separated units of the text, with each document separator counted as one),
-and bits per character when the tokens are characters.
+The model comes from an export folder or a DeepSpeed checkpoint (any ZeRO stage and number of ranks, gathered on the
+CPU; verified against its COMPLETE.json first, unless --no-verify, and read weights-only). The shards default to the
+ones the model was trained on. Prints a summary and writes JSON (--output; by default ``eval_{split}.json`` in an
+export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss, per-token and per-word perplexity
+(words: the whitespace-separated units of the text, with each document separator counted as one), and bits per
+character when the tokens are characters.
 """
 
 from __future__ import annotations
@@ -31,26 +32,38 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="launchers/evaluate.py", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="launchers/evaluate.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("model", help="an export folder, a training run folder or one checkpoint folder")
     parser.add_argument("--split", default="test", help="the split of the shards to score (default: test)")
     parser.add_argument("--shards", help="shard folder (default: the one the model was trained on)")
     parser.add_argument("--tgt-len", type=int, help="tokens per segment (default: the model's)")
     parser.add_argument("--mem-len", type=int, help="memory length (default: the model's)")
     parser.add_argument("--clamp-len", type=int, help="clamp relative distances (default: the model's)")
-    parser.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
-                        help="every query sees mem_len keys (default: the model's)")
-    parser.add_argument("--eval-settings", action="store_true",
-                        help="take tgt_len, mem_len, clamp_len and same_length from the run config's eval section "
-                             "(the paper's evaluation for the shipped configs, e.g. enwik8_large's 128 / 3800 / 1000 "
-                             "with same_length); the flags above still win")
+    parser.add_argument(
+        "--same-length",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every query sees mem_len keys (default: the model's)",
+    )
+    parser.add_argument(
+        "--eval-settings",
+        action="store_true",
+        help="take tgt_len, mem_len, clamp_len and same_length from the run config's eval section "
+        "(the paper's evaluation for the shipped configs, e.g. enwik8_large's 128 / 3800 / 1000 "
+        "with same_length); the flags above still win",
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="streams over all ranks (default: 16)")
     parser.add_argument("--tokenizer", help="tokenizer folder, for a checkpoint whose own cannot be found")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="read a checkpoint or export without checking its files against its COMPLETE.json "
-                             "or checksums.json")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="read a checkpoint or export without checking its files against its COMPLETE.json or checksums.json",
+    )
     parser.add_argument("--output", help="where to write the JSON result")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -99,8 +112,11 @@ def _verify_once(path: Path, verify: bool) -> None:
             if verify:
                 require_verified(tag_dir)
             else:
-                print(f"evaluate.py: warning: --no-verify: {tag_dir} is read without checking its files against "
-                      f"COMPLETE.json", file=sys.stderr)
+                print(
+                    f"evaluate.py: warning: --no-verify: {tag_dir} is read without checking its files against "
+                    f"COMPLETE.json",
+                    file=sys.stderr,
+                )
         except CheckpointError as error:
             problem = str(error)
     if dist.is_initialized():
@@ -114,17 +130,29 @@ def _verify_once(path: Path, verify: bool) -> None:
 def _with_eval_section(overrides: dict[str, Any], eval_section: dict[str, Any] | None, where: str) -> dict[str, Any]:
     """``overrides`` completed by a run config's eval section (--eval-settings); the flags given win."""
     if eval_section is None:
-        raise ValueError(f"{where}: records no run config, so --eval-settings has nothing to take; give --tgt-len, "
-                         f"--mem-len, --clamp-len and --same-length instead")
-    taken = {key: eval_section[key] for key in ("tgt_len", "mem_len", "clamp_len", "same_length")
-             if eval_section.get(key) is not None}
+        raise ValueError(
+            f"{where}: records no run config, so --eval-settings has nothing to take; give --tgt-len, "
+            f"--mem-len, --clamp-len and --same-length instead"
+        )
+    taken = {
+        key: eval_section[key]
+        for key in ("tgt_len", "mem_len", "clamp_len", "same_length")
+        if eval_section.get(key) is not None
+    }
     return {**taken, **overrides}
 
 
-def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str | None, device, verify: bool = True,
-          eval_settings: bool = False) -> tuple[Any, Any, str | None, Path]:
+def _load(
+    path: Path,
+    split: str,
+    overrides: dict[str, Any],
+    tokenizer_dir: str | None,
+    device,
+    verify: bool = True,
+    eval_settings: bool = False,
+) -> tuple[Any, Any, str | None, Path]:
     """(model, tokenizer or None, recorded shards or None, default output file)."""
-    from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_model, load_export_tokenizer
+    from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_export_tokenizer, load_model
 
     if (path / CONFIG_FILE).is_file():
         if eval_settings:
@@ -132,8 +160,10 @@ def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str 
             run_config = json.loads(training.read_text()).get("run_config") if training.is_file() else None
             overrides = _with_eval_section(overrides, (run_config or {}).get("eval"), str(path))
         if not verify and int(os.environ.get("RANK", "0")) == 0:
-            print(f"evaluate.py: warning: --no-verify: {path} is read without checking its files against "
-                  f"checksums.json", file=sys.stderr)
+            print(
+                f"evaluate.py: warning: --no-verify: {path} is read without checking its files against checksums.json",
+                file=sys.stderr,
+            )
         model = load_model(path, device=device, verify=verify, **overrides)
         tokenizer = load_export_tokenizer(path)
         training = path / TRAINING_FILE
@@ -146,13 +176,20 @@ def _load(path: Path, split: str, overrides: dict[str, Any], tokenizer_dir: str 
     _verify_once(path, verify)
     checkpoint = read_training_checkpoint(path, verify=False)  # verified just above
     if eval_settings:
-        overrides = _with_eval_section(overrides, dataclasses.asdict(checkpoint.run_config.eval), str(checkpoint.tag_dir))
+        overrides = _with_eval_section(
+            overrides, dataclasses.asdict(checkpoint.run_config.eval), str(checkpoint.tag_dir)
+        )
     config = apply_eval_overrides(checkpoint.run_config.model, overrides)
     weights = _consolidate_once(checkpoint, consolidate_weights, device)
     model = model_from_state_dict(weights, config, device=device, where=str(checkpoint.tag_dir))
     tokenizer = load_tokenizer(find_tokenizer(checkpoint, tokenizer_dir))
     # Next to the checkpoints, not inside one: a checkpoint folder stays as the trainer wrote it.
-    return model, tokenizer, checkpoint.run_config.data.shards, checkpoint.run_dir / f"eval_{split}_{checkpoint.tag}.json"
+    return (
+        model,
+        tokenizer,
+        checkpoint.run_config.data.shards,
+        checkpoint.run_dir / f"eval_{split}_{checkpoint.tag}.json",
+    )
 
 
 def _consolidate_once(checkpoint, consolidate, device) -> dict:
@@ -191,12 +228,25 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: must be at least 1 (streams over all ranks)")
     rank, world_size, device = _distributed()
-    overrides = {name: value for name, value in (("tgt_len", args.tgt_len), ("mem_len", args.mem_len),
-                                                  ("clamp_len", args.clamp_len), ("same_length", args.same_length))
-                 if value is not None}
-    model, tokenizer, recorded_shards, default_output = _load(Path(args.model), args.split, overrides, args.tokenizer,
-                                                               device, verify=not args.no_verify,
-                                                               eval_settings=args.eval_settings)
+    overrides = {
+        name: value
+        for name, value in (
+            ("tgt_len", args.tgt_len),
+            ("mem_len", args.mem_len),
+            ("clamp_len", args.clamp_len),
+            ("same_length", args.same_length),
+        )
+        if value is not None
+    }
+    model, tokenizer, recorded_shards, default_output = _load(
+        Path(args.model),
+        args.split,
+        overrides,
+        args.tokenizer,
+        device,
+        verify=not args.no_verify,
+        eval_settings=args.eval_settings,
+    )
     shards = args.shards or recorded_shards
     if shards is None:
         raise ValueError(f"{args.model} does not record its shards: pass --shards DIR")
@@ -205,23 +255,45 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--split {args.split!r}: {shards} has the splits {sorted(manifest.splits)}")
     fingerprint = tokenizer.fingerprint if tokenizer is not None else None
     per_rank = max(1, math.ceil(args.batch_size / world_size))
-    with EvalStreams(shards, args.split, tgt_len=model.config.tgt_len, batch_size=per_rank, world_size=world_size,
-                     rank=rank, expected_fingerprint=fingerprint) as streams:
+    with EvalStreams(
+        shards,
+        args.split,
+        tgt_len=model.config.tgt_len,
+        batch_size=per_rank,
+        world_size=world_size,
+        rank=rank,
+        expected_fingerprint=fingerprint,
+    ) as streams:
         result = evaluate(model, streams, device, progress=rank == 0 and not args.no_progress)
     if not math.isfinite(result.loss):
         # Strict JSON has no NaN; and a non-finite score of finite weights is a fault to report, not a result.
-        raise _SharedError(f"the loss on split {args.split!r} of {shards} is {result.loss}, with finite weights (the "
-                           f"forward pass overflowed): no result written")
+        raise _SharedError(
+            f"the loss on split {args.split!r} of {shards} is {result.loss}, with finite weights (the "
+            f"forward pass overflowed): no result written"
+        )
     if result.loss >= math.log(sys.float_info.max):
-        raise _SharedError(f"the loss on split {args.split!r} of {shards} is {result.loss:.1f} nats per token: its "
-                           f"perplexity is beyond a float (the model does not predict this text): no result written")
+        raise _SharedError(
+            f"the loss on split {args.split!r} of {shards} is {result.loss:.1f} nats per token: its "
+            f"perplexity is beyond a float (the model does not predict this text): no result written"
+        )
     split = manifest.splits[args.split]
     c = model.config
     summary: dict[str, Any] = {
-        "model": str(args.model), "shards": str(shards), "split": args.split, "ranks": world_size,
-        "settings": {"tgt_len": c.tgt_len, "mem_len": c.mem_len, "clamp_len": c.clamp_len,
-                     "same_length": c.same_length, "batch_size": per_rank * world_size},
-        "tokens": result.targets, "loss": result.loss, "ppl": result.ppl, "bits_per_token": result.loss / math.log(2),
+        "model": str(args.model),
+        "shards": str(shards),
+        "split": args.split,
+        "ranks": world_size,
+        "settings": {
+            "tgt_len": c.tgt_len,
+            "mem_len": c.mem_len,
+            "clamp_len": c.clamp_len,
+            "same_length": c.same_length,
+            "batch_size": per_rank * world_size,
+        },
+        "tokens": result.targets,
+        "loss": result.loss,
+        "ppl": result.ppl,
+        "bits_per_token": result.loss / math.log(2),
     }
     if split.words > 1:
         # The first word of the split has no context, like the first token.
@@ -256,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             atomic_write_text(summary["output"], json.dumps(summary, indent=1, allow_nan=False) + "\n")
         except OSError as error:
-            print(f"evaluate.py: error: {describe_os_error(error)} (the result was: {summary['split']} loss "
-                  f"{summary['loss']:.4f}, ppl {summary['ppl']:.2f})", file=sys.stderr)
+            print(
+                f"evaluate.py: error: {describe_os_error(error)} (the result was: {summary['split']} loss "
+                f"{summary['loss']:.4f}, ppl {summary['ppl']:.2f})",
+                file=sys.stderr,
+            )
             return 2
         line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}, ppl {summary['ppl']:.2f}"
         if "word_ppl" in summary:

@@ -22,9 +22,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="launchers/generate.py", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="launchers/generate.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("export", help="an export folder (launchers/convert.py zero-to-export)")
     task = parser.add_mutually_exclusive_group(required=True)
     task.add_argument("--prompt", help="text to continue")
@@ -38,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--mem-len", type=int, help="memory length (default: the model's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="read the export without checking its files against its checksums.json")
+    parser.add_argument(
+        "--no-verify", action="store_true", help="read the export without checking its files against its checksums.json"
+    )
     args = parser.parse_args(argv)
 
     from txl_dist.export import load_pretrained
@@ -47,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {"mem_len": args.mem_len} if args.mem_len is not None else {}
     if args.no_verify:
-        print(f"generate.py: warning: --no-verify: {args.export} is read without checking its files against "
-              f"checksums.json", file=sys.stderr)
+        print(
+            f"generate.py: warning: --no-verify: {args.export} is read without checking its files against "
+            f"checksums.json",
+            file=sys.stderr,
+        )
     try:
         if args.num_samples < 1:
             raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
@@ -66,17 +73,32 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} tokens  ppl {result['ppl']:9.2f}  {text}")
                 if result["unknown"]:
-                    print(f"generate.py: warning: {result['unknown']} of the {result['tokens'] - 1} tokens of {text!r} "
-                          f"are the unknown token: its perplexity is not comparable with that of known text",
-                          file=sys.stderr)
+                    print(
+                        f"generate.py: warning: {result['unknown']} of the {result['tokens'] - 1} tokens of {text!r} "
+                        f"are the unknown token: its perplexity is not comparable with that of known text",
+                        file=sys.stderr,
+                    )
             return 0
         for sample in range(args.num_samples):
             seed = None if args.seed is None else args.seed + sample
             print(args.prompt, end="", flush=True)
-            pieces = iter_generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k, top_p=args.top_p, seed=seed, greedy=args.greedy)
+            pieces = iter_generate(
+                model,
+                tokenizer,
+                args.prompt,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=seed,
+                greedy=args.greedy,
+            )
             for index, piece in enumerate(pieces):
-                if index == 0 and not piece.startswith((" ", "\n")) and not getattr(tokenizer, "character_level", False):
+                if (
+                    index == 0
+                    and not piece.startswith((" ", "\n"))
+                    and not getattr(tokenizer, "character_level", False)
+                ):
                     piece = " " + piece
                 print(piece, end="", flush=True)
             print(flush=True)
@@ -96,8 +118,10 @@ def _require_device(name: str) -> None:
         raise ValueError(f"--device {name!r}: not a device name ({error}); use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA device is available on this machine (torch "
-                             f"{torch.__version__}, torch.cuda.is_available() is False); use --device cpu")
+            raise ValueError(
+                f"--device {name}: no CUDA device is available on this machine (torch "
+                f"{torch.__version__}, torch.cuda.is_available() is False); use --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
@@ -110,9 +134,11 @@ def _warn_unknown_prompt(tokenizer, prompt: str) -> None:
     ids = tokenizer.encode(prompt)
     unknown = sum(token == unk for token in ids) if unk is not None else 0
     if unknown:
-        print(f"generate.py: warning: {unknown} of the {len(ids)} tokens of the prompt {prompt!r} are the unknown "
-              f"token: the model continues from {'nothing it knows' if unknown == len(ids) else 'a partial context'}",
-              file=sys.stderr)
+        print(
+            f"generate.py: warning: {unknown} of the {len(ids)} tokens of the prompt {prompt!r} are the unknown "
+            f"token: the model continues from {'nothing it knows' if unknown == len(ids) else 'a partial context'}",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

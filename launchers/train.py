@@ -18,19 +18,19 @@
     torchrun --nproc_per_node 2 launchers/train.py --config configs/tiny_cpu.yaml data.shards=... train.output_dir=...
     python launchers/train.py --config configs/tiny_cpu.yaml data.shards=... train.output_dir=...
 
-Rerunning the same command resumes from the newest checkpoint in train.output_dir that verifies. One run per
-output directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the
-process that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank
-stops every rank with one message; a rank that dies or stops making progress (train.stall_timeout) is named.
-The rank and world come from whichever launcher started the process (txl_dist.launch_env). `--print-config` prints the resolved configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and
-``tensorboard --logdir {output_dir}/tensorboard``.
+Rerunning the same command resumes from the newest checkpoint in train.output_dir that verifies. One run per output
+directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the process
+that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank stops every
+rank with one message; a rank that dies or stops making progress (train.stall_timeout) is named. The rank and world
+come from whichever launcher started the process (txl_dist.launch_env). `--print-config` prints the resolved
+configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and ``tensorboard --logdir
+{output_dir}/tensorboard``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 
 
@@ -44,7 +44,9 @@ def _launch_environment() -> None:
     if tasks:
         logging.getLogger("txl_dist.training").warning(
             "running as one process inside a Slurm allocation of %d tasks: start the ranks with "
-            "`srun python launchers/train.py ...` (or sbatch launchers/slurm.sbatch) to train on all of them", tasks)
+            "`srun python launchers/train.py ...` (or sbatch launchers/slurm.sbatch) to train on all of them",
+            tasks,
+        )
     if launch.launcher != "torch":
         os.environ.setdefault("TXL_LAUNCHER", launch.launcher)
 

@@ -36,8 +36,12 @@ def ptb_text_dir(tmp_path_factory) -> Path:
 def ptb_word_tokenizer(tmp_path_factory) -> Path:
     """The standard 10,000-word PTB vocabulary (``<eos>`` first, ``<unk>`` a word of the text)."""
     directory = tmp_path_factory.mktemp("ptb_word_tokenizer")
-    assert train_tokenizer.main(["--kind", "word", "--format", "ptb", "--output", str(directory),
-                                 "--overwrite", "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            ["--kind", "word", "--format", "ptb", "--output", str(directory), "--overwrite", "--no-progress"]
+        )
+        == 0
+    )
     return directory
 
 
@@ -46,9 +50,29 @@ def ptb_sentencepiece_tokenizer(tmp_path_factory) -> Path:
     """A 2,000-piece BPE model of PTB train covering all its characters, with an end-of-document symbol
     ``<eod>`` (eod_id != eos_id). SentencePiece reads the text ``<unk>`` as unknown characters."""
     directory = tmp_path_factory.mktemp("ptb_sentencepiece_tokenizer")
-    assert train_tokenizer.main(["--kind", "sentencepiece", "--model-type", "bpe", "--vocab-size", "2000",
-                                 "--character-coverage", "1.0", "--eod-symbol", "<eod>", "--format", "ptb", "--output", str(directory),
-                                 "--overwrite", "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "sentencepiece",
+                "--model-type",
+                "bpe",
+                "--vocab-size",
+                "2000",
+                "--character-coverage",
+                "1.0",
+                "--eod-symbol",
+                "<eod>",
+                "--format",
+                "ptb",
+                "--output",
+                str(directory),
+                "--overwrite",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return directory
 
 
@@ -56,9 +80,25 @@ def ptb_sentencepiece_tokenizer(tmp_path_factory) -> Path:
 def ptb_word_shards(tmp_path_factory, ptb_word_tokenizer) -> Path:
     """PTB train/valid/test shards of the word tokenizer (blocks of 4,096 tokens, shards of 131,072)."""
     directory = tmp_path_factory.mktemp("ptb_word_shards")
-    assert build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(directory), "--format", "ptb",
-                              "--tokens-per-block", str(PTB_TOKENS_PER_BLOCK),
-                              "--tokens-per-shard", str(PTB_TOKENS_PER_SHARD), "--overwrite", "--no-progress"]) == 0
+    assert (
+        build_shards.main(
+            [
+                "--tokenizer",
+                str(ptb_word_tokenizer),
+                "--output",
+                str(directory),
+                "--format",
+                "ptb",
+                "--tokens-per-block",
+                str(PTB_TOKENS_PER_BLOCK),
+                "--tokens-per-shard",
+                str(PTB_TOKENS_PER_SHARD),
+                "--overwrite",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return directory
 
 
@@ -72,11 +112,12 @@ def fabricated_lm1b_dir(tmp_path_factory) -> Path:
     train = ptb_sentences("train")
     per_file = -(-len(train) // len(corpus.LM1B_TRAIN_FILES))
     for i, name in enumerate(corpus.LM1B_TRAIN_FILES):
-        lines = train[i * per_file:(i + 1) * per_file]
+        lines = train[i * per_file : (i + 1) * per_file]
         (root / corpus.LM1B_TRAIN_DIR / name).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     for split, name in (("test", corpus.LM1B_TEST_FILE), ("valid", corpus.LM1B_DEFAULT_VALID_FILE)):
         (root / corpus.LM1B_HELDOUT_DIR / name).write_text(
-            "".join(line + "\n" for line in ptb_sentences(split)), encoding="utf-8")
+            "".join(line + "\n" for line in ptb_sentences(split)), encoding="utf-8"
+        )
     return root
 
 

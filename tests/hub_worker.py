@@ -26,18 +26,23 @@ def segment_nll(model, data: torch.Tensor, segment: int) -> dict[str, torch.Tens
     from_logits, from_labels, mean_losses, cache = [], [], [], None
     with torch.no_grad():
         for s in range(n_segments):
-            inputs = data[:, s * segment:(s + 1) * segment]
-            targets = data[:, s * segment + 1:(s + 1) * segment + 1]
+            inputs = data[:, s * segment : (s + 1) * segment]
+            targets = data[:, s * segment + 1 : (s + 1) * segment + 1]
             out = model(input_ids=inputs, labels=inputs, cache=cache)
             cache = out.cache
             from_logits.append(-out.logits.gather(2, targets.unsqueeze(-1)).squeeze(-1))
             from_labels.append(out.losses)
             mean_losses.append(out.loss)
-        whole = model(input_ids=data[:, :n_segments * segment]).logits
-    one_call = -whole.gather(2, data[:, 1:n_segments * segment + 1].unsqueeze(-1)).squeeze(-1)
-    return {"from_logits": torch.stack(from_logits), "from_labels": torch.stack(from_labels),
-            "mean_loss": torch.stack(mean_losses), "one_call": one_call,
-            "memory_positions": cache.length, "memory_seen": cache.seen}
+        whole = model(input_ids=data[:, : n_segments * segment]).logits
+    one_call = -whole.gather(2, data[:, 1 : n_segments * segment + 1].unsqueeze(-1)).squeeze(-1)
+    return {
+        "from_logits": torch.stack(from_logits),
+        "from_labels": torch.stack(from_labels),
+        "mean_loss": torch.stack(mean_losses),
+        "one_call": one_call,
+        "memory_positions": cache.length,
+        "memory_seen": cache.seen,
+    }
 
 
 def exact_length(**settings):
@@ -48,47 +53,59 @@ def exact_length(**settings):
 def check_model(job: dict) -> dict:
     model, info = AutoModelForCausalLM.from_pretrained(job["folder"], trust_remote_code=True, output_loading_info=True)
     model.eval()
-    result: dict = {"class": type(model).__name__, "config_class": type(AutoConfig.from_pretrained(
-        job["folder"], trust_remote_code=True)).__name__,
-        "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-        "mismatched": sorted(str(k) for k in info["mismatched_keys"])}
-    result["ties"] = {target: model.get_parameter(target) is model.get_parameter(source)
-                      for target, source in model._tied_weights_keys.items()}
+    result: dict = {
+        "class": type(model).__name__,
+        "config_class": type(AutoConfig.from_pretrained(job["folder"], trust_remote_code=True)).__name__,
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "mismatched": sorted(str(k) for k in info["mismatched_keys"]),
+    }
+    result["ties"] = {
+        target: model.get_parameter(target) is model.get_parameter(source)
+        for target, source in model._tied_weights_keys.items()
+    }
     result.update(segment_nll(model, torch.tensor(job["data"]), job["segment"]))
     prompt = torch.tensor([job["prompt"]])
     # The length of the input of every forward that generate() makes: with the memory as its cache, the prompt
     # once, then one token per new token.
     lengths: list[int] = []
     hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: lengths.append(int((kwargs.get("input_ids") if "input_ids" in kwargs
-                                                          else args[0]).shape[1])), with_kwargs=True)
+        lambda module, args, kwargs: lengths.append(
+            int((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1])
+        ),
+        with_kwargs=True,
+    )
     greedy = model.generate(prompt, **exact_length(max_new_tokens=job["new_tokens"], do_sample=False))
     hook.remove()
-    result["greedy"] = greedy[0, prompt.shape[1]:].tolist()
+    result["greedy"] = greedy[0, prompt.shape[1] :].tolist()
     result["greedy_forward_lengths"] = lengths
     if job.get("padded_prompts"):
         prompts = job["padded_prompts"]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        padded = model.generate(ids, attention_mask=mask, **exact_length(max_new_tokens=job["new_tokens"],
-                                                                         do_sample=False))
+        padded = model.generate(
+            ids, attention_mask=mask, **exact_length(max_new_tokens=job["new_tokens"], do_sample=False)
+        )
         result["padded_greedy"] = padded[:, width:].tolist()
         with torch.no_grad():  # every position of every row, against the row alone
             together = model(ids, attention_mask=mask).logits
             result["padded_logprob_diff"] = max(
-                (together[row, width - len(p):] - model(torch.tensor([p])).logits[0]).abs().max().item()
-                for row, p in enumerate(prompts))
+                (together[row, width - len(p) :] - model(torch.tensor([p])).logits[0]).abs().max().item()
+                for row, p in enumerate(prompts)
+            )
     if job.get("sample"):
         runs = []
         for seed in (7, 7, 8):
             transformers.set_seed(seed)
-            out = model.generate(prompt, **exact_length(max_new_tokens=job["new_tokens"], do_sample=True,
-                                                        top_k=50, top_p=0.9, temperature=1.0))
-            runs.append(out[0, prompt.shape[1]:].tolist())
+            out = model.generate(
+                prompt,
+                **exact_length(max_new_tokens=job["new_tokens"], do_sample=True, top_k=50, top_p=0.9, temperature=1.0),
+            )
+            runs.append(out[0, prompt.shape[1] :].tolist())
         result["samples"] = runs
         beams = model.generate(prompt, **exact_length(max_new_tokens=4, do_sample=False, num_beams=2))
-        result["beam_tokens"] = beams[0, prompt.shape[1]:].tolist()
+        result["beam_tokens"] = beams[0, prompt.shape[1] :].tolist()
     return result
 
 

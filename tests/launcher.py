@@ -54,8 +54,12 @@ def remove_shm_buffers(directory: Path = Path("/dev/shm")) -> list[Path]:
     return removed
 
 
-def launcher_command(script: str, args: list[str], nprocs: int = 2, launcher_flags: list[str] | None = None) -> list[str]:
-    flags = launcher_flags if launcher_flags is not None else ["--num_gpus", str(nprocs), "--master_port", str(free_port())]
+def launcher_command(
+    script: str, args: list[str], nprocs: int = 2, launcher_flags: list[str] | None = None
+) -> list[str]:
+    flags = (
+        launcher_flags if launcher_flags is not None else ["--num_gpus", str(nprocs), "--master_port", str(free_port())]
+    )
     return [DEEPSPEED, *flags, script, *args]
 
 
@@ -66,8 +70,17 @@ def torchrun_command(script: str, args: list[str], nprocs: int = 2) -> list[str]
     in turn; torchrun's agent imports torch alone. A 2-rank job that only imports them took 23-28 s under
     deepspeed and 8-11 s under torchrun on the test machine (2 cores, shared). The tests of the launcher chain
     itself (signals to the runner, kill -9, several nodes, one failure message) keep `launcher_command`."""
-    return [TORCHRUN, "--nproc_per_node", str(nprocs), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            script, *args]
+    return [
+        TORCHRUN,
+        "--nproc_per_node",
+        str(nprocs),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        script,
+        *args,
+    ]
 
 
 def environment() -> dict[str, str]:
@@ -104,8 +117,9 @@ def in_process(script: str, *args: str, check: bool = True) -> subprocess.Comple
 
 
 def start(command: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        command, cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def finish(process: subprocess.Popen, timeout: float = 120) -> str:

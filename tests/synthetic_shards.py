@@ -45,8 +45,10 @@ def write_position_shards(
             position += length
         shards = writer.close()
         splits[split] = SplitEntry(
-            documents=sum(s.documents for s in shards), tokens=num_tokens,
-            blocks=sum(s.blocks for s in shards), shards=shards,
+            documents=sum(s.documents for s in shards),
+            tokens=num_tokens,
+            blocks=sum(s.blocks for s in shards),
+            shards=shards,
         )
     tokenizer = TokenizerIdentity(kind="synthetic", vocab_size=vocab_size, fingerprint=fingerprint, eos_id=0, eod_id=0)
     manifest = Manifest(tokenizer=tokenizer, dtype=dtype.name, block_tokens=block_range[1], splits=splits)

@@ -36,7 +36,7 @@ def small_shards(ptb_word_tokenizer, tmp_path_factory) -> Path:
     sentences = ptb_sentences("valid")
     args = ["--tokenizer", str(ptb_word_tokenizer), "--output", str(root / "shards"), "--no-progress"]
     for index, split in enumerate(("train", "valid", "test")):
-        (root / f"{split}.txt").write_text("".join(line + "\n" for line in sentences[index * 100:(index + 1) * 100]))
+        (root / f"{split}.txt").write_text("".join(line + "\n" for line in sentences[index * 100 : (index + 1) * 100]))
         args += ["--split", f"{split}={root / f'{split}.txt'}"]
     assert build_shards.main(args) == 0
     return root / "shards"
@@ -52,8 +52,9 @@ def ptb_export(ptb_word_tokenizer, tmp_path_factory) -> Path:
     vocab_size = load_tokenizer(ptb_word_tokenizer).vocab_size
     torch.manual_seed(0)
     model = TransformerXLLM(preset("tiny", n_token=vocab_size, cutoffs=[2000, 6000]))
-    return write_export(model, model.config, tmp_path_factory.mktemp("exports") / "ptb_tiny",
-                        tokenizer_dir=ptb_word_tokenizer)
+    return write_export(
+        model, model.config, tmp_path_factory.mktemp("exports") / "ptb_tiny", tokenizer_dir=ptb_word_tokenizer
+    )
 
 
 def _damage_weights(export: Path) -> None:
@@ -61,23 +62,28 @@ def _damage_weights(export: Path) -> None:
     path = export / "model.safetensors"
     data = bytearray(path.read_bytes())
     start = 8 + struct.unpack("<Q", data[:8])[0]
-    data[start:start + 1000] = b"\xff" * 1000
+    data[start : start + 1000] = b"\xff" * 1000
     path.write_bytes(bytes(data))
 
 
 # ---- item 2: exports are verified, non-finite weights refused by name -------------------------------------------
 
-def test_a_damaged_export_is_refused_on_load_and_no_verify_names_the_non_finite_tensor(ptb_export, small_shards,
-                                                                                     tmp_path):
+
+def test_a_damaged_export_is_refused_on_load_and_no_verify_names_the_non_finite_tensor(
+    ptb_export, small_shards, tmp_path
+):
     from safetensors import safe_open
 
     damaged = tmp_path / "damaged"
     shutil.copytree(ptb_export, damaged)
     _damage_weights(damaged)
     evaluate = ["launchers/evaluate.py", str(damaged), "--shards", str(small_shards), "--no-progress"]
-    for command in (evaluate, ["launchers/generate.py", str(damaged), "--prompt", "the company"],
-                    ["launchers/convert.py", "export-to-hub", str(damaged), str(tmp_path / "hub")],
-                    ["launchers/convert.py", "export-to-hf", str(damaged), str(tmp_path / "hf")]):
+    for command in (
+        evaluate,
+        ["launchers/generate.py", str(damaged), "--prompt", "the company"],
+        ["launchers/convert.py", "export-to-hub", str(damaged), str(tmp_path / "hub")],
+        ["launchers/convert.py", "export-to-hf", str(damaged), str(tmp_path / "hf")],
+    ):
         _one_line(in_process(*command, check=False), "model.safetensors", "CRC-32", "checksums.json")
     assert not (tmp_path / "hub").exists() and not (tmp_path / "hf").exists()
 
@@ -92,10 +98,18 @@ def test_a_damaged_export_is_refused_on_load_and_no_verify_names_the_non_finite_
     assert not list(damaged.glob("eval_*.json"))
 
 
-def test_an_export_without_checksums_loads_with_a_warning_and_a_good_one_silently(ptb_export, small_shards, tmp_path,
-                                                                                 caplog):
-    result = in_process("launchers/evaluate.py", str(ptb_export), "--shards", str(small_shards), "--no-progress",
-                        "--output", str(tmp_path / "eval.json"))
+def test_an_export_without_checksums_loads_with_a_warning_and_a_good_one_silently(
+    ptb_export, small_shards, tmp_path, caplog
+):
+    result = in_process(
+        "launchers/evaluate.py",
+        str(ptb_export),
+        "--shards",
+        str(small_shards),
+        "--no-progress",
+        "--output",
+        str(tmp_path / "eval.json"),
+    )
     assert "not verified" not in caplog.text + result.stderr
     json.loads((tmp_path / "eval.json").read_text())
     listed = json.loads((ptb_export / "checksums.json").read_text())["files"]
@@ -104,8 +118,9 @@ def test_an_export_without_checksums_loads_with_a_warning_and_a_good_one_silentl
     old = tmp_path / "old"
     shutil.copytree(ptb_export, old)
     (old / "checksums.json").unlink()
-    result = in_process("launchers/generate.py", str(old), "--prompt", "the company", "--greedy",
-                        "--max-new-tokens", "3")
+    result = in_process(
+        "launchers/generate.py", str(old), "--prompt", "the company", "--greedy", "--max-new-tokens", "3"
+    )
     assert result.stdout.startswith("the company")
     assert "checksums.json" in caplog.text and "not verified" in caplog.text
 
@@ -119,40 +134,54 @@ def test_evaluate_writes_no_nan_when_finite_weights_overflow(ptb_word_tokenizer,
     with torch.no_grad():
         model.layers[0].dec_attn.qkv_net.weight.fill_(1e30)  # finite, but the attention scores overflow to inf
     export = write_export(model, model.config, tmp_path / "export", tokenizer_dir=ptb_word_tokenizer)
-    result = in_process("launchers/evaluate.py", str(export), "--shards", str(small_shards), "--no-progress",
-                        check=False)
+    result = in_process(
+        "launchers/evaluate.py", str(export), "--shards", str(small_shards), "--no-progress", check=False
+    )
     _one_line(result, "the loss on split 'test'", "is nan, with finite weights", "no result written")
     assert not list(export.glob("eval_*.json"))
 
 
 # ---- item 6, item 10 and the smaller ones of generate.py and evaluate.py ------------------------------------------
 
+
 def test_generate_refuses_zero_samples(ptb_export):
-    _one_line(in_process("launchers/generate.py", str(ptb_export), "--prompt", "the", "--num-samples", "0",
-                         check=False), "--num-samples 0")
+    _one_line(
+        in_process("launchers/generate.py", str(ptb_export), "--prompt", "the", "--num-samples", "0", check=False),
+        "--num-samples 0",
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without CUDA")
 def test_generate_on_cuda_without_cuda_is_one_line(ptb_export):
-    _one_line(in_process("launchers/generate.py", str(ptb_export), "--prompt", "the", "--device", "cuda",
-                         check=False), "--device cuda", "no CUDA device")
+    _one_line(
+        in_process("launchers/generate.py", str(ptb_export), "--prompt", "the", "--device", "cuda", check=False),
+        "--device cuda",
+        "no CUDA device",
+    )
 
 
 def test_a_prompt_of_unknown_words_gets_a_warning(ptb_export):
-    result = in_process("launchers/generate.py", str(ptb_export), "--prompt", "zqxv wvvqz", "--greedy",
-                        "--max-new-tokens", "2")
+    result = in_process(
+        "launchers/generate.py", str(ptb_export), "--prompt", "zqxv wvvqz", "--greedy", "--max-new-tokens", "2"
+    )
     assert "warning: 2 of the 2 tokens of the prompt 'zqxv wvvqz' are the unknown token" in result.stderr
-    result = in_process("launchers/generate.py", str(ptb_export), "--prompt", "the company", "--greedy",
-                        "--max-new-tokens", "2")
+    result = in_process(
+        "launchers/generate.py", str(ptb_export), "--prompt", "the company", "--greedy", "--max-new-tokens", "2"
+    )
     assert "unknown" not in result.stderr
 
 
 def test_evaluate_refuses_batch_size_zero(ptb_export, small_shards):
-    _one_line(in_process("launchers/evaluate.py", str(ptb_export), "--shards", str(small_shards), "--batch-size", "0",
-                         check=False), "--batch-size 0")
+    _one_line(
+        in_process(
+            "launchers/evaluate.py", str(ptb_export), "--shards", str(small_shards), "--batch-size", "0", check=False
+        ),
+        "--batch-size 0",
+    )
 
 
 # ---- item 9: hf-to-export on a crafted pickle or a truncated safetensors file ------------------------------------
+
 
 class _RunsCode:
     def __init__(self, marker: Path):
@@ -166,28 +195,46 @@ def test_hf_to_export_refuses_a_crafted_pickle_and_a_truncated_file_in_one_line(
     hf = tmp_path / "hf"
     in_process("launchers/convert.py", "export-to-hf", str(ptb_export), str(hf))
     weights = (hf / "model.safetensors").read_bytes()
-    (hf / "model.safetensors").write_bytes(weights[:len(weights) // 2])
-    _one_line(in_process("launchers/convert.py", "hf-to-export", str(hf), str(tmp_path / "a"), check=False),
-              "model.safetensors", "not a readable safetensors file")
+    (hf / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    _one_line(
+        in_process("launchers/convert.py", "hf-to-export", str(hf), str(tmp_path / "a"), check=False),
+        "model.safetensors",
+        "not a readable safetensors file",
+    )
 
     (hf / "model.safetensors").unlink()
     marker = tmp_path / "ran"
     with open(hf / "pytorch_model.bin", "wb") as handle:
         pickle.dump({"crit.cluster_weight": _RunsCode(marker)}, handle, protocol=2)
-    _one_line(in_process("launchers/convert.py", "hf-to-export", str(hf), str(tmp_path / "b"), check=False),
-              "pytorch_model.bin", "refused to unpickle")
+    _one_line(
+        in_process("launchers/convert.py", "hf-to-export", str(hf), str(tmp_path / "b"), check=False),
+        "pytorch_model.bin",
+        "refused to unpickle",
+    )
     assert not marker.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 # ---- item 1: build_shards and train_tokenizer never delete their own input ----------------------------------------
 
-def test_build_shards_refuses_inputs_inside_its_output_before_deleting_anything(ptb_word_tokenizer, small_shards,
-                                                                                tmp_path, capsys):
+
+def test_build_shards_refuses_inputs_inside_its_output_before_deleting_anything(
+    ptb_word_tokenizer, small_shards, tmp_path, capsys
+):
     shards = tmp_path / "shards"
     shutil.copytree(small_shards, shards)
     before = {p.name: p.read_bytes() for p in shards.iterdir()}
-    status = build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(shards), "--overwrite",
-                                "--split", f"train={shards}/train*", "--no-progress"])
+    status = build_shards.main(
+        [
+            "--tokenizer",
+            str(ptb_word_tokenizer),
+            "--output",
+            str(shards),
+            "--overwrite",
+            "--split",
+            f"train={shards}/train*",
+            "--no-progress",
+        ]
+    )
     error = capsys.readouterr().err
     assert status == 1 and error.count("\n") == 1
     assert f"output {shards} contains the input {shards}/train-000000.tar" in error
@@ -200,8 +247,12 @@ def test_train_tokenizer_refuses_inputs_inside_its_output(tmp_path, capsys):
     text = tmp_path / "tok" / "corpus.txt"
     text.parent.mkdir()
     text.write_text("a b c\n")
-    assert train_tokenizer.main(["--kind", "word", "--input", str(text), "--output", str(tmp_path / "tok"),
-                                 "--overwrite", "--no-progress"]) == 1
+    assert (
+        train_tokenizer.main(
+            ["--kind", "word", "--input", str(text), "--output", str(tmp_path / "tok"), "--overwrite", "--no-progress"]
+        )
+        == 1
+    )
     assert f"contains the input {text}" in capsys.readouterr().err
     assert text.read_text() == "a b c\n"
 
@@ -211,20 +262,37 @@ def test_train_tokenizer_leaves_no_empty_output_folder_when_it_refuses_its_input
 
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
-    assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "new" / "tok"),
-                                 "--no-progress"]) == 1
+    assert (
+        train_tokenizer.main(
+            ["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "new" / "tok"), "--no-progress"]
+        )
+        == 1
+    )
     assert "no document in the input" in capsys.readouterr().err
     assert not (tmp_path / "new" / "tok").exists()
 
 
 # ---- item 5: --holdout given twice ------------------------------------------------------------------------------
 
+
 def test_a_second_holdout_is_refused_not_dropped(ptb_word_tokenizer, tmp_path, capsys):
     text = tmp_path / "train.txt"
     text.write_text("".join(line + "\n" for line in ptb_sentences("valid")[:50]))
-    status = build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(tmp_path / "shards"),
-                                "--split", f"train={text}", "--holdout", "valid=0.05", "--holdout", "test=0.05",
-                                "--no-progress"])
+    status = build_shards.main(
+        [
+            "--tokenizer",
+            str(ptb_word_tokenizer),
+            "--output",
+            str(tmp_path / "shards"),
+            "--split",
+            f"train={text}",
+            "--holdout",
+            "valid=0.05",
+            "--holdout",
+            "test=0.05",
+            "--no-progress",
+        ]
+    )
     error = capsys.readouterr().err
     assert status == 1 and error.count("\n") == 1
     assert "--holdout is given 2 times (valid=0.05, test=0.05)" in error
@@ -233,13 +301,17 @@ def test_a_second_holdout_is_refused_not_dropped(ptb_word_tokenizer, tmp_path, c
 
 # ---- item 3: the planner applies the trainer's layout rules; its status says whether a layout fits ----------------
 
+
 def test_the_planner_refuses_layouts_the_trainer_refuses_and_exits_non_zero_when_none_fits(capsys):
     from txl_dist import plan
     from txl_dist.config import load_config
 
     base = ["--config", "configs/tiny_cpu.yaml", "--device", "cpu"]
-    for args in (["--world-size", "3", "train.micro_batch=null"], ["--world-size", "1000000"],
-                 ["--world-size", "1", "--micro-batch", "3"]):
+    for args in (
+        ["--world-size", "3", "train.micro_batch=null"],
+        ["--world-size", "1000000"],
+        ["--world-size", "1", "--micro-batch", "3"],
+    ):
         with pytest.raises(SystemExit) as exited:
             plan.main(base + args)
         assert exited.value.code == 2
@@ -282,26 +354,43 @@ def test_a_missing_eval_split_is_refused_before_the_run_starts(ptb_word_tokenize
     text = tmp_path / "text.txt"
     text.write_text("".join(line + "\n" for line in ptb_sentences("valid")[:200]))
     shards = tmp_path / "shards"
-    assert build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(shards), "--split",
-                              f"train={text}", "--holdout", "test=0.1", "--no-progress"]) == 0
+    assert (
+        build_shards.main(
+            [
+                "--tokenizer",
+                str(ptb_word_tokenizer),
+                "--output",
+                str(shards),
+                "--split",
+                f"train={text}",
+                "--holdout",
+                "test=0.1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     with pytest.raises(SystemExit) as stopped:
         _parse_run(f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}")
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.endswith(f"eval.split='valid': {shards / 'manifest.json'} has no such split (it has "
-                                            f"['test', 'train']); build it (data_tools.build_shards --split or "
-                                            f"--holdout) or set eval.split\n")
+    assert capsys.readouterr().err.endswith(
+        f"eval.split='valid': {shards / 'manifest.json'} has no such split (it has "
+        f"['test', 'train']); build it (data_tools.build_shards --split or "
+        f"--holdout) or set eval.split\n"
+    )
     _parse_run(f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}", "eval.split=test")
     assert not (tmp_path / "run").exists()
 
 
-def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run_starts(small_shards, small_tmpfs, capsys):
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run_starts(small_shards, small_tmpfs, capsys):  # noqa: F811
     _read_only(small_tmpfs)
     with pytest.raises(SystemExit) as stopped:
         _parse_run(f"data.shards={small_shards}", f"train.output_dir={small_tmpfs / 'runs' / 'a'}")
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.endswith(f"train.output_dir='{small_tmpfs / 'runs' / 'a'}': cannot write in "
-                                            f"{small_tmpfs}: read-only file system\n")
+    assert capsys.readouterr().err.endswith(
+        f"train.output_dir='{small_tmpfs / 'runs' / 'a'}': cannot write in {small_tmpfs}: read-only file system\n"
+    )
 
 
 def test_a_memory_plan_over_the_device_is_refused_before_the_run_starts(small_shards, tmp_path):
@@ -309,8 +398,11 @@ def test_a_memory_plan_over_the_device_is_refused_before_the_run_starts(small_sh
     from txl_dist.training.cli import require_memory_fits
 
     cfg, _ = _parse_run(f"data.shards={small_shards}", f"train.output_dir={tmp_path / 'run'}")
-    with pytest.raises(ValueError, match=r"micro-batch 2: the memory plan needs 0.\d\d GiB per rank, the cuda device "
-                                         r"has 0.06 GiB; no micro-batch fits: .*train.memory_check=false starts anyway"):
+    with pytest.raises(
+        ValueError,
+        match=r"micro-batch 2: the memory plan needs 0.\d\d GiB per rank, the cuda device "
+        r"has 0.06 GiB; no micro-batch fits: .*train.memory_check=false starts anyway",
+    ):
         require_memory_fits(cfg, 2, "cuda", 64 * MiB)
     one = plan_memory(cfg, 2, 1, "cuda").needed()
     assert one < plan_memory(cfg, 2, 2, "cuda").needed()
@@ -323,30 +415,46 @@ def test_a_memory_plan_over_the_device_is_refused_before_the_run_starts(small_sh
 
 # ---- item 7: resuming with another ZeRO stage ---------------------------------------------------------------------
 
+
 @pytest.mark.launcher
-def test_another_zero_stage_is_refused_before_any_rank_starts_and_stages_1_and_2_resume_each_other(small_shards,
-                                                                                                  tmp_path, capsys):
+def test_another_zero_stage_is_refused_before_any_rank_starts_and_stages_1_and_2_resume_each_other(
+    small_shards, tmp_path, capsys
+):
     import sys
 
     from tests.launcher import copy_at_step, records, run
     from txl_dist.convert.zero import consolidate_weights, read_training_checkpoint
 
-    settings = [f"data.shards={small_shards}", "train.max_steps=4", "checkpoint.every=2", "eval.every=0",
-                "log.every=1"]
+    settings = [f"data.shards={small_shards}", "train.max_steps=4", "checkpoint.every=2", "eval.every=0", "log.every=1"]
     first = tmp_path / "zero2"
-    run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", *settings,
-         f"train.output_dir={first}"])
+    run(
+        [
+            sys.executable,
+            "launchers/train.py",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            *settings,
+            f"train.output_dir={first}",
+        ]
+    )
     complete = first / "checkpoints" / "step00000004" / "COMPLETE.json"
     assert json.loads(complete.read_text())["zero_stage"] == 2
     for stage in (3, 0):
         with pytest.raises(SystemExit) as stopped:
             _parse_run(*settings, f"train.output_dir={first}", f"zero.stage={stage}")
         assert stopped.value.code == 2
-        assert capsys.readouterr().err.strip().endswith(
-            f"{first / 'checkpoints' / 'step00000004'} was saved with ZeRO stage 2, this run has zero.stage={stage}: "
-            f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each other's); "
-            f"resume with zero.stage=2, or take its weights without the optimizer state: python launchers/convert.py "
-            f"zero-to-export {first / 'checkpoints' / 'step00000004'} EXPORT")
+        assert (
+            capsys.readouterr()
+            .err.strip()
+            .endswith(
+                f"{first / 'checkpoints' / 'step00000004'} was saved with ZeRO stage 2, "
+                f"this run has zero.stage={stage}: "
+                f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each other's); "
+                f"resume with zero.stage=2, or take its weights without the optimizer state: "
+                f"python launchers/convert.py "
+                f"zero-to-export {first / 'checkpoints' / 'step00000004'} EXPORT"
+            )
+        )
     # A checkpoint written before COMPLETE.json recorded the stage: told by DeepSpeed's file names.
     legacy = tmp_path / "legacy"
     shutil.copytree(first, legacy)
@@ -359,8 +467,17 @@ def test_another_zero_stage_is_refused_before_any_rank_starts_and_stages_1_and_2
 
     # ZeRO-1 continues ZeRO-2's checkpoint exactly: the same losses and the same weights.
     second = copy_at_step(first, 2, tmp_path / "zero1")
-    run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", *settings,
-         f"train.output_dir={second}", "zero.stage=1"])
+    run(
+        [
+            sys.executable,
+            "launchers/train.py",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            *settings,
+            f"train.output_dir={second}",
+            "zero.stage=1",
+        ]
+    )
     for step in (3, 4):
         assert records(second)[step]["loss"] == records(first)[step]["loss"]
     weights = [consolidate_weights(read_training_checkpoint(run_dir)) for run_dir in (first, second)]
@@ -372,8 +489,8 @@ def test_another_zero_stage_is_refused_before_any_rank_starts_and_stages_1_and_2
 
 # ---- smaller: a configuration error under a launcher is printed once, by the first rank of the node --------------
 
-def test_a_configuration_error_is_printed_by_the_first_rank_of_a_node_only(small_shards, tmp_path, monkeypatch,
-                                                                            capsys):
+
+def test_a_configuration_error_is_printed_by_the_first_rank_of_a_node_only(small_shards, tmp_path, monkeypatch, capsys):
     for local_rank, printed in (("1", False), ("0", True)):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         with pytest.raises(SystemExit) as stopped:

@@ -87,8 +87,23 @@ def test_ptb_word_shards_hold_the_exact_token_stream(ptb_word_shards, ptb_word_t
 
 def test_ptb_files_give_the_shards_of_the_treebank_package(ptb_word_shards, ptb_word_tokenizer, ptb_text_dir, tmp_path):
     output = tmp_path / "from_files"
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--format", "ptb", "--input", ptb_text_dir,
-                     "--tokens-per-block", PTB_TOKENS_PER_BLOCK, "--tokens-per-shard", PTB_TOKENS_PER_SHARD) == 0
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            output,
+            "--format",
+            "ptb",
+            "--input",
+            ptb_text_dir,
+            "--tokens-per-block",
+            PTB_TOKENS_PER_BLOCK,
+            "--tokens-per-shard",
+            PTB_TOKENS_PER_SHARD,
+        )
+        == 0
+    )
     from_files, from_package = files_of(output), files_of(ptb_word_shards)
     assert from_files.pop(MANIFEST_NAME) != from_package.pop(MANIFEST_NAME)  # the input names differ
     assert from_files == from_package
@@ -103,9 +118,24 @@ def treebank_lines(split: str) -> list[str]:
 def test_ptb_sentencepiece_shards_end_each_sentence_with_eod(ptb_sentencepiece_tokenizer, tmp_path, capsys):
     tokenizer = load_tokenizer(ptb_sentencepiece_tokenizer)
     output = tmp_path / "shards"
-    assert run_build("--tokenizer", ptb_sentencepiece_tokenizer, "--output", output, "--format", "ptb",
-                     "--tokens-per-block", 8192, "--tokens-per-shard", 200000) == 0
-    assert re.search(r"build_shards: 49,199 documents, [\d,]+ tokens, 1 empty documents skipped", capsys.readouterr().out)
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_sentencepiece_tokenizer,
+            "--output",
+            output,
+            "--format",
+            "ptb",
+            "--tokens-per-block",
+            8192,
+            "--tokens-per-shard",
+            200000,
+        )
+        == 0
+    )
+    assert re.search(
+        r"build_shards: 49,199 documents, [\d,]+ tokens, 1 empty documents skipped", capsys.readouterr().out
+    )
     manifest = read_manifest(output)
     assert manifest.tokenizer.eod_id == tokenizer.eod_id != tokenizer.eos_id
     for split in ("train", "valid", "test"):
@@ -117,16 +147,36 @@ def test_ptb_sentencepiece_shards_end_each_sentence_with_eod(ptb_sentencepiece_t
 
 
 def test_worker_count_does_not_change_a_byte(ptb_sentencepiece_tokenizer, ptb_text_dir, tmp_path):
-    args = ["--tokenizer", ptb_sentencepiece_tokenizer, "--split", f"train={ptb_text_dir / 'ptb.train.txt'}",
-            "--split", f"test={ptb_text_dir / 'ptb.test.txt'}", "--holdout", "valid=0.05", "--chunk-bytes", 65536,
-            "--tokens-per-block", 1000, "--tokens-per-shard", 50000]
+    args = [
+        "--tokenizer",
+        ptb_sentencepiece_tokenizer,
+        "--split",
+        f"train={ptb_text_dir / 'ptb.train.txt'}",
+        "--split",
+        f"test={ptb_text_dir / 'ptb.test.txt'}",
+        "--holdout",
+        "valid=0.05",
+        "--chunk-bytes",
+        65536,
+        "--tokens-per-block",
+        1000,
+        "--tokens-per-shard",
+        50000,
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     assert run_build(*args, "--output", one, "--workers", 1) == 0
     # The real command line, as users run it.
-    completed = subprocess.run([sys.executable, "-m", "data_tools.build_shards", *map(str, args), "--output", str(two),
-                                "--workers", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [sys.executable, "-m", "data_tools.build_shards", *map(str, args), "--output", str(two), "--workers", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr
-    assert "build_shards: " in completed.stdout and "B/s" in completed.stderr  # summary line, progress bar (kB/s or MB/s)
+    assert (
+        "build_shards: " in completed.stdout and "B/s" in completed.stderr
+    )  # summary line, progress bar (kB/s or MB/s)
     assert len(read_manifest(one).splits["train"].shards) > 10
     assert files_of(one) == files_of(two)
 
@@ -154,8 +204,10 @@ def test_worker_processes_return_results_in_order_and_report_errors_and_deaths()
 def test_tokenising_workers_import_neither_torch_nor_webdataset():
     # Each spawned worker imports data_tools.build_shards; torch in there costs every worker about a second of
     # CPU and 300 MB, which once made 2 workers no faster than 1 on a 2-core machine.
-    probe = ("import sys, data_tools.build_shards, txl_dist.data.format, txl_dist.tokenizer; "
-             "print(sorted(m for m in ('torch', 'webdataset', 'deepspeed') if m in sys.modules))")
+    probe = (
+        "import sys, data_tools.build_shards, txl_dist.data.format, txl_dist.tokenizer; "
+        "print(sorted(m for m in ('torch', 'webdataset', 'deepspeed') if m in sys.modules))"
+    )
     completed = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert completed.stdout.strip() == "[]", completed.stdout
 
@@ -167,8 +219,23 @@ def test_long_document_spans_blocks_with_its_boundaries_kept(ptb_word_tokenizer,
     text = tmp_path / "paragraphs.txt"
     text.write_text("\n\n \n".join("\n".join(p) for p in paragraphs) + "\n", encoding="utf-8")
     output = tmp_path / "shards"
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", f"train={text}",
-                     "--doc-per", "blank-line", "--tokens-per-block", 64, "--tokens-per-shard", 128) == 0
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            output,
+            "--split",
+            f"train={text}",
+            "--doc-per",
+            "blank-line",
+            "--tokens-per-block",
+            64,
+            "--tokens-per-shard",
+            128,
+        )
+        == 0
+    )
     expected, lengths = tokenizer.encode_documents(paragraphs)
     assert lengths[2] > 3 * 64 and all(lengths[i] <= 64 for i in (0, 1, 3, 4))
     stream, blocks, offsets = read_split(output, "train")
@@ -183,13 +250,13 @@ def test_long_document_spans_blocks_with_its_boundaries_kept(ptb_word_tokenizer,
         first, last = (np.searchsorted(block_starts, p, side="right") - 1 for p in (start, start + length - 1))
         assert first == last if length <= 64 else block_starts[first] == start
     long_first = np.searchsorted(block_starts, document_starts[2])
-    assert [len(o) for o in offsets[long_first + 1:long_first + 3]] == [0, 0]
+    assert [len(o) for o in offsets[long_first + 1 : long_first + 3]] == [0, 0]
     assert read_manifest(output).splits["train"].documents == 5
 
 
 def test_manifest_counts_equal_a_direct_count(ptb_word_tokenizer, tmp_path):
     sentences = ptb_sentences("test")
-    documents = [sentences[i:i + 1 + i % 4] for i in range(0, 400, 5)]  # 80 documents of 1-4 lines
+    documents = [sentences[i : i + 1 + i % 4] for i in range(0, 400, 5)]  # 80 documents of 1-4 lines
     plain = tmp_path / "a.txt"
     plain.write_text("\n\n".join("\n".join(d) for d in documents[:40]) + "\n", encoding="utf-8")
     packed = tmp_path / "b.txt.gz"
@@ -198,32 +265,62 @@ def test_manifest_counts_equal_a_direct_count(ptb_word_tokenizer, tmp_path):
     records.write_text("".join(json.dumps({"id": i, "body": "\n".join(d)}) + "\n" for i, d in enumerate(documents)))
 
     def direct(docs: list[list[str]]) -> dict[str, int]:
-        return {"documents": len(docs), "tokens": sum(len(" ".join(d).split()) + len(d) for d in docs),
-                "words": sum(len(" ".join(d).split()) + 1 for d in docs),
-                "characters": sum(len("\n".join(d)) + 1 for d in docs)}
+        return {
+            "documents": len(docs),
+            "tokens": sum(len(" ".join(d).split()) + len(d) for d in docs),
+            "words": sum(len(" ".join(d).split()) + 1 for d in docs),
+            "characters": sum(len("\n".join(d)) + 1 for d in docs),
+        }
 
     cases = {
         "blank-line": ([plain, packed], documents),
         "line": ([plain, packed], [[line] for d in documents for line in d]),
-        "file": ([plain, packed], [[line for d in documents[:40] for line in d + [""]][:-1],
-                                   [line for d in documents[40:] for line in d + [""]][:-1]]),
+        "file": (
+            [plain, packed],
+            [
+                [line for d in documents[:40] for line in d + [""]][:-1],
+                [line for d in documents[40:] for line in d + [""]][:-1],
+            ],
+        ),
     }
     for unit, (inputs, docs) in cases.items():
         output = tmp_path / unit
-        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--doc-per", unit,
-                         "--split", "train=" + ",".join(map(str, inputs))) == 0
+        assert (
+            run_build(
+                "--tokenizer",
+                ptb_word_tokenizer,
+                "--output",
+                output,
+                "--doc-per",
+                unit,
+                "--split",
+                "train=" + ",".join(map(str, inputs)),
+            )
+            == 0
+        )
         split = read_manifest(output).splits["train"]
         assert {key: getattr(split, key) for key in direct(docs)} == direct(docs), unit
     output = tmp_path / "jsonl"
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", f"train={records}",
-                     "--jsonl-field", "body") == 0
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            output,
+            "--split",
+            f"train={records}",
+            "--jsonl-field",
+            "body",
+        )
+        == 0
+    )
     split = read_manifest(output).splits["train"]
     assert {key: getattr(split, key) for key in direct(documents)} == direct(documents)
 
 
 def test_word_counts_follow_str_split_for_every_kind_of_whitespace():
     generator = random.Random(1)
-    alphabet = ["a", "b", " ", "\t", "\u3000", "\xa0", "\u2028", "\x1c", "\u200b", "é", "\U0001F600", "\n", "\n"]
+    alphabet = ["a", "b", " ", "\t", "\u3000", "\xa0", "\u2028", "\x1c", "\u200b", "é", "\U0001f600", "\n", "\n"]
     for _ in range(2000):
         text = "".join(generator.choice(alphabet) for _ in range(generator.randint(1, 30)))
         lines = text.split("\n")
@@ -236,8 +333,21 @@ def test_gzip_input_gives_the_shards_of_the_plain_text(ptb_word_tokenizer, ptb_t
     packed = tmp_path / "ptb.valid.txt.gz"
     packed.write_bytes(gzip.compress((ptb_text_dir / "ptb.valid.txt").read_bytes()))
     for name, source in (("plain", ptb_text_dir / "ptb.valid.txt"), ("gz", packed)):
-        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / name, "--split", f"valid={source}",
-                         "--tokens-per-block", 1024, "--tokens-per-shard", 20000) == 0
+        assert (
+            run_build(
+                "--tokenizer",
+                ptb_word_tokenizer,
+                "--output",
+                tmp_path / name,
+                "--split",
+                f"valid={source}",
+                "--tokens-per-block",
+                1024,
+                "--tokens-per-shard",
+                20000,
+            )
+            == 0
+        )
     plain, gz = files_of(tmp_path / "plain"), files_of(tmp_path / "gz")
     assert plain.pop(MANIFEST_NAME) != gz.pop(MANIFEST_NAME)  # it records the input names
     assert plain == gz and len(plain) == 4
@@ -246,8 +356,21 @@ def test_gzip_input_gives_the_shards_of_the_plain_text(ptb_word_tokenizer, ptb_t
 def test_lm1b_layout_builds_train_valid_and_test(fabricated_lm1b_dir, ptb_word_tokenizer, tmp_path, capsys):
     ids = word_ids(ptb_word_tokenizer)
     output = tmp_path / "lm1b"
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--format", "lm1b",
-                     "--input", fabricated_lm1b_dir, "--workers", 2) == 0
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            output,
+            "--format",
+            "lm1b",
+            "--input",
+            fabricated_lm1b_dir,
+            "--workers",
+            2,
+        )
+        == 0
+    )
     manifest = read_manifest(output)
     assert sorted(manifest.splits) == ["test", "train", "valid"]
     inputs = manifest.build["inputs"]
@@ -257,13 +380,28 @@ def test_lm1b_layout_builds_train_valid_and_test(fabricated_lm1b_dir, ptb_word_t
     for split in ("train", "valid", "test"):  # the fixture put PTB's split of the same name in each place
         expected = [i for s in ptb_sentences(split) for i in [ids[w] for w in s.split()] + [ids["<eos>"]]]
         assert read_split(output, split)[0].tolist() == expected
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--format", "lm1b",
-                     "--input", fabricated_lm1b_dir, "--lm1b-valid", "news.en.heldout-00000-of-00050") == 1
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            tmp_path / "bad",
+            "--format",
+            "lm1b",
+            "--input",
+            fabricated_lm1b_dir,
+            "--lm1b-valid",
+            "news.en.heldout-00000-of-00050",
+        )
+        == 1
+    )
     assert "that is the test file; validating on it selects models on the test set" in capsys.readouterr().err
     empty = tmp_path / "empty_layout"
     (empty / corpus.LM1B_TRAIN_DIR).mkdir(parents=True)
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--format", "lm1b",
-                     "--input", empty) == 1
+    assert (
+        run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--format", "lm1b", "--input", empty)
+        == 1
+    )
     assert f"{empty / corpus.LM1B_TRAIN_DIR / 'news.en-00001-of-00100'}: missing" in capsys.readouterr().err
 
 
@@ -271,8 +409,21 @@ def test_holdout_is_a_deterministic_hash_partition_of_train(ptb_word_tokenizer, 
     ids = word_ids(ptb_word_tokenizer)
     words = {i: w for w, i in ids.items()}
     output = tmp_path / "shards"
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--holdout", "valid=0.1",
-                     "--split", f"train={ptb_text_dir / 'ptb.train.txt'}", "--chunk-bytes", 100000) == 0
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            output,
+            "--holdout",
+            "valid=0.1",
+            "--split",
+            f"train={ptb_text_dir / 'ptb.train.txt'}",
+            "--chunk-bytes",
+            100000,
+        )
+        == 0
+    )
 
     def sentences_of(split: str) -> list[str]:
         stream = read_split(output, split)[0].tolist()
@@ -281,25 +432,39 @@ def test_holdout_is_a_deterministic_hash_partition_of_train(ptb_word_tokenizer, 
 
     def held_out(sentence: str) -> bool:  # the documented rule: blake2b-64 of the document's text < fraction
         digest = hashlib.blake2b(sentence.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") < 0.1 * 2 ** 64
+        return int.from_bytes(digest, "little") < 0.1 * 2**64
 
     sentences = ptb_sentences("train")
     assert sentences_of("valid") == [" ".join(s.split()) for s in sentences if held_out(s)]
     assert sentences_of("train") == [" ".join(s.split()) for s in sentences if not held_out(s)]
     assert 0.08 < len(sentences_of("valid")) / len(sentences) < 0.12
     assert sorted(read_manifest(output).splits) == ["train", "valid"]
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--holdout", "valid=0.1",
-                     "--split", f"train={ptb_text_dir / 'ptb.train.txt'}",
-                     "--split", f"valid={ptb_text_dir / 'ptb.valid.txt'}") == 1
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            tmp_path / "bad",
+            "--holdout",
+            "valid=0.1",
+            "--split",
+            f"train={ptb_text_dir / 'ptb.train.txt'}",
+            "--split",
+            f"valid={ptb_text_dir / 'ptb.valid.txt'}",
+        )
+        == 1
+    )
     assert "split 'valid' also has inputs" in capsys.readouterr().err
 
 
 def test_missing_inputs_are_named(ptb_word_tokenizer, tmp_path, capsys):
     output = tmp_path / "shards"
     missing = tmp_path / "nowhere.txt"
-    for spec, message in ((f"train={missing}", f"{missing}: no such input file"),
-                          (f"train={tmp_path}/*.nothing", f"{tmp_path}/*.nothing: no input file matches"),
-                          (f"train={tmp_path}", f"{tmp_path}: is a directory")):
+    for spec, message in (
+        (f"train={missing}", f"{missing}: no such input file"),
+        (f"train={tmp_path}/*.nothing", f"{tmp_path}/*.nothing: no input file matches"),
+        (f"train={tmp_path}", f"{tmp_path}: is a directory"),
+    ):
         assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--split", spec) == 1
         assert message in capsys.readouterr().err
     assert run_build("--tokenizer", tmp_path / "no_tokenizer", "--output", output, "--split", f"train={missing}") == 1
@@ -331,8 +496,19 @@ def test_empty_documents_are_skipped_and_counted(ptb_word_tokenizer, tmp_path, c
     assert "2 documents, 6 tokens, 3 empty documents skipped" in capsys.readouterr().out
     assert read_manifest(output).build["statistics"]["train"]["empty_documents"] == 3
     output = tmp_path / "by_file"
-    assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, "--doc-per", "file",
-                     "--split", f"train={tmp_path}/*.txt") == 0
+    assert (
+        run_build(
+            "--tokenizer",
+            ptb_word_tokenizer,
+            "--output",
+            output,
+            "--doc-per",
+            "file",
+            "--split",
+            f"train={tmp_path}/*.txt",
+        )
+        == 0
+    )
     # lines.txt is one document of 5 lines (inner blank lines stay, each with its separator): 9 tokens.
     assert "2 documents, 12 tokens, 1 empty documents skipped" in capsys.readouterr().out
 
@@ -359,8 +535,16 @@ def _interrupted_build(tokenizer: Path, text: Path, bad_offset: int, output: Pat
     data = bytearray(text.read_bytes())
     data[bad_offset] = 0xFF
     text.write_bytes(bytes(data))
-    args = ["--tokenizer", str(tokenizer), "--split", f"train={text}", "--strict", "--output", str(output),
-            *map(str, extra)]
+    args = [
+        "--tokenizer",
+        str(tokenizer),
+        "--split",
+        f"train={text}",
+        "--strict",
+        "--output",
+        str(output),
+        *map(str, extra),
+    ]
     assert run_build(*args, "--workers", 2) == 1
     assert not (output / MANIFEST_NAME).exists()
     assert not [p for p in output.iterdir() if p.name.endswith(".partial")]
@@ -373,15 +557,29 @@ def _repair(text: Path, bad_offset: int) -> None:
     text.write_bytes(bytes(data))
 
 
-def test_interrupted_build_resumes_to_the_shards_of_an_uninterrupted_one(ptb_sentencepiece_tokenizer, ptb_text_dir,
-                                                                          tmp_path, capsys):
+def test_interrupted_build_resumes_to_the_shards_of_an_uninterrupted_one(
+    ptb_sentencepiece_tokenizer, ptb_text_dir, tmp_path, capsys
+):
     text = tmp_path / "train.txt"
     text.write_bytes((ptb_text_dir / "ptb.train.txt").read_bytes())
     bad_offset = int(text.stat().st_size * 0.7)
     output = tmp_path / "resumed"
-    args = _interrupted_build(ptb_sentencepiece_tokenizer, text, bad_offset, output, "--holdout", "dev=0.05",
-                              "--split", f"test={ptb_text_dir / 'ptb.test.txt'}", "--chunk-bytes", 65536,
-                              "--tokens-per-block", 2048, "--tokens-per-shard", 32768)
+    args = _interrupted_build(
+        ptb_sentencepiece_tokenizer,
+        text,
+        bad_offset,
+        output,
+        "--holdout",
+        "dev=0.05",
+        "--split",
+        f"test={ptb_text_dir / 'ptb.test.txt'}",
+        "--chunk-bytes",
+        65536,
+        "--tokens-per-block",
+        2048,
+        "--tokens-per-shard",
+        32768,
+    )
     assert f"{text}: invalid UTF-8 at byte offset {bad_offset}" in capsys.readouterr().err
     state = json.loads((output / build_shards.STATE_NAME).read_text())
     journaled = [s["path"] for stream in state["streams"].values() for s in stream["shards"]]
@@ -406,11 +604,23 @@ def _stopped_inside_a_document(tokenizer: Path, tmp_path: Path) -> tuple[Path, i
     stops the build inside a document: (text, the damaged offset, output, the build's arguments)."""
     sentences = ptb_sentences("valid")
     text = tmp_path / "paragraphs.txt"
-    text.write_text("\n\n".join("\n".join(sentences[i:i + 12]) for i in range(0, 1200, 12)) + "\n")
+    text.write_text("\n\n".join("\n".join(sentences[i : i + 12]) for i in range(0, 1200, 12)) + "\n")
     bad_offset = int(text.stat().st_size * 0.6)
     output = tmp_path / "resumed"
-    args = _interrupted_build(tokenizer, text, bad_offset, output, "--doc-per", "blank-line",
-                              "--chunk-bytes", 4096, "--tokens-per-block", 64, "--tokens-per-shard", 192)
+    args = _interrupted_build(
+        tokenizer,
+        text,
+        bad_offset,
+        output,
+        "--doc-per",
+        "blank-line",
+        "--chunk-bytes",
+        4096,
+        "--tokens-per-block",
+        64,
+        "--tokens-per-shard",
+        192,
+    )
     return text, bad_offset, output, args
 
 
@@ -441,8 +651,9 @@ def test_resume_refuses_a_damaged_shard(ptb_word_tokenizer, ptb_text_dir, tmp_pa
     assert f"{shard}: sha256" in capsys.readouterr().err
 
 
-def test_resume_refuses_changed_input_a_missing_shard_and_an_unreadable_journal(ptb_word_tokenizer, ptb_text_dir,
-                                                                                 tmp_path, capsys):
+def test_resume_refuses_changed_input_a_missing_shard_and_an_unreadable_journal(
+    ptb_word_tokenizer, ptb_text_dir, tmp_path, capsys
+):
     """Each refusal names the file and changes nothing: after it, the unchanged build still resumes to the shards
     of an uninterrupted one."""
     text = tmp_path / "train.txt"
@@ -494,33 +705,44 @@ def test_input_that_changed_under_a_resume_inside_a_document_is_refused(ptb_word
     data = text.read_bytes()
     # Join every paragraph of the chunk the build continues in up to its end: same bytes count, fewer documents.
     end = data.index(b"\n\n", read_from["offset"] + 4096)
-    merged = data[:read_from["offset"]] + data[read_from["offset"]:end].replace(b"\n\n", b" \n") + data[end:]
+    merged = data[: read_from["offset"]] + data[read_from["offset"] : end].replace(b"\n\n", b" \n") + data[end:]
     assert len(merged) == len(data)
     text.write_bytes(merged)
     capsys.readouterr()
     assert run_build(*args, "--resume") == 1
-    assert (f"the input no longer matches the journal: the split should continue inside document "
-            f"{position['document']} of chunk {position['chunk']}") in capsys.readouterr().err
+    assert (
+        f"the input no longer matches the journal: the split should continue inside document "
+        f"{position['document']} of chunk {position['chunk']}"
+    ) in capsys.readouterr().err
     assert not (output / MANIFEST_NAME).exists() and (output / build_shards.STATE_NAME).exists()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--split", "train=X", "--input", "."], "--input is for --format lm1b|ptb; give text inputs with --split"),
-    (["--format", "lm1b", "--split", "train=X"], "--split is for --format text; --format lm1b defines"),
-    (["--format", "ptb", "--doc-per", "blank-line"], "--doc-per blank-line: --format ptb has one sentence per line"),
-    (["--format", "lm1b"], "--format lm1b needs --input DIR"),
-    ([], "no split to build: give --split NAME=GLOB"),
-    (["--split", "train-1=X"], "split name 'train-1': use letters, digits and '_' only"),
-    (["--split", "train=X", "--tokens-per-block", "0"], "--tokens-per-block 0: must be positive"),
-    (["--split", "train=X", "--chunk-bytes", "-1"], "--chunk-bytes -1: must be positive"),
-    (["--split", "train=X", "--tokens-per-block", "4096", "--tokens-per-shard", "4095"],
-     "--tokens-per-shard 4095 is smaller than --tokens-per-block 4096"),
-    (["--split", "train=X", "--holdout", "valid=1.5"], "--holdout valid=1.5: the fraction must lie in (0, 1)"),
-    (["--split", "main=X", "--holdout", "valid=0.1"], "--holdout takes documents from split 'train', which is not"),
-    (["--split", "train=X", "--workers", "0"], "--workers 0: must be at least 1"),
-])
-def test_flag_combinations_that_cannot_build_are_refused(flags, message, ptb_word_tokenizer, ptb_text_dir, tmp_path,
-                                                         capsys):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--split", "train=X", "--input", "."], "--input is for --format lm1b|ptb; give text inputs with --split"),
+        (["--format", "lm1b", "--split", "train=X"], "--split is for --format text; --format lm1b defines"),
+        (
+            ["--format", "ptb", "--doc-per", "blank-line"],
+            "--doc-per blank-line: --format ptb has one sentence per line",
+        ),
+        (["--format", "lm1b"], "--format lm1b needs --input DIR"),
+        ([], "no split to build: give --split NAME=GLOB"),
+        (["--split", "train-1=X"], "split name 'train-1': use letters, digits and '_' only"),
+        (["--split", "train=X", "--tokens-per-block", "0"], "--tokens-per-block 0: must be positive"),
+        (["--split", "train=X", "--chunk-bytes", "-1"], "--chunk-bytes -1: must be positive"),
+        (
+            ["--split", "train=X", "--tokens-per-block", "4096", "--tokens-per-shard", "4095"],
+            "--tokens-per-shard 4095 is smaller than --tokens-per-block 4096",
+        ),
+        (["--split", "train=X", "--holdout", "valid=1.5"], "--holdout valid=1.5: the fraction must lie in (0, 1)"),
+        (["--split", "main=X", "--holdout", "valid=0.1"], "--holdout takes documents from split 'train', which is not"),
+        (["--split", "train=X", "--workers", "0"], "--workers 0: must be at least 1"),
+    ],
+)
+def test_flag_combinations_that_cannot_build_are_refused(
+    flags, message, ptb_word_tokenizer, ptb_text_dir, tmp_path, capsys
+):
     flags = [flag.replace("X", str(ptb_text_dir / "ptb.test.txt")) for flag in flags]
     output = tmp_path / "shards"
     assert run_build("--tokenizer", ptb_word_tokenizer, "--output", output, *flags) == 1
@@ -554,12 +776,28 @@ def test_keyboard_interrupt_keeps_finished_shards_for_resume(ptb_word_tokenizer,
     text = tmp_path / "train.txt"
     text.write_bytes((ptb_text_dir / "ptb.train.txt").read_bytes() * 4)
     output = tmp_path / "shards"
-    args = ["--tokenizer", str(ptb_word_tokenizer), "--split", f"train={text}", "--output", str(output),
-            "--tokens-per-block", "4096", "--tokens-per-shard", "50000", "--no-progress"]
+    args = [
+        "--tokenizer",
+        str(ptb_word_tokenizer),
+        "--split",
+        f"train={text}",
+        "--output",
+        str(output),
+        "--tokens-per-block",
+        "4096",
+        "--tokens-per-shard",
+        "50000",
+        "--no-progress",
+    ]
     # A shell's background job starts with SIGINT ignored, which the build would inherit: restore it.
-    process = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", *args, "--workers", "2"], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "data_tools.build_shards", *args, "--workers", "2"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while not (output / "train-000000.tar").exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -593,9 +831,25 @@ def test_word_tokenizer_numpy_and_str_paths_give_one_stream(ptb_word_tokenizer, 
     outputs = {}
     for workers in (1, 2):
         outputs[workers] = tmp_path / f"workers{workers}"
-        assert run_build("--tokenizer", ptb_word_tokenizer, "--output", outputs[workers], "--split", f"train={text}",
-                         "--chunk-bytes", 4096, "--tokens-per-block", 1000, "--tokens-per-shard", 20000,
-                         "--workers", workers) == 0
+        assert (
+            run_build(
+                "--tokenizer",
+                ptb_word_tokenizer,
+                "--output",
+                outputs[workers],
+                "--split",
+                f"train={text}",
+                "--chunk-bytes",
+                4096,
+                "--tokens-per-block",
+                1000,
+                "--tokens-per-shard",
+                20000,
+                "--workers",
+                workers,
+            )
+            == 0
+        )
     assert files_of(outputs[1]) == files_of(outputs[2])
     stream, _, _ = read_split(outputs[1], "train")
     assert stream.tolist() == expected.tolist()

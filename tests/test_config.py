@@ -18,7 +18,12 @@ import yaml
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from txl_dist.config import (
-    DataConfig, RunConfig, ScheduleConfig, TrainConfig, load_config, with_manifest_vocab,
+    DataConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+    load_config,
+    with_manifest_vocab,
 )
 from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, write_manifest
 from txl_dist.model.config import PRESETS, ModelConfig
@@ -32,8 +37,15 @@ VARIANTS = sorted((REPO / "configs" / "variants").glob("*.yaml"))
 
 
 def ds_dict(cfg: RunConfig, world_size: int = 1, device: str = "cpu", overlay_path: str | None = None) -> dict:
-    return build_deepspeed_config(train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
-                                  world_size=world_size, device=device, overlay_path=overlay_path)
+    return build_deepspeed_config(
+        train=cfg.train,
+        optim=cfg.optim,
+        precision=cfg.precision,
+        zero=cfg.zero,
+        world_size=world_size,
+        device=device,
+        overlay_path=overlay_path,
+    )
 
 
 def write(path: Path, text: str) -> Path:
@@ -48,8 +60,9 @@ def write(path: Path, text: str) -> Path:
 def test_the_shipped_configs_are_found():
     names = {p.name for p in CONFIGS}
     assert {"tiny_cpu.yaml", "ptb_small.yaml", "lm1b_base.yaml", "lm1b_large.yaml"} <= names
-    assert {"zero1.yaml", "zero2.yaml", "zero3.yaml", "bf16.yaml", "fp16.yaml", "fp32.yaml",
-            "offload.yaml"} <= {p.name for p in VARIANTS}
+    assert {"zero1.yaml", "zero2.yaml", "zero3.yaml", "bf16.yaml", "fp16.yaml", "fp32.yaml", "offload.yaml"} <= {
+        p.name for p in VARIANTS
+    }
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -69,8 +82,10 @@ def test_every_config_loads_round_trips_and_gives_a_deepspeed_dict(path, tmp_pat
         dividing += 1
         d = ds_dict(cfg, world_size, device)
         assert d["train_batch_size"] == cfg.train.global_batch
-        assert d["train_micro_batch_size_per_gpu"] * d["gradient_accumulation_steps"] * world_size \
+        assert (
+            d["train_micro_batch_size_per_gpu"] * d["gradient_accumulation_steps"] * world_size
             == cfg.train.global_batch
+        )
     assert dividing >= 2
     DeepSpeedConfig(ds_dict(cfg, 1, device))  # DeepSpeed's own checks (no process group: world size 1)
 
@@ -82,8 +97,10 @@ def test_every_variant_layers_over_every_config(base, variant):
     for section, values in yaml.safe_load(variant.read_text()).items():
         for key, value in values.items():
             assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
-    assert cfg.key_sources["zero" if "zero" in variant.name or "offload" in variant.name else "precision"] \
+    assert (
+        cfg.key_sources["zero" if "zero" in variant.name or "offload" in variant.name else "precision"]
         == f"in {os.path.normpath(variant)}"
+    )
     device = "cuda" if cfg.precision.dtype == "fp16" else "cpu"
     d = ds_dict(cfg, 1, device)
     parsed = DeepSpeedConfig(d)
@@ -93,14 +110,24 @@ def test_every_variant_layers_over_every_config(base, variant):
 
 
 def test_lm1b_configs_carry_the_authors_hyperparameters():
-    for name, batch, warmup, total, dropout in (("lm1b_base", 224, 20000, 500000, 0.0),
-                                                ("lm1b_large", 512, 30000, 1200000, 0.05)):
+    for name, batch, warmup, total, dropout in (
+        ("lm1b_base", 224, 20000, 500000, 0.0),
+        ("lm1b_large", 512, 30000, 1200000, 0.05),
+    ):
         cfg = load_config(REPO / "configs" / f"{name}.yaml")
         assert (cfg.optim.lr, cfg.optim.grad_clip, cfg.optim.weight_decay) == (2.5e-4, 0.25, 0.0)
-        assert (cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.schedule.total_steps, cfg.schedule.min_lr) \
-            == ("cosine", warmup, total, 0.0)
-        assert (cfg.train.global_batch, cfg.model.tgt_len, cfg.model.mem_len, cfg.model.dropout) \
-            == (batch, 32, 32, dropout)
+        assert (cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.schedule.total_steps, cfg.schedule.min_lr) == (
+            "cosine",
+            warmup,
+            total,
+            0.0,
+        )
+        assert (cfg.train.global_batch, cfg.model.tgt_len, cfg.model.mem_len, cfg.model.dropout) == (
+            batch,
+            32,
+            32,
+            dropout,
+        )
         assert (cfg.eval.tgt_len, cfg.eval.mem_len, cfg.eval.clamp_len, cfg.eval.same_length) == (32, 128, -1, True)
         assert cfg.data.shuffle_blocks and cfg.precision.dtype == "bf16" and cfg.zero.stage == 2
 
@@ -109,17 +136,23 @@ def test_lm1b_configs_carry_the_authors_hyperparameters():
 
 
 def test_precedence_defaults_include_file_next_file_command_line(tmp_path):
-    write(tmp_path / "parts" / "inc.yaml", """
+    write(
+        tmp_path / "parts" / "inc.yaml",
+        """
         train: {max_steps: 10, seed: 5}
         optim: {lr: 0.1, eps: 1.0e-6}
         log: {every: 7}
-    """)
-    base = write(tmp_path / "base.yaml", """
+    """,
+    )
+    base = write(
+        tmp_path / "base.yaml",
+        """
         include: [parts/inc.yaml]
         model: {preset: tiny, dropout: 0.2}
         train: {max_steps: 20}
         optim: {lr: 0.2}
-    """)
+    """,
+    )
     second = write(tmp_path / "second.yaml", "optim: {lr: 0.3}\n")
     cfg = load_config([base, second], ["optim.lr=0.4", "model.d_embed=null", "model.cutoffs=[100,300]"])
     defaults = RunConfig()
@@ -127,8 +160,9 @@ def test_precedence_defaults_include_file_next_file_command_line(tmp_path):
     assert cfg.log.every == 7 and cfg.optim.eps == 1e-6  # include only
     assert cfg.train.seed == 5 and cfg.train.max_steps == 20  # file over include
     assert cfg.optim.lr == 0.4  # command line over both files
-    assert cfg.model == dataclasses.replace(ModelConfig(**PRESETS["tiny"]), dropout=0.2, d_embed=None,
-                                            cutoffs=[100, 300])
+    assert cfg.model == dataclasses.replace(
+        ModelConfig(**PRESETS["tiny"]), dropout=0.2, d_embed=None, cutoffs=[100, 300]
+    )
     assert cfg.model_preset == "tiny"
     assert cfg.key_sources["log.every"] == f"in {os.path.normpath(tmp_path / 'parts' / 'inc.yaml')}"
     assert cfg.key_sources["train.max_steps"] == f"in {base}"
@@ -137,9 +171,19 @@ def test_precedence_defaults_include_file_next_file_command_line(tmp_path):
 
 
 def test_override_values_are_read_as_yaml():
-    cfg = load_config(None, ["train.max_steps=100", "model.cutoffs=[20000,40000]", "model.n_token=50000",
-                             "model.d_embed=null", "optim.lr=1e-3", "data.shuffle_blocks=true",
-                             "train.output_dir='007'", "optim={lr: 0.5, eps: 1.0e-7}"])
+    cfg = load_config(
+        None,
+        [
+            "train.max_steps=100",
+            "model.cutoffs=[20000,40000]",
+            "model.n_token=50000",
+            "model.d_embed=null",
+            "optim.lr=1e-3",
+            "data.shuffle_blocks=true",
+            "train.output_dir='007'",
+            "optim={lr: 0.5, eps: 1.0e-7}",
+        ],
+    )
     assert cfg.train.max_steps == 100 and cfg.model.cutoffs == [20000, 40000] and cfg.model.d_embed is None
     assert cfg.data.shuffle_blocks is True and cfg.train.output_dir == "007"
     assert cfg.optim.lr == 0.5 and cfg.optim.eps == 1e-7  # the whole-section override came last
@@ -182,38 +226,58 @@ def test_missing_include_names_the_including_file(tmp_path):
 # --- errors name the key, the value, what is allowed and where --------------------------------------------------
 
 
-@pytest.mark.parametrize("text, message", [
-    ("train: {micro_batch: 0}", "train.micro_batch=0 is not allowed: a positive integer"),
-    ("train: {global_batch: 8, micro_batch: 3}",
-     "train.micro_batch=3 is not allowed: a divisor of train.global_batch=8"),
-    ("optim: {learning_rate: 0.1}", "unknown key 'optim.learning_rate' in {file}; allowed keys in optim: name, lr,"),
-    ("optimizer: {lr: 0.1}", "unknown section 'optimizer' in {file}; allowed sections: model, data,"),
-    ("model: {preset: huge}", "model.preset='huge' is not allowed: null or one of ['enwik8_base', 'enwik8_large', 'lm1b_base'"),
-    ("model: {hidden: 3}", "unknown key 'model.hidden' in {file}; allowed keys in model: preset, n_token,"),
-    ("model: {dropout: 1.5}", "model.dropout=1.5 is not allowed: a probability in [0, 1)"),
-    ("model: {cutoffs: [5, x]}", "model.cutoffs=[5, 'x'] is not allowed: a list of integers"),
-    ("model: {tie_weight: 'yes'}", "model.tie_weight='yes' is not allowed: a boolean (true or false)"),
-    ("optim: {lr: fast}", "optim.lr='fast' is not allowed: a number"),
-    ("optim: {lr: .inf}", "optim.lr=inf is not allowed: a number"),
-    ("optim: {name: sgd}", "optim.name='sgd' is not allowed: one of ['adamw', 'adam']"),
-    ("optim: {betas: [0.9, 1.0]}", "optim.betas=[0.9, 1.0] is not allowed: two numbers in [0, 1)"),
-    ("zero: {stage: '2'}", "zero.stage='2' is not allowed: one of [0, 1, 2, 3]"),
-    ("zero: {stage: true}", "zero.stage=True is not allowed: one of [0, 1, 2, 3]"),
-    ("zero: {offload_optimizer: cpu}", "zero.offload_optimizer='cpu' is not allowed: 'none' with zero.stage=0"),
-    ("train: {seed: 1.5}", "train.seed=1.5 is not allowed: an integer"),
-    ("train: {max_steps: 100}\nschedule: {warmup_steps: 200}",
-     "schedule.warmup_steps=200 is not allowed: at most the schedule's length, train.max_steps=100"),
-    ("schedule: {kind: constant, min_lr: 1.0e-5}", "schedule.min_lr=1e-05 is not allowed: 0 with schedule.kind"),
-    ("schedule: {kind: linear}", "schedule.kind='linear' is not allowed: one of ['cosine', 'inv_sqrt', 'constant']"),
-    ("optim: {lr: 1.0e-4}\nschedule: {min_lr: 1.0e-3}",
-     "schedule.min_lr=0.001 is not allowed: at most optim.lr=0.0001"),
-    ("eval: {mem_len: 0, same_length: true}",
-     "eval.same_length=True is not allowed: false when the evaluation mem_len"),
-    ("precision: {dtype: fp8}", "precision.dtype='fp8' is not allowed: one of ['fp32', 'bf16', 'fp16']"),
-    ("data: {shards: 12}", "data.shards=12 is not allowed: a string"),
-    ("log: {every: 0}", "log.every=0 is not allowed: a positive integer"),
-    ("train: 5", "train=5 is not allowed: a mapping of train keys"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train: {micro_batch: 0}", "train.micro_batch=0 is not allowed: a positive integer"),
+        (
+            "train: {global_batch: 8, micro_batch: 3}",
+            "train.micro_batch=3 is not allowed: a divisor of train.global_batch=8",
+        ),
+        (
+            "optim: {learning_rate: 0.1}",
+            "unknown key 'optim.learning_rate' in {file}; allowed keys in optim: name, lr,",
+        ),
+        ("optimizer: {lr: 0.1}", "unknown section 'optimizer' in {file}; allowed sections: model, data,"),
+        (
+            "model: {preset: huge}",
+            "model.preset='huge' is not allowed: null or one of ['enwik8_base', 'enwik8_large', 'lm1b_base'",
+        ),
+        ("model: {hidden: 3}", "unknown key 'model.hidden' in {file}; allowed keys in model: preset, n_token,"),
+        ("model: {dropout: 1.5}", "model.dropout=1.5 is not allowed: a probability in [0, 1)"),
+        ("model: {cutoffs: [5, x]}", "model.cutoffs=[5, 'x'] is not allowed: a list of integers"),
+        ("model: {tie_weight: 'yes'}", "model.tie_weight='yes' is not allowed: a boolean (true or false)"),
+        ("optim: {lr: fast}", "optim.lr='fast' is not allowed: a number"),
+        ("optim: {lr: .inf}", "optim.lr=inf is not allowed: a number"),
+        ("optim: {name: sgd}", "optim.name='sgd' is not allowed: one of ['adamw', 'adam']"),
+        ("optim: {betas: [0.9, 1.0]}", "optim.betas=[0.9, 1.0] is not allowed: two numbers in [0, 1)"),
+        ("zero: {stage: '2'}", "zero.stage='2' is not allowed: one of [0, 1, 2, 3]"),
+        ("zero: {stage: true}", "zero.stage=True is not allowed: one of [0, 1, 2, 3]"),
+        ("zero: {offload_optimizer: cpu}", "zero.offload_optimizer='cpu' is not allowed: 'none' with zero.stage=0"),
+        ("train: {seed: 1.5}", "train.seed=1.5 is not allowed: an integer"),
+        (
+            "train: {max_steps: 100}\nschedule: {warmup_steps: 200}",
+            "schedule.warmup_steps=200 is not allowed: at most the schedule's length, train.max_steps=100",
+        ),
+        ("schedule: {kind: constant, min_lr: 1.0e-5}", "schedule.min_lr=1e-05 is not allowed: 0 with schedule.kind"),
+        (
+            "schedule: {kind: linear}",
+            "schedule.kind='linear' is not allowed: one of ['cosine', 'inv_sqrt', 'constant']",
+        ),
+        (
+            "optim: {lr: 1.0e-4}\nschedule: {min_lr: 1.0e-3}",
+            "schedule.min_lr=0.001 is not allowed: at most optim.lr=0.0001",
+        ),
+        (
+            "eval: {mem_len: 0, same_length: true}",
+            "eval.same_length=True is not allowed: false when the evaluation mem_len",
+        ),
+        ("precision: {dtype: fp8}", "precision.dtype='fp8' is not allowed: one of ['fp32', 'bf16', 'fp16']"),
+        ("data: {shards: 12}", "data.shards=12 is not allowed: a string"),
+        ("log: {every: 0}", "log.every=0 is not allowed: a positive integer"),
+        ("train: 5", "train=5 is not allowed: a mapping of train keys"),
+    ],
+)
 def test_bad_values_name_the_key_the_value_what_is_allowed_and_the_file(tmp_path, text, message):
     path = write(tmp_path / "bad.yaml", text + "\n")
     with pytest.raises(ValueError) as error:
@@ -224,8 +288,11 @@ def test_bad_values_name_the_key_the_value_what_is_allowed_and_the_file(tmp_path
 
 def test_a_bad_value_from_the_command_line_says_so(tmp_path):
     path = write(tmp_path / "ok.yaml", "train: {max_steps: 10}\n")
-    with pytest.raises(ValueError, match=r"^train.max_steps=-1 is not allowed: a positive integer "
-                                         r"\(set on the command line\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^train.max_steps=-1 is not allowed: a positive integer "
+        r"\(set on the command line\)$",
+    ):
         load_config(path, ["train.max_steps=-1"])
     with pytest.raises(ValueError, match="unknown key 'train.steps' on the command line"):
         load_config(path, ["train.steps=3"])
@@ -238,10 +305,12 @@ def test_malformed_overrides_are_refused(override):
 
 
 def test_bad_yaml_files_are_named(tmp_path):
-    for name, text, message in (("dup.yaml", "train:\n  seed: 1\n  seed: 2\n", "duplicate key 'seed'"),
-                                ("syntax.yaml", "train: {seed: 1\n", "not valid YAML"),
-                                ("list.yaml", "- 1\n", "the top level must be a mapping"),
-                                ("inc.yaml", "include: 3\n", "include=3 is not allowed")):
+    for name, text, message in (
+        ("dup.yaml", "train:\n  seed: 1\n  seed: 2\n", "duplicate key 'seed'"),
+        ("syntax.yaml", "train: {seed: 1\n", "not valid YAML"),
+        ("list.yaml", "- 1\n", "the top level must be a mapping"),
+        ("inc.yaml", "include: 3\n", "include=3 is not allowed"),
+    ):
         path = write(tmp_path / name, text)
         with pytest.raises(ValueError, match=message) as error:
             load_config(path)
@@ -253,8 +322,11 @@ def test_bad_yaml_files_are_named(tmp_path):
 def test_grad_accum_arithmetic_error_names_the_three_numbers():
     train = TrainConfig(global_batch=24, micro_batch=4)
     assert train.batch_layout(3) == (4, 2, 3)
-    with pytest.raises(ValueError, match=r"train.global_batch=24 is not a multiple of train.micro_batch=4 "
-                                         r"x world_size=4 = 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.global_batch=24 is not a multiple of train.micro_batch=4 "
+        r"x world_size=4 = 16",
+    ):
         train.batch_layout(4)
     with pytest.raises(ValueError, match=r"train.global_batch=24 does not divide among world_size=5 ranks"):
         TrainConfig(global_batch=24).batch_layout(5)
@@ -276,8 +348,12 @@ def test_from_dict_rebuilds_an_equal_config_and_names_its_source():
 def test_eval_resolve_takes_the_models_segment_settings():
     cfg = load_config(None, ["model.preset=tiny", "eval.mem_len=32"])
     resolved = cfg.eval.resolve(cfg.model)
-    assert (resolved.tgt_len, resolved.mem_len, resolved.clamp_len, resolved.same_length) \
-        == (PRESETS["tiny"]["tgt_len"], 32, -1, False)
+    assert (resolved.tgt_len, resolved.mem_len, resolved.clamp_len, resolved.same_length) == (
+        PRESETS["tiny"]["tgt_len"],
+        32,
+        -1,
+        False,
+    )
 
 
 def test_manifest_vocab_replaces_a_preset_value_but_must_match_a_given_one():
@@ -287,8 +363,11 @@ def test_manifest_vocab_replaces_a_preset_value_but_must_match_a_given_one():
         with_manifest_vocab(cfg, 3000, "manifest M")
     explicit = load_config(None, ["model.preset=ptb_small", "model.n_token=10000"])
     assert with_manifest_vocab(explicit, 10000, "manifest M").model.n_token == 10000
-    with pytest.raises(ValueError, match=r"model.n_token=10000 \(set on the command line\) disagrees with "
-                                         r"manifest M: vocab_size 10001"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.n_token=10000 \(set on the command line\) disagrees with "
+        r"manifest M: vocab_size 10001",
+    ):
         with_manifest_vocab(explicit, 10001, "manifest M")
 
 
@@ -304,17 +383,26 @@ def test_sections_validate_on_their_own():
 
 
 def test_deepspeed_dict_maps_every_section():
-    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml",
-                      ["zero.stage=3", "optim.grad_clip=0.5", "optim.weight_decay=0.01", "optim.betas=[0.8,0.9]"])
+    cfg = load_config(
+        REPO / "configs" / "tiny_cpu.yaml",
+        ["zero.stage=3", "optim.grad_clip=0.5", "optim.weight_decay=0.01", "optim.betas=[0.8,0.9]"],
+    )
     d = ds_dict(cfg, world_size=2, device="cpu")
     assert (d["train_batch_size"], d["train_micro_batch_size_per_gpu"], d["gradient_accumulation_steps"]) == (8, 2, 2)
     assert d["gradient_clipping"] == 0.5
     assert "optimizer" not in d  # torch's fused AdamW, built by the trainer
-    deepspeed_adam = ds_dict(load_config(REPO / "configs" / "tiny_cpu.yaml",
-                                         ["optim.weight_decay=0.01", "optim.betas=[0.8,0.9]",
-                                          "optim.implementation=deepspeed"]), world_size=2, device="cpu")
-    assert deepspeed_adam["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9], "eps": 1e-8,
-                                                                       "weight_decay": 0.01, "torch_adam": True}}
+    deepspeed_adam = ds_dict(
+        load_config(
+            REPO / "configs" / "tiny_cpu.yaml",
+            ["optim.weight_decay=0.01", "optim.betas=[0.8,0.9]", "optim.implementation=deepspeed"],
+        ),
+        world_size=2,
+        device="cpu",
+    )
+    assert deepspeed_adam["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 1e-3, "betas": [0.8, 0.9], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
+    }
     assert d["zero_optimization"]["stage"] == 3
     assert d["zero_optimization"]["stage3_param_persistence_threshold"] == cfg.zero.stage3_param_persistence_threshold
     assert "bf16" not in d and "fp16" not in d
@@ -326,8 +414,15 @@ def test_gradient_buckets_are_capped_at_the_models_size(stage):
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"zero.stage={stage}"])
 
     def zero_section(num_parameters):
-        return build_deepspeed_config(train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
-                                      world_size=2, device="cpu", num_parameters=num_parameters)["zero_optimization"]
+        return build_deepspeed_config(
+            train=cfg.train,
+            optim=cfg.optim,
+            precision=cfg.precision,
+            zero=cfg.zero,
+            world_size=2,
+            device="cpu",
+            num_parameters=num_parameters,
+        )["zero_optimization"]
 
     keys = ["reduce_bucket_size"] + (["allgather_bucket_size"] if stage < 3 else [])
     assert [zero_section(None)[k] for k in keys] == [cfg.zero.bucket_size] * len(keys)
@@ -353,8 +448,10 @@ def test_optimizer_choice_follows_implementation_device_and_offload():
 
 
 def test_fp16_dict_uses_dynamic_loss_scaling_and_is_refused_on_cpu():
-    cfg = load_config([REPO / "configs" / "tiny_cpu.yaml", REPO / "configs" / "variants" / "fp16.yaml"],
-                      ["precision.initial_scale_power=12"])
+    cfg = load_config(
+        [REPO / "configs" / "tiny_cpu.yaml", REPO / "configs" / "variants" / "fp16.yaml"],
+        ["precision.initial_scale_power=12"],
+    )
     fp16 = ds_dict(cfg, 2, "cuda")["fp16"]
     assert fp16["enabled"] is True and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 12
     with pytest.raises(ValueError, match="precision.dtype='fp16' is not allowed on device cpu"):
@@ -370,8 +467,11 @@ def test_deepspeed_config_overlay_merges_but_refuses_batch_and_owned_keys(tmp_pa
     assert d["communication_data_type"] == "fp32"
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         overlay.write_text(json.dumps({key: 4}))
-        with pytest.raises(ValueError, match=rf"--deepspeed_config {overlay} sets '{key}', which is not allowed: "
-                                             r"batch sizes are stated once, in train.global_batch"):
+        with pytest.raises(
+            ValueError,
+            match=rf"--deepspeed_config {overlay} sets '{key}', which is not allowed: "
+            r"batch sizes are stated once, in train.global_batch",
+        ):
             ds_dict(cfg, 2, "cpu", str(overlay))
     for key in ("scheduler", "optimizer"):
         overlay.write_text(json.dumps({key: {"type": "WarmupLR"}}))
@@ -428,10 +528,24 @@ def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path):
     from tests.launcher import free_port
 
     port = free_port()  # recorded, so that the fixture removes this run's shared-memory buffers
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", ENGINE_PROBE, json.dumps(runs)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_PROBE, json.dumps(runs)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["optimizer"] for r in results] == ["AdamW"] * 5 + ["Adam", "AdamW"]
@@ -454,7 +568,10 @@ def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path):
 def test_cosine_schedule_matches_the_closed_form():
     peak, floor, warmup, total = 2.5e-4, 1e-5, 100, 1000
     schedule = ScheduleConfig(kind="cosine", warmup_steps=warmup, total_steps=total, min_lr=floor)
-    at = lambda step: learning_rate(step, peak, schedule, max_steps=50)  # total_steps wins over max_steps
+
+    def at(step):  # total_steps wins over max_steps
+        return learning_rate(step, peak, schedule, max_steps=50)
+
     assert at(0) == 0.0
     assert at(25) == pytest.approx(peak / 4)
     assert at(warmup) == pytest.approx(floor + (peak - floor) * (1 + math.cos(math.pi * 0.1)) / 2)
@@ -493,7 +610,7 @@ def test_lr_scheduler_drives_every_param_group_and_resumes_from_its_state():
 
     optimizer, scheduler = make()
     seen = []
-    for step in range(12):
+    for _ in range(12):
         seen.append([group["lr"] for group in optimizer.param_groups])
         optimizer.step()
         scheduler.step()
@@ -532,10 +649,21 @@ def shard_dir(tmp_path: Path, vocab_size: int) -> Path:
 
 def test_parse_run_args_builds_the_config_and_takes_the_vocab_from_the_manifest(tmp_path):
     shards = shard_dir(tmp_path, vocab_size=1234)
-    cfg, args = parse_run_args(["--local_rank=1", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
-                                f"data.shards={shards}", "--config", str(REPO / "configs" / "variants" / "zero3.yaml"),
-                                f"train.output_dir={tmp_path / 'run'}", "train.max_steps=7", "train.seed=3"],
-                               world_size=2, device="cpu")
+    cfg, args = parse_run_args(
+        [
+            "--local_rank=1",
+            "--config",
+            str(REPO / "configs" / "tiny_cpu.yaml"),
+            f"data.shards={shards}",
+            "--config",
+            str(REPO / "configs" / "variants" / "zero3.yaml"),
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.max_steps=7",
+            "train.seed=3",
+        ],
+        world_size=2,
+        device="cpu",
+    )
     assert cfg.model.n_token == 1234 and cfg.zero.stage == 3
     assert (cfg.train.max_steps, cfg.train.seed, cfg.train.output_dir) == (7, 3, str(tmp_path / "run"))
     assert args.local_rank == 1 and args.deepspeed_config is None
@@ -552,21 +680,27 @@ def test_parse_run_args_fails_before_training_with_the_key_named(capsys, tmp_pat
     tiny = str(REPO / "configs" / "tiny_cpu.yaml")
     shards = shard_dir(tmp_path, vocab_size=1000)
     assert "data.shards is not set" in parse_error(capsys, ["--config", tiny])
-    assert "train.output_dir is not set" in parse_error(capsys, ["--config", tiny, f"data.shards={shards}",
-                                                                  "train.output_dir=null"])
-    assert f"data.shards='{tmp_path}' is not allowed: a local directory holding manifest.json" \
-        in parse_error(capsys, ["--config", tiny, f"data.shards={tmp_path}"])
-    assert "data.shards='s3://bucket/lm1b' is not allowed: a local directory" \
-        in parse_error(capsys, ["--config", tiny, "data.shards=s3://bucket/lm1b"])
+    assert "train.output_dir is not set" in parse_error(
+        capsys, ["--config", tiny, f"data.shards={shards}", "train.output_dir=null"]
+    )
+    assert f"data.shards='{tmp_path}' is not allowed: a local directory holding manifest.json" in parse_error(
+        capsys, ["--config", tiny, f"data.shards={tmp_path}"]
+    )
+    assert "data.shards='s3://bucket/lm1b' is not allowed: a local directory" in parse_error(
+        capsys, ["--config", tiny, "data.shards=s3://bucket/lm1b"]
+    )
     assert "train.micro_batch=0 is not allowed" in parse_error(capsys, ["--config", tiny, "train.micro_batch=0"])
-    assert "train.global_batch=8 is not a multiple of train.micro_batch=2 x world_size=3 = 6" \
-        in parse_error(capsys, ["--config", tiny, f"data.shards={shards}"], world_size=3)
-    assert "model.n_token=999 (set on the command line) disagrees with the manifest" \
-        in parse_error(capsys, ["--config", tiny, f"data.shards={shards}", "model.n_token=999"])
+    assert "train.global_batch=8 is not a multiple of train.micro_batch=2 x world_size=3 = 6" in parse_error(
+        capsys, ["--config", tiny, f"data.shards={shards}"], world_size=3
+    )
+    assert "model.n_token=999 (set on the command line) disagrees with the manifest" in parse_error(
+        capsys, ["--config", tiny, f"data.shards={shards}", "model.n_token=999"]
+    )
     overlay = tmp_path / "ds.json"
     overlay.write_text('{"gradient_accumulation_steps": 1}')
-    assert "batch sizes are stated once" in parse_error(capsys, ["--config", tiny, f"data.shards={shards}",
-                                                                  "--deepspeed", "--deepspeed_config", str(overlay)])
+    assert "batch sizes are stated once" in parse_error(
+        capsys, ["--config", tiny, f"data.shards={shards}", "--deepspeed", "--deepspeed_config", str(overlay)]
+    )
 
 
 def test_print_config_prints_a_config_that_reloads_equal(capsys, tmp_path):

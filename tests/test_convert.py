@@ -19,8 +19,7 @@ from txl_dist.model import preset
 # Small sizes, everything else TransfoXLConfig's defaults: div_val 4, tie_projs [False, True, True] (written by
 # save_pretrained; the constructor's proj_share_all_but_first), untie_r, same_length, clamp_len 1000,
 # mem_len 1600, tied word embeddings.
-HF_SMALL = dict(vocab_size=1000, cutoffs=[200, 600], d_model=32, d_embed=32, n_head=2, d_head=16, d_inner=64,
-                n_layer=2)
+HF_SMALL = dict(vocab_size=1000, cutoffs=[200, 600], d_model=32, d_embed=32, n_head=2, d_head=16, d_inner=64, n_layer=2)
 HF_FOLDERS = {
     "defaults_pytorch_model_bin": (dict(), False),
     "defaults_safetensors": (dict(), True),
@@ -50,7 +49,7 @@ def _hf_losses(model, data: torch.Tensor, tgt_len: int) -> list[torch.Tensor]:
     mems, losses = [torch.empty(0, data.shape[0], model.config.d_model)] * model.config.n_layer, []
     with torch.no_grad():
         for start in range(0, data.shape[1] - 1, tgt_len):
-            inputs, targets = data[:, start:start + tgt_len], data[:, start + 1:start + tgt_len + 1]
+            inputs, targets = data[:, start : start + tgt_len], data[:, start + 1 : start + tgt_len + 1]
             labels = torch.cat([targets[:, :1], targets], 1)[:, :-1]  # HuggingFace shifts labels by one
             out = model(input_ids=inputs, labels=labels, mems=mems)
             mems = out.mems
@@ -71,10 +70,23 @@ def test_a_folder_saved_by_transformers_converts_to_the_same_model(case, tmp_pat
     assert f"-> {tmp_path / 'export'}" in capsys.readouterr().out
     ours = load_model(tmp_path / "export")
     hf_config = hf.config
-    assert (ours.config.div_val, ours.config.untie_r, ours.config.pre_lnorm, ours.config.same_length,
-            ours.config.clamp_len, ours.config.mem_len, ours.config.tie_weight) == (
-        hf_config.div_val, hf_config.untie_r, hf_config.pre_lnorm, hf_config.same_length, hf_config.clamp_len,
-        hf_config.mem_len, hf_config.tie_word_embeddings)
+    assert (
+        ours.config.div_val,
+        ours.config.untie_r,
+        ours.config.pre_lnorm,
+        ours.config.same_length,
+        ours.config.clamp_len,
+        ours.config.mem_len,
+        ours.config.tie_weight,
+    ) == (
+        hf_config.div_val,
+        hf_config.untie_r,
+        hf_config.pre_lnorm,
+        hf_config.same_length,
+        hf_config.clamp_len,
+        hf_config.mem_len,
+        hf_config.tie_word_embeddings,
+    )
     assert ours.config.tie_projs_resolved == list(hf_config.tie_projs)
     tgt_len = 6
     data = torch.randint(0, HF_SMALL["vocab_size"], (3, 3 * tgt_len + 1), generator=torch.Generator().manual_seed(1))
@@ -82,7 +94,7 @@ def test_a_folder_saved_by_transformers_converts_to_the_same_model(case, tmp_pat
     for segment, hf_loss in enumerate(_hf_losses(hf, data, tgt_len)):
         window = slice(segment * tgt_len, (segment + 1) * tgt_len)
         with torch.no_grad():
-            loss, mems = ours(data[:, window], data[:, window.start + 1:window.stop + 1], mems)
+            loss, mems = ours(data[:, window], data[:, window.start + 1 : window.stop + 1], mems)
         assert (loss[:, :-1] - hf_loss).abs().max().item() <= 1e-5, segment
 
 
@@ -123,6 +135,7 @@ def test_folders_that_are_not_huggingface_transfo_xl_are_named(tmp_path):
 
 # ---- locating a training checkpoint -------------------------------------------------------------------------------
 
+
 def _fake_checkpoint(tag_dir: Path, world_size: int = 2) -> Path:
     """A checkpoint folder marked complete, with no files yet (conversion reads it with verify=False)."""
     tag_dir.mkdir(parents=True)
@@ -149,8 +162,9 @@ def test_locating_a_checkpoint_names_what_is_missing(tmp_path):
         locate_checkpoint(unfinished)
     for not_a_run in (tmp_path / "empty", tmp_path / "file.pt"):
         not_a_run.mkdir() if not_a_run.suffix == "" else not_a_run.write_bytes(b"x")
-        with pytest.raises(CheckpointError, match=f"{not_a_run}: not a txl_dist run, checkpoints directory or "
-                                                  f"checkpoint folder"):
+        with pytest.raises(
+            CheckpointError, match=f"{not_a_run}: not a txl_dist run, checkpoints directory or checkpoint folder"
+        ):
             locate_checkpoint(not_a_run)
 
 
@@ -164,8 +178,9 @@ def test_a_checkpoint_marked_complete_without_its_files_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"no DeepSpeed model-state file \(\*model_states.pt\)"):
         read_training_checkpoint(tag_dir, verify=False)
     torch.save({"module": {}}, tag_dir / "mp_rank_00_model_states.pt")
-    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt: no 'txl_dist' client state; not written by "
-                                              "txl_dist"):
+    with pytest.raises(
+        CheckpointError, match="mp_rank_00_model_states.pt: no 'txl_dist' client state; not written by txl_dist"
+    ):
         read_training_checkpoint(tag_dir, verify=False)
     # Verified (the default), the same folder fails first on its COMPLETE.json, which lists no checksums.
     with pytest.raises(CheckpointError, match="fails verification and is not read: .*lists no file checksums"):

@@ -17,8 +17,9 @@ from txl_dist.model import ModelConfig, TransformerXLLM, preset
 CASES = {
     "div_val2_three_tails": dict(div_val=2, d_embed=16, cutoffs=[100, 300, 600]),
     "div_val1_projected": dict(div_val=1, d_embed=12, cutoffs=[200, 600]),
-    "div_val1_unprojected_untied": dict(div_val=1, d_embed=16, cutoffs=[150, 400, 700], tie_weight=False,
-                                        tie_projs=[False] * 4),
+    "div_val1_unprojected_untied": dict(
+        div_val=1, d_embed=16, cutoffs=[150, 400, 700], tie_weight=False, tie_projs=[False] * 4
+    ),
     "div_val4_one_tail": dict(div_val=4, d_embed=32, cutoffs=[300]),
     "full_softmax": dict(div_val=1, d_embed=16, cutoffs=[]),
 }
@@ -54,7 +55,11 @@ def _authors_keys(config: ModelConfig) -> set[str]:
         keys |= {"crit.cluster_weight", "crit.cluster_bias"}
     for layer in range(config.n_layer):
         keys |= {f"layers.{layer}.dec_attn.{m}.weight" for m in ("qkv_net", "r_net", "o_net")}
-        keys |= {f"layers.{layer}.{ln}.{p}" for ln in ("dec_attn.layer_norm", "pos_ff.layer_norm") for p in ("weight", "bias")}
+        keys |= {
+            f"layers.{layer}.{ln}.{p}"
+            for ln in ("dec_attn.layer_norm", "pos_ff.layer_norm")
+            for p in ("weight", "bias")
+        }
         keys |= {f"layers.{layer}.pos_ff.CoreNet.{i}.{p}" for i in (0, 3) for p in ("weight", "bias")}
     return keys
 
@@ -80,8 +85,8 @@ def _authors_log_probs(state: dict[str, torch.Tensor], config: ModelConfig, hidd
 
     def logits(i: int) -> torch.Tensor:
         if config.div_val == 1:
-            weight = state["crit.out_layers.0.weight"][ends[i]:ends[i + 1]]
-            bias = state["crit.out_layers.0.bias"][ends[i]:ends[i + 1]]
+            weight = state["crit.out_layers.0.weight"][ends[i] : ends[i + 1]]
+            bias = state["crit.out_layers.0.bias"][ends[i] : ends[i + 1]]
         else:
             weight, bias = state[f"crit.out_layers.{i}.weight"], state[f"crit.out_layers.{i}.bias"]
         if i == 0:
@@ -92,7 +97,7 @@ def _authors_log_probs(state: dict[str, torch.Tensor], config: ModelConfig, hidd
         return projected @ weight.t() + bias
 
     head = F.log_softmax(logits(0), dim=-1)
-    parts = [head[:, :ends[1]]]
+    parts = [head[:, : ends[1]]]
     for i in range(1, len(ends) - 1):
         parts.append(head[:, -i, None] + F.log_softmax(logits(i), dim=-1))
     return torch.cat(parts, dim=1)
@@ -111,11 +116,13 @@ def test_cluster_rows_follow_the_authors_head_indexing(case):
         unconverted = _authors_log_probs(model.state_dict(), config, hidden)
     for start, end in zip(config.cutoffs, config.cutoffs[1:] + [config.n_token]):
         assert (ours[:, start:end] - theirs[:, start:end]).abs().max().item() <= 1e-4
-    assert (ours[:, :config.cutoffs[0]] - theirs[:, :config.cutoffs[0]]).abs().max().item() <= 1e-4
+    assert (ours[:, : config.cutoffs[0]] - theirs[:, : config.cutoffs[0]]).abs().max().item() <= 1e-4
     assert (ours - unconverted).abs().max().item() > 0.1
 
 
-@pytest.mark.parametrize("overrides,field", [(dict(untie_r=True), "untie_r"), (dict(layer_norm_eps=1e-6), "layer_norm_eps")])
+@pytest.mark.parametrize(
+    "overrides,field", [(dict(untie_r=True), "untie_r"), (dict(layer_norm_eps=1e-6), "layer_norm_eps")]
+)
 def test_inexpressible_settings_are_refused(overrides, field):
     config = preset("tiny", **overrides)
     state = TransformerXLLM(config).state_dict()

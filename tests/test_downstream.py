@@ -22,14 +22,31 @@ def zero3_run(ptb_word_shards, ptb_word_tokenizer, tmp_path_factory) -> tuple[Pa
     """(run folder, live parameters gathered at the end of training) of 12 steps of ZeRO-3 on 2 ranks."""
     root = tmp_path_factory.mktemp("zero3")
     live = root / "live.pt"
-    run(torchrun_command("tests/scripts/train_and_gather.py", [
-        str(live), "--config", "configs/tiny_cpu.yaml", "--config", "configs/variants/zero3.yaml",
-        # Else every parameter of the tiny model stays whole. Partitioned, each forward gathers every parameter:
-        # the final validation pass takes 19 segments of 64 streams instead of 2,300 of 4.
-        "zero.stage3_param_persistence_threshold=0", "eval.batch_size=64", "eval.tgt_len=64",
-        f"data.shards={ptb_word_shards}", f"data.tokenizer={ptb_word_tokenizer}", f"train.output_dir={root / 'run'}",
-        "train.max_steps=12", "eval.every=0", "checkpoint.every=6", "optim.lr=5e-3", "model.mem_len=16",
-    ]))
+    run(
+        torchrun_command(
+            "tests/scripts/train_and_gather.py",
+            [
+                str(live),
+                "--config",
+                "configs/tiny_cpu.yaml",
+                "--config",
+                "configs/variants/zero3.yaml",
+                # Else every parameter of the tiny model stays whole. Partitioned, each forward gathers every parameter:
+                # the final validation pass takes 19 segments of 64 streams instead of 2,300 of 4.
+                "zero.stage3_param_persistence_threshold=0",
+                "eval.batch_size=64",
+                "eval.tgt_len=64",
+                f"data.shards={ptb_word_shards}",
+                f"data.tokenizer={ptb_word_tokenizer}",
+                f"train.output_dir={root / 'run'}",
+                "train.max_steps=12",
+                "eval.every=0",
+                "checkpoint.every=6",
+                "optim.lr=5e-3",
+                "model.mem_len=16",
+            ],
+        )
+    )
     return root / "run", live
 
 
@@ -73,7 +90,7 @@ def test_export_to_huggingface_gives_the_same_losses(export, tmp_path):
     mems, hf_mems = None, [torch.empty(0, 3, config.d_model)] * config.n_layer
     for segment in range(3):
         window = slice(segment * config.tgt_len, (segment + 1) * config.tgt_len)
-        inputs, targets = data[:, window], data[:, window.start + 1:window.stop + 1]
+        inputs, targets = data[:, window], data[:, window.start + 1 : window.stop + 1]
         with torch.no_grad():
             loss, mems = ours(inputs, targets, mems)
             labels = torch.cat([targets[:, :1], targets], 1)[:, :-1]  # HuggingFace shifts labels by one
@@ -86,8 +103,15 @@ def test_round_trips_through_huggingface_and_the_original_layout_are_exact(expor
     in_process("launchers/convert.py", "export-to-hf", str(export), str(tmp_path / "hf"))
     in_process("launchers/convert.py", "hf-to-export", str(tmp_path / "hf"), str(tmp_path / "from_hf"))
     in_process("launchers/convert.py", "export-to-original", str(export), str(tmp_path / "original.pt"))
-    in_process("launchers/convert.py", "original-to-export", str(tmp_path / "original.pt"),
-               str(export / "config.json"), str(tmp_path / "from_original"), "--tokenizer", str(export / "tokenizer"))
+    in_process(
+        "launchers/convert.py",
+        "original-to-export",
+        str(tmp_path / "original.pt"),
+        str(export / "config.json"),
+        str(tmp_path / "from_original"),
+        "--tokenizer",
+        str(export / "tokenizer"),
+    )
     reference = load_file(str(export / "model.safetensors"))
     reference_config = json.loads((export / "config.json").read_text())
     for folder in ("from_hf", "from_original"):
@@ -117,7 +141,7 @@ def _full_context_loss(model, tokens: torch.Tensor, streams: int) -> float:
     with torch.no_grad():
         for s in range(streams):
             start, length = s * per_stream + min(s, extra), per_stream + (1 if s < extra else 0)
-            span = tokens[start:start + length + 1][None]
+            span = tokens[start : start + length + 1][None]
             nll += model(span[:, :-1], span[:, 1:])[0].double().sum().item()
             count += length
     return nll / count
@@ -132,25 +156,53 @@ def short_valid_shards(ptb_word_tokenizer, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("short_valid")
     text = root / "valid.txt"
     text.write_text("".join(line + "\n" for line in ptb_sentences("valid")[:300]), encoding="utf-8")
-    assert build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(root / "shards"),
-                              "--split", f"valid={text}", "--tokens-per-block", "1024", "--tokens-per-shard", "2048",
-                              "--no-progress"]) == 0
+    assert (
+        build_shards.main(
+            [
+                "--tokenizer",
+                str(ptb_word_tokenizer),
+                "--output",
+                str(root / "shards"),
+                "--split",
+                f"valid={text}",
+                "--tokens-per-block",
+                "1024",
+                "--tokens-per-shard",
+                "2048",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return root / "shards"
 
 
-def test_evaluation_on_two_ranks_and_on_one_each_score_their_own_stream_layout(zero3_run, export, short_valid_shards,
-                                                                            tmp_path):
+def test_evaluation_on_two_ranks_and_on_one_each_score_their_own_stream_layout(
+    zero3_run, export, short_valid_shards, tmp_path
+):
     """--batch-size 3 gives 3 streams on one rank and 2 per rank (4 streams) on two ranks, which gather the
     ZeRO-3 partitions on rank 0. With a memory longer than any stream, each layout's loss is that of one forward
     over each of its streams (a different number for each layout, so neither run could pass for the other)."""
-    from txl_dist.export import load_model
     from tests.oracles import stream_tokens
+    from txl_dist.export import load_model
 
-    settings = ["--split", "valid", "--shards", str(short_valid_shards), "--mem-len", "4096", "--batch-size", "3",
-                "--no-progress"]
+    settings = [
+        "--split",
+        "valid",
+        "--shards",
+        str(short_valid_shards),
+        "--mem-len",
+        "4096",
+        "--batch-size",
+        "3",
+        "--no-progress",
+    ]
     in_process("launchers/evaluate.py", str(export), *settings, "--output", str(tmp_path / "one.json"))
-    run(torchrun_command("launchers/evaluate.py", [str(zero3_run[0]), *settings, "--output",
-                                                   str(tmp_path / "two.json")]))
+    run(
+        torchrun_command(
+            "launchers/evaluate.py", [str(zero3_run[0]), *settings, "--output", str(tmp_path / "two.json")]
+        )
+    )
     one, two = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "two"))
     tokens = stream_tokens(short_valid_shards, "valid")
     assert (one["ranks"], one["settings"]["batch_size"]) == (1, 3)
@@ -178,7 +230,9 @@ def test_generate_and_score_from_the_command_line(export):
     prompt = ["--prompt", "the company said", "--max-new-tokens", "12"]
     result = in_process("launchers/generate.py", str(export), *prompt, "--seed", "3")
     assert len(expected.split()) >= 5
-    assert result.stdout == "the company said" + (expected if expected.startswith((" ", "\n")) else " " + expected) + "\n"
+    assert (
+        result.stdout == "the company said" + (expected if expected.startswith((" ", "\n")) else " " + expected) + "\n"
+    )
     other_seed = in_process("launchers/generate.py", str(export), *prompt, "--seed", "4")
     assert other_seed.stdout != result.stdout
     texts = ["the company said", "said company the", "zzqx blorf the"]
@@ -230,8 +284,14 @@ def test_bad_inputs_are_clear_errors(export, zero3_run, ptb_sentencepiece_tokeni
     # The authors' whole pickled module instead of a state dict.
     pickled = tmp_path / "module.pt"
     torch.save(torch.nn.Linear(2, 2), pickled)
-    result = in_process("launchers/convert.py", "original-to-export", str(pickled), str(export / "config.json"),
-                    str(tmp_path / "y"), check=False)
+    result = in_process(
+        "launchers/convert.py",
+        "original-to-export",
+        str(pickled),
+        str(export / "config.json"),
+        str(tmp_path / "y"),
+        check=False,
+    )
     assert result.returncode == 2 and "state_dict" in result.stderr
 
 
@@ -240,10 +300,24 @@ def test_zero0_bf16_export_takes_the_fp32_master_weights(ptb_word_shards, tmp_pa
     from txl_dist.convert.zero import consolidate_weights, read_training_checkpoint
 
     output = tmp_path / "bf16_stage0"
-    run([sys.executable, "launchers/train.py",
-         "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}", f"train.output_dir={output}",
-         "zero.stage=0", "precision.dtype=bf16", "train.max_steps=6", "eval.every=0", "train.micro_batch=8",
-         "optim.lr=5e-3", "eval.batch_size=64", "eval.tgt_len=32"])
+    run(
+        [
+            sys.executable,
+            "launchers/train.py",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"data.shards={ptb_word_shards}",
+            f"train.output_dir={output}",
+            "zero.stage=0",
+            "precision.dtype=bf16",
+            "train.max_steps=6",
+            "eval.every=0",
+            "train.micro_batch=8",
+            "optim.lr=5e-3",
+            "eval.batch_size=64",
+            "eval.tgt_len=32",
+        ]
+    )
     checkpoint = read_training_checkpoint(output)
     masters = consolidate_weights(checkpoint)
     module = torch.load(next(checkpoint.tag_dir.glob("*model_states.pt")), weights_only=True)["module"]

@@ -26,16 +26,18 @@ def shards(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("split, batch_size, tgt_len", [("valid", 3, 7), ("valid", 4, 50), ("tiny", 4, 3),
-                                                       ("long", 1, 7), ("long", 1, 50)])
+@pytest.mark.parametrize(
+    "split, batch_size, tgt_len", [("valid", 3, 7), ("valid", 4, 50), ("tiny", 4, 3), ("long", 1, 7), ("long", 1, 50)]
+)
 def test_every_target_is_scored_exactly_once_across_ranks(shards, world_size, split, batch_size, tgt_len):
     num_tokens = SPLIT_TOKENS[split]
     if split == "long":  # the premise of these cases: at least one refill of every row
         assert (num_tokens - 1) // (world_size * batch_size) > _BUFFER_TOKENS + 1
     scored, step_counts, target_counts = [], set(), 0
     for rank in range(world_size):
-        with EvalStreams(shards, split, tgt_len=tgt_len, batch_size=batch_size, world_size=world_size,
-                         rank=rank) as streams:
+        with EvalStreams(
+            shards, split, tgt_len=tgt_len, batch_size=batch_size, world_size=world_size, rank=rank
+        ) as streams:
             batches = list(streams)
         assert len(batches) == streams.num_steps
         step_counts.add(streams.num_steps)

@@ -54,7 +54,7 @@ def _losses(model: TransformerXLLM, seed: int = 1) -> list[torch.Tensor]:
     mems, losses = None, []
     with torch.no_grad():
         for s in range(3):
-            loss, mems = model(data[:, s * 8:(s + 1) * 8], data[:, s * 8 + 1:(s + 1) * 8 + 1], mems)
+            loss, mems = model(data[:, s * 8 : (s + 1) * 8], data[:, s * 8 + 1 : (s + 1) * 8 + 1], mems)
             losses.append(loss)
     return losses
 
@@ -63,11 +63,21 @@ def _word_tokenizer(directory: Path, n_token: int, first_word: str = "w") -> Pat
     """A tokenizer directory in txl_dist's layout: vocab.txt and tokenizer.json with the sha256 fingerprint."""
     directory.mkdir(parents=True)
     words = ["<unk>", "<eos>"] + [f"{first_word}{i}" for i in range(n_token - 2)]
-    (directory / "vocab.txt").write_text("".join(f"{w}\t{n_token - i}\n" for i, w in enumerate(words)), encoding="utf-8")
+    (directory / "vocab.txt").write_text(
+        "".join(f"{w}\t{n_token - i}\n" for i, w in enumerate(words)), encoding="utf-8"
+    )
     fingerprint = hashlib.sha256((directory / "vocab.txt").read_bytes()).hexdigest()
-    description = {"kind": "word", "vocab_size": n_token, "files": ["vocab.txt"], "fingerprint": fingerprint,
-                   "eos_id": 1, "eod_id": 1, "unk_id": 0,
-                   "pieces": {"eos": "<eos>", "eod": "<eos>", "unk": "<unk>"}, "training": {}}
+    description = {
+        "kind": "word",
+        "vocab_size": n_token,
+        "files": ["vocab.txt"],
+        "fingerprint": fingerprint,
+        "eos_id": 1,
+        "eod_id": 1,
+        "unk_id": 0,
+        "pieces": {"eos": "<eos>", "eod": "<eos>", "unk": "<unk>"},
+        "training": {},
+    }
     (directory / "tokenizer.json").write_text(json.dumps(description), encoding="utf-8")
     return directory
 
@@ -76,8 +86,13 @@ def _word_tokenizer(directory: Path, n_token: int, first_word: str = "w") -> Pat
 def test_export_round_trip_gives_the_same_model(case, tmp_path):
     model = _model(case)
     out = write_export(model, model.config, tmp_path / "export", training_info={"step": 12, "tokens_seen": 3456})
-    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "checksums.json", "config.json", "model.safetensors",
-                                                     "training.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        OUTPUT_MARKER,
+        "checksums.json",
+        "config.json",
+        "model.safetensors",
+        "training.json",
+    ]
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no staging folder left behind
     loaded = load_model(out)
     assert not loaded.training
@@ -122,10 +137,27 @@ def test_config_json_uses_the_authors_names(tmp_path):
 
 
 def test_a_config_with_only_the_authors_names_reads_with_defaults(tmp_path):
-    authors = {"n_token": 1000, "n_layer": 2, "n_head": 2, "d_model": 16, "d_head": 8, "d_inner": 32,
-               "d_embed": -1, "div_val": 1, "cutoffs": [200, 600], "tie_weight": True,
-               "tie_projs": [False, True, True], "untie_r": False, "pre_lnorm": False, "tgt_len": 8, "mem_len": 8,
-               "clamp_len": -1, "same_length": False, "dropout": 0.0, "dropatt": 0.0}
+    authors = {
+        "n_token": 1000,
+        "n_layer": 2,
+        "n_head": 2,
+        "d_model": 16,
+        "d_head": 8,
+        "d_inner": 32,
+        "d_embed": -1,
+        "div_val": 1,
+        "cutoffs": [200, 600],
+        "tie_weight": True,
+        "tie_projs": [False, True, True],
+        "untie_r": False,
+        "pre_lnorm": False,
+        "tgt_len": 8,
+        "mem_len": 8,
+        "clamp_len": -1,
+        "same_length": False,
+        "dropout": 0.0,
+        "dropatt": 0.0,
+    }
     path = tmp_path / "authors.json"
     path.write_text(json.dumps(authors))
     config, tokenizer = read_config_file(path)
@@ -158,15 +190,19 @@ def test_weights_that_do_not_match_the_config_are_named(tmp_path):
     model = _model("tied_div_val2")
     state = model.state_dict()
     with pytest.raises(ValueError, match=r"missing \['layers.1.pos_ff.CoreNet.0.bias'\]"):
-        write_export({k: v for k, v in state.items() if k != "layers.1.pos_ff.CoreNet.0.bias"}, model.config,
-                     tmp_path / "a")
+        write_export(
+            {k: v for k, v in state.items() if k != "layers.1.pos_ff.CoreNet.0.bias"}, model.config, tmp_path / "a"
+        )
     with pytest.raises(ValueError, match=r"unexpected \['extra.weight'\]"):
         write_export({**state, "extra.weight": torch.zeros(1)}, model.config, tmp_path / "b")
     out = write_export(model, model.config, tmp_path / "export")
     data = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**data, "d_inner": 48}))
-    with pytest.raises(ValueError, match=r"model.safetensors: layers.0.pos_ff.CoreNet.0.weight has shape \[32, 16\], "
-                                         r"but the configuration gives \[48, 16\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: layers.0.pos_ff.CoreNet.0.weight has shape \[32, 16\], "
+        r"but the configuration gives \[48, 16\]",
+    ):
         load_model(out, verify=False)
     (out / "config.json").write_text(json.dumps({**data, "tie_weight": False}))
     with pytest.raises(ValueError, match="stored with the ties"):
@@ -183,7 +219,10 @@ def test_config_files_of_another_format_version_or_tokenizer_record_are_refused(
         ({"format": "txl_dist.checkpoint"}, "key 'format' is 'txl_dist.checkpoint', expected 'txl_dist.export'"),
         ({"version": 2}, "key 'version' is 2; this txl_dist reads version 1"),
         ({"tokenizer": "vocab.txt"}, "key 'tokenizer' must be null or an object with the keys"),
-        ({"tokenizer": {"kind": "word", "vocab_size": 1000}}, "key 'tokenizer' must be null or an object with the keys"),
+        (
+            {"tokenizer": {"kind": "word", "vocab_size": 1000}},
+            "key 'tokenizer' must be null or an object with the keys",
+        ),
     ):
         path.write_text(json.dumps({**written, **changes}))
         with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
@@ -195,7 +234,7 @@ def test_config_files_of_another_format_version_or_tokenizer_record_are_refused(
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         read_config_file(path)
-    path.write_text("{\"n_token\": ")
+    path.write_text('{"n_token": ')
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
         read_config_file(path)
 
@@ -227,7 +266,12 @@ def test_overrides_are_evaluation_settings_only(tmp_path):
     model = _model()
     out = write_export(model, model.config, tmp_path / "export")
     loaded = load_model(out, mem_len=20, clamp_len=5, same_length=True, tgt_len=4, attn_impl="fused", dropout=None)
-    assert (loaded.config.mem_len, loaded.config.clamp_len, loaded.config.same_length, loaded.config.tgt_len) == (20, 5, True, 4)
+    assert (loaded.config.mem_len, loaded.config.clamp_len, loaded.config.same_length, loaded.config.tgt_len) == (
+        20,
+        5,
+        True,
+        4,
+    )
     with pytest.raises(ValueError, match="n_layer cannot be overridden"):
         load_model(out, n_layer=3)
     with pytest.raises(ValueError, match="layer_norm_eps cannot be overridden"):
@@ -245,8 +289,14 @@ def test_tokenizer_files_travel_and_must_match(tmp_path):
     assert sorted(p.name for p in (out / "tokenizer").iterdir()) == ["tokenizer.json", "vocab.txt"]
     recorded = json.loads((out / "config.json").read_text())["tokenizer"]
     fingerprint = hashlib.sha256((tokenizer_dir / "vocab.txt").read_bytes()).hexdigest()
-    assert recorded == {"kind": "word", "vocab_size": 1000, "fingerprint": fingerprint, "eos_id": 1, "eod_id": 1,
-                        "unk_id": 0}
+    assert recorded == {
+        "kind": "word",
+        "vocab_size": 1000,
+        "fingerprint": fingerprint,
+        "eos_id": 1,
+        "eod_id": 1,
+        "unk_id": 0,
+    }
     # Another (self-consistent) tokenizer put in the folder: both fingerprints are named.
     other_dir = _word_tokenizer(tmp_path / "other", model.config.n_token, first_word="v")
     other_fingerprint = json.loads((other_dir / "tokenizer.json").read_text())["fingerprint"]
@@ -269,11 +319,19 @@ def test_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="vocab_size=500, but the model has n_token=1000"):
         write_export(model, model.config, tmp_path / "a", tokenizer_dir=small)
     tokenizer_dir = _word_tokenizer(tmp_path / "tok", 1000)
-    identity = {k: v for k, v in json.loads((tokenizer_dir / "tokenizer.json").read_text()).items()
-                if k in ("kind", "vocab_size", "fingerprint", "eos_id", "eod_id", "unk_id")}
+    identity = {
+        k: v
+        for k, v in json.loads((tokenizer_dir / "tokenizer.json").read_text()).items()
+        if k in ("kind", "vocab_size", "fingerprint", "eos_id", "eod_id", "unk_id")
+    }
     with pytest.raises(ValueError, match="the checkpoint records eos_id=2"):
-        write_export(model, model.config, tmp_path / "b", tokenizer_dir=tokenizer_dir,
-                     tokenizer_identity={**identity, "eos_id": 2})
+        write_export(
+            model,
+            model.config,
+            tmp_path / "b",
+            tokenizer_dir=tokenizer_dir,
+            tokenizer_identity={**identity, "eos_id": 2},
+        )
     # An identity recorded without the files: the model loads, the tokenizer is reported missing.
     out = write_export(model, model.config, tmp_path / "c", tokenizer_identity=identity)
     load_model(out)
@@ -289,13 +347,16 @@ def test_load_pretrained(tmp_path):
     assert tokenizer is None and loaded.config.mem_len == 12
     from txl_dist.tokenizer import Tokenizer
 
-    with_tokenizer = write_export(model, model.config, tmp_path / "with",
-                                  tokenizer_dir=_word_tokenizer(tmp_path / "tok", model.config.n_token))
+    with_tokenizer = write_export(
+        model, model.config, tmp_path / "with", tokenizer_dir=_word_tokenizer(tmp_path / "tok", model.config.n_token)
+    )
     loaded, tokenizer = txl_dist.load_pretrained(with_tokenizer)
     assert isinstance(tokenizer, Tokenizer) and tokenizer.encode("w5 w7") == [7, 9]
 
 
 def test_import_txl_dist_does_not_import_torch():
-    code = "import sys, txl_dist; assert 'torch' not in sys.modules; print(txl_dist.load_pretrained.__doc__ is not None)"
+    code = (
+        "import sys, txl_dist; assert 'torch' not in sys.modules; print(txl_dist.load_pretrained.__doc__ is not None)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "True"

@@ -17,8 +17,13 @@ from txl_dist.model.dropout import Dropout, dropout
 def _segments(config, n_segments=3, batch=3, seed=1):
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, config.n_token, (batch, n_segments * config.tgt_len + 1), generator=g)
-    return [(data[:, s * config.tgt_len:(s + 1) * config.tgt_len],
-             data[:, s * config.tgt_len + 1:(s + 1) * config.tgt_len + 1]) for s in range(n_segments)]
+    return [
+        (
+            data[:, s * config.tgt_len : (s + 1) * config.tgt_len],
+            data[:, s * config.tgt_len + 1 : (s + 1) * config.tgt_len + 1],
+        )
+        for s in range(n_segments)
+    ]
 
 
 def _sensitive_model(config) -> TransformerXLLM:
@@ -41,8 +46,14 @@ class _DtypeRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
-        if name in ("bmm", "baddbmm", "_softmax", "_scaled_dot_product_flash_attention_for_cpu",
-                    "_scaled_dot_product_attention_math", "_scaled_dot_product_efficient_attention"):
+        if name in (
+            "bmm",
+            "baddbmm",
+            "_softmax",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_attention_math",
+            "_scaled_dot_product_efficient_attention",
+        ):
             self.seen.setdefault(name, set()).add(args[0].dtype)
         return func(*args, **(kwargs or {}))
 
@@ -93,12 +104,15 @@ def test_cpu_dropout_keeps_one_minus_p_scales_and_follows_the_seed():
         Dropout(1.5)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(),                                            # ptb-like
-    dict(same_length=True, clamp_len=5),               # the paper's evaluation settings
-    dict(mem_dtype="bfloat16", pre_lnorm=True),        # memory stored in bf16
-    dict(untie_r=True, mem_len=4),                     # a memory shorter than the prompt
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # ptb-like
+        dict(same_length=True, clamp_len=5),  # the paper's evaluation settings
+        dict(mem_dtype="bfloat16", pre_lnorm=True),  # memory stored in bf16
+        dict(untie_r=True, mem_len=4),  # a memory shorter than the prompt
+    ],
+)
 def test_kv_cache_gives_the_memory_paths_log_probs_and_tokens(overrides):
     config = preset("tiny", **{"dropout": 0.0, "dropatt": 0.0, "mem_len": 40, "tgt_len": 8, **overrides})
     model = _sensitive_model(config)

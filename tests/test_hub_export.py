@@ -31,15 +31,49 @@ PINNED_TRANSFORMERS = "5.24.0"
 
 # div_val 1 and 4; tied and untied projections; shared and per-layer position biases (untie_r).
 CASES = {
-    "div_val4_tied": dict(n_token=10000, d_embed=64, div_val=4, cutoffs=[2000, 6000], tie_weight=True,
-                          tie_projs=[False, True, True], untie_r=False, tokenizer="word"),
-    "div_val1_untied_untie_r": dict(n_token=2000, d_embed=24, div_val=1, cutoffs=[500, 1000], tie_weight=False,
-                                    tie_projs=[False, False, False], untie_r=True, pre_lnorm=True,
-                                    same_length=True, clamp_len=6, mem_len=10, tokenizer="bpe"),
-    "div_val1_tied_projs": dict(n_token=1000, d_embed=24, div_val=1, cutoffs=[200, 600], tie_weight=True,
-                                tie_projs=[False, True, True], untie_r=False),
-    "div_val4_untied_untie_r": dict(n_token=1000, d_embed=64, div_val=4, cutoffs=[200, 600], tie_weight=False,
-                                    tie_projs=[False, False, False], untie_r=True, mem_len=5),
+    "div_val4_tied": dict(
+        n_token=10000,
+        d_embed=64,
+        div_val=4,
+        cutoffs=[2000, 6000],
+        tie_weight=True,
+        tie_projs=[False, True, True],
+        untie_r=False,
+        tokenizer="word",
+    ),
+    "div_val1_untied_untie_r": dict(
+        n_token=2000,
+        d_embed=24,
+        div_val=1,
+        cutoffs=[500, 1000],
+        tie_weight=False,
+        tie_projs=[False, False, False],
+        untie_r=True,
+        pre_lnorm=True,
+        same_length=True,
+        clamp_len=6,
+        mem_len=10,
+        tokenizer="bpe",
+    ),
+    "div_val1_tied_projs": dict(
+        n_token=1000,
+        d_embed=24,
+        div_val=1,
+        cutoffs=[200, 600],
+        tie_weight=True,
+        tie_projs=[False, True, True],
+        untie_r=False,
+    ),
+    "div_val4_untied_untie_r": dict(
+        n_token=1000,
+        d_embed=64,
+        div_val=4,
+        cutoffs=[200, 600],
+        tie_weight=False,
+        tie_projs=[False, False, False],
+        untie_r=True,
+        mem_len=5,
+    ),
 }
 SEGMENT = 8
 NEW_TOKENS = 24
@@ -63,8 +97,17 @@ def convert(*args: str, check: bool = True) -> tuple[int, str]:
 
 def _model(name: str) -> TransformerXLLM:
     settings = {k: v for k, v in CASES[name].items() if k != "tokenizer"}
-    settings = {"d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "tgt_len": SEGMENT, "mem_len": 12,
-                "dropout": 0.1, "dropatt": 0.1, **settings}
+    settings = {
+        "d_model": 32,
+        "n_head": 2,
+        "d_head": 16,
+        "d_inner": 64,
+        "tgt_len": SEGMENT,
+        "mem_len": 12,
+        "dropout": 0.1,
+        "dropatt": 0.1,
+        **settings,
+    }
     torch.manual_seed(sum(map(ord, name)))
     model = TransformerXLLM(preset("tiny", **settings)).eval()
     with torch.no_grad():  # weights far from their initialisation, so that the next token has a clear winner
@@ -78,7 +121,7 @@ def _txl_losses(model: TransformerXLLM, data: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         for s in range((data.shape[1] - 1) // SEGMENT):
             window = slice(s * SEGMENT, (s + 1) * SEGMENT)
-            loss, mems = model(data[:, window], data[:, window.start + 1:window.stop + 1], mems)
+            loss, mems = model(data[:, window], data[:, window.start + 1 : window.stop + 1], mems)
             losses.append(loss)
     return torch.stack(losses)
 
@@ -89,17 +132,48 @@ def unigram_tokenizer(tmp_path_factory) -> Path:
     from data_tools import train_tokenizer
 
     directory = tmp_path_factory.mktemp("unigram")
-    assert train_tokenizer.main(["--kind", "sentencepiece", "--model-type", "unigram", "--vocab-size", "1000",
-                                 "--input-sentence-size", "8000", "--eod-symbol", "<eod>", "--user-symbols", "<sep>",
-                                 "--format", "ptb", "--output", str(directory), "--overwrite", "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "sentencepiece",
+                "--model-type",
+                "unigram",
+                "--vocab-size",
+                "1000",
+                "--input-sentence-size",
+                "8000",
+                "--eod-symbol",
+                "<eod>",
+                "--user-symbols",
+                "<sep>",
+                "--format",
+                "ptb",
+                "--output",
+                str(directory),
+                "--overwrite",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return directory
 
 
 def _sentencepiece_lines() -> list[str]:
     """PTB test lines plus text that exercises the normaliser: spacing, tabs, NFKC, characters outside the
     training text, user symbols, empty lines."""
-    extra = ["  leading and   inner  spaces\tand a tab ", "naïve café ｆｕｌｌｗｉｄｔｈ １２３ Ａ", "日本語のテキスト",
-             "x<sep>y a <sep> b <sep>", "literal </s> <s> <unk> pieces", "", "   ", "a\u2028b\u00a0c", "end."]
+    extra = [
+        "  leading and   inner  spaces\tand a tab ",
+        "naïve café ｆｕｌｌｗｉｄｔｈ １２３ Ａ",
+        "日本語のテキスト",
+        "x<sep>y a <sep> b <sep>",
+        "literal </s> <s> <unk> pieces",
+        "",
+        "   ",
+        "a\u2028b\u00a0c",
+        "end.",
+    ]
     return treebank.penn["test"].split("\n") + extra
 
 
@@ -120,24 +194,39 @@ def hub(tmp_path_factory, ptb_word_tokenizer, ptb_sentencepiece_tokenizer, unigr
         export = write_export(model, model.config, root / f"{name}_export", tokenizer_dir=tokenizer_dir)
         convert("export-to-hub", str(export), str(root / name))
         data = torch.randint(0, model.config.n_token, (2, 3 * SEGMENT + 1), generator=torch.Generator().manual_seed(5))
-        prompt = torch.randint(0, model.config.n_token, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(6))
+        prompt = torch.randint(
+            0, model.config.n_token, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(6)
+        )
         prompt = [0] + prompt.tolist()
-        reference = {"losses": _txl_losses(model, data),
-                     "greedy": generate_ids(model, prompt, NEW_TOKENS, greedy=True), "model": model}
-        job = {"name": name, "folder": str(root / name), "data": data.tolist(), "segment": SEGMENT,
-               "prompt": prompt, "new_tokens": NEW_TOKENS}
+        reference = {
+            "losses": _txl_losses(model, data),
+            "greedy": generate_ids(model, prompt, NEW_TOKENS, greedy=True),
+            "model": model,
+        }
+        job = {
+            "name": name,
+            "folder": str(root / name),
+            "data": data.tolist(),
+            "segment": SEGMENT,
+            "prompt": prompt,
+            "new_tokens": NEW_TOKENS,
+        }
         if name == "div_val4_tied":
             # Left-padded batch: a prompt of three segments, one a position shorter (its segments then straddle
             # the batch's), and a short one padded by 15 positions.
             job["padded_prompts"] = [prompt, prompt[1:], prompt[-5:]]
-            reference["padded_greedy"] = [generate_ids(model, p, NEW_TOKENS, greedy=True) for p in job["padded_prompts"]]
+            reference["padded_greedy"] = [
+                generate_ids(model, p, NEW_TOKENS, greedy=True) for p in job["padded_prompts"]
+            ]
             job["sample"] = True
         references["models"][name] = reference
         jobs["models"].append(job)
 
-    tokenizer_jobs = {"word": (root / "div_val4_tied", ptb_word_tokenizer),
-                      "bpe": (root / "tok_bpe", ptb_sentencepiece_tokenizer),
-                      "unigram": (root / "tok_unigram", unigram_tokenizer)}
+    tokenizer_jobs = {
+        "word": (root / "div_val4_tied", ptb_word_tokenizer),
+        "bpe": (root / "tok_bpe", ptb_sentencepiece_tokenizer),
+        "unigram": (root / "tok_unigram", unigram_tokenizer),
+    }
     for kind, (folder, directory) in tokenizer_jobs.items():
         tokenizer = load_tokenizer(directory)
         if kind != "word":
@@ -157,8 +246,15 @@ def hub(tmp_path_factory, ptb_word_tokenizer, ptb_sentencepiece_tokenizer, unigr
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(root / "hf_home"), OMP_NUM_THREADS="1")
     # -I: isolated (no PYTHONPATH, no user site, no script folder on sys.path), from a folder without txl_dist.
-    result = subprocess.run([str(HF_PYTHON), "-I", str(WORKER), str(jobs_path), str(results_path)], cwd=root,
-                            env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    result = subprocess.run(
+        [str(HF_PYTHON), "-I", str(WORKER), str(jobs_path), str(results_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
     if result.returncode != 0:
         raise AssertionError(f"hub_worker.py failed:\n{result.stderr[-4000:]}")
     return references, torch.load(results_path, weights_only=True)
@@ -275,7 +371,11 @@ def test_an_output_that_is_or_holds_the_input_is_refused(tmp_path):
     model = _model("div_val1_tied_projs")
     export = write_export(model, model.config, tmp_path / "export")
     before = sorted(p.name for p in export.iterdir())
-    for output, why in ((export, "is the input"), (export / "hub", "inside the input"), (tmp_path, "contains the input")):
+    for output, why in (
+        (export, "is the input"),
+        (export / "hub", "inside the input"),
+        (tmp_path, "contains the input"),
+    ):
         status, stderr = convert("export-to-hub", str(export), str(output), "--overwrite", check=False)
         assert status == 2 and why in stderr, stderr
     assert sorted(p.name for p in export.iterdir()) == before
@@ -293,14 +393,26 @@ def test_a_tokenizer_the_fast_format_cannot_express_is_a_clear_error(tmp_path):
         directory = tmp_path / name
         directory.mkdir()
         buffer = io.BytesIO()
-        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buffer, vocab_size=300,
-                                                 minloglevel=2, **settings)
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=buffer, vocab_size=300, minloglevel=2, **settings
+        )
         (directory / "spm.model").write_bytes(buffer.getvalue())
         processor = sentencepiece.SentencePieceProcessor(model_file=str(directory / "spm.model"))
-        pieces = {key: processor.id_to_piece(i) for key, i in (("eos", processor.eos_id()),
-                                                                ("eod", processor.eos_id()), ("unk", processor.unk_id()))}
-        tokenizer = write_tokenizer_json(directory, "sentencepiece", ["spm.model"], processor.get_piece_size(),
-                                         processor.eos_id(), processor.eos_id(), processor.unk_id(), pieces, {})
+        pieces = {
+            key: processor.id_to_piece(i)
+            for key, i in (("eos", processor.eos_id()), ("eod", processor.eos_id()), ("unk", processor.unk_id()))
+        }
+        tokenizer = write_tokenizer_json(
+            directory,
+            "sentencepiece",
+            ["spm.model"],
+            processor.get_piece_size(),
+            processor.eos_id(),
+            processor.eos_id(),
+            processor.unk_id(),
+            pieces,
+            {},
+        )
         model = TransformerXLLM(preset("tiny", n_token=tokenizer.vocab_size, cutoffs=[], div_val=1))
         export = write_export(model, model.config, tmp_path / f"{name}_export", tokenizer_dir=directory)
         assert load_export_tokenizer(export) is not None

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from txl_dist.inference import (
-    IncrementalDecoder, TokenSampler, generate_ids, generate_ids_recompute, iter_generate_ids, nucleus_mask, score_ids,
+    IncrementalDecoder,
+    TokenSampler,
+    generate_ids,
+    generate_ids_recompute,
+    iter_generate_ids,
+    nucleus_mask,
+    score_ids,
 )
 from txl_dist.model import TransformerXLLM, preset, transformer
 
@@ -85,10 +91,19 @@ def test_one_forward_of_one_token_per_new_token():
     assert embedded_lengths == [8, 5] + [1] * 9
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"pre_lnorm": True}, {"untie_r": True}, {"same_length": True}, {"clamp_len": 3}, {"mem_len": 0},
-    {"dtype": torch.bfloat16},
-], ids=["default", "pre_lnorm", "untie_r", "same_length", "clamp_len", "mem_len_0", "bf16"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"pre_lnorm": True},
+        {"untie_r": True},
+        {"same_length": True},
+        {"clamp_len": 3},
+        {"mem_len": 0},
+        {"dtype": torch.bfloat16},
+    ],
+    ids=["default", "pre_lnorm", "untie_r", "same_length", "clamp_len", "mem_len_0", "bf16"],
+)
 def test_one_token_steps_with_the_cache_equal_the_memory_path(overrides, monkeypatch):
     """Every one-token step of `hidden_states_cached` (`decode_step`: no mask, no shift, no module calls)
     gives the hidden states of `hidden_states` with the memory, for a batch of 3, past several moves of the
@@ -104,8 +119,8 @@ def test_one_token_steps_with_the_cache_equal_the_memory_path(overrides, monkeyp
     expected, mems = model.hidden_states(tokens[:, :8])
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for t in range(8, tokens.shape[1]):
-        hidden, cache = model.hidden_states_cached(tokens[:, t:t + 1], cache)
-        expected, mems = model.hidden_states(tokens[:, t:t + 1], mems)
+        hidden, cache = model.hidden_states_cached(tokens[:, t : t + 1], cache)
+        expected, mems = model.hidden_states(tokens[:, t : t + 1], mems)
         assert hidden.shape == expected.shape == (1, 3, model.config.d_model)
         scale = 1.0 if dtype == torch.float32 else expected.abs().max().item()
         assert (hidden.float() - expected.float()).abs().max().item() <= tolerance * scale, t
@@ -141,7 +156,9 @@ def test_sampling_is_seeded_and_leaves_the_global_generator_alone():
 
 def test_top_k_one_is_greedy():
     model = _model(mem_len=40)
-    assert generate_ids(model, PROMPT, 12, top_k=1, temperature=2.0, seed=5) == generate_ids(model, PROMPT, 12, greedy=True)
+    assert generate_ids(model, PROMPT, 12, top_k=1, temperature=2.0, seed=5) == generate_ids(
+        model, PROMPT, 12, greedy=True
+    )
 
 
 def test_stop_ids_end_generation():
@@ -149,7 +166,7 @@ def test_stop_ids_end_generation():
     free = generate_ids(model, PROMPT, 12, greedy=True)
     stop = free[4]
     stopped = generate_ids(model, PROMPT, 12, greedy=True, stop_ids={stop})
-    assert stopped == free[:free.index(stop) + 1]
+    assert stopped == free[: free.index(stop) + 1]
 
 
 def test_nucleus_keeps_the_smallest_set_with_enough_mass():
@@ -225,8 +242,9 @@ def test_streamed_text_equals_the_decoded_document(kind, ptb_word_tokenizer, ptb
     rng = torch.Generator().manual_seed(0)
     separators = [tokenizer.eos_id, tokenizer.eod_id]
     for trial in range(30):
-        ids = torch.randint(0, tokenizer.vocab_size, (int(torch.randint(1, 60, (1,), generator=rng)),),
-                            generator=rng).tolist()
+        ids = torch.randint(
+            0, tokenizer.vocab_size, (int(torch.randint(1, 60, (1,), generator=rng)),), generator=rng
+        ).tolist()
         for position in torch.randint(0, len(ids), (trial % 5,), generator=rng).tolist():
             ids[position] = separators[position % 2]
         if trial % 3 == 0:
@@ -237,6 +255,7 @@ def test_streamed_text_equals_the_decoded_document(kind, ptb_word_tokenizer, ptb
 
 
 # ---- sampling distributions ------------------------------------------------------------------------------------
+
 
 def _draw_frequencies(sampler: TokenSampler, log_probs: torch.Tensor, draws: int) -> torch.Tensor:
     counts = torch.zeros(log_probs.numel(), dtype=torch.float64)
@@ -255,8 +274,9 @@ def test_samples_follow_the_tempered_and_truncated_distribution(temperature, top
         tempered[probs.argsort(descending=True)[top_k:]] = 0.0
     expected = tempered / tempered.sum()
     draws = 5_000
-    frequencies = _draw_frequencies(TokenSampler(torch.device("cpu"), temperature=temperature, top_k=top_k, seed=11),
-                                    probs.float().log(), draws)
+    frequencies = _draw_frequencies(
+        TokenSampler(torch.device("cpu"), temperature=temperature, top_k=top_k, seed=11), probs.float().log(), draws
+    )
     tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-12
     assert ((frequencies - expected).abs() <= tolerance).all(), (frequencies, expected)
     # The premise that makes this a test of the settings: the untempered, untruncated distribution fails it.
@@ -264,6 +284,7 @@ def test_samples_follow_the_tempered_and_truncated_distribution(temperature, top
 
 
 # ---- text in, text out -------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def word_model_and_tokenizer(ptb_word_tokenizer):
@@ -273,8 +294,9 @@ def word_model_and_tokenizer(ptb_word_tokenizer):
     return _model(n_token=tokenizer.vocab_size, mem_len=40), tokenizer
 
 
-@pytest.mark.parametrize("sampling", [dict(greedy=True), dict(temperature=0.8, top_k=20, seed=4),
-                                      dict(temperature=1.6, top_p=0.9, seed=4)])
+@pytest.mark.parametrize(
+    "sampling", [dict(greedy=True), dict(temperature=0.8, top_k=20, seed=4), dict(temperature=1.6, top_p=0.9, seed=4)]
+)
 def test_text_generation_is_the_decoded_id_generation_after_the_document_separator(word_model_and_tokenizer, sampling):
     from txl_dist.inference import generate, iter_generate
 
@@ -292,9 +314,10 @@ def test_text_generation_passes_temperature_and_top_k_on(word_model_and_tokenize
     from txl_dist.inference import generate
 
     model, tokenizer = word_model_and_tokenizer
-    texts = {(temperature, top_k): generate(model, tokenizer, "the market", 30, temperature=temperature,
-                                            top_k=top_k, seed=9)
-             for temperature, top_k in ((1.0, 0), (0.3, 0), (1.0, 3))}
+    texts = {
+        (temperature, top_k): generate(model, tokenizer, "the market", 30, temperature=temperature, top_k=top_k, seed=9)
+        for temperature, top_k in ((1.0, 0), (0.3, 0), (1.0, 3))
+    }
     assert len(set(texts.values())) == 3, texts
     # top_k=3: every new token is one of the 3 most probable after its context, which the greedy text shares at
     # each step at most -- checked on ids: each drawn id ranks in the top 3 of the model's distribution.

@@ -97,7 +97,9 @@ def test_verify_names_a_document_without_its_separator(tmp_path, capsys):
         writer.add_block(np.array([7, 8, 1, 9, 0]), np.array([0, 3]))  # the document at 3 follows 1, not eod 0
     entries = writer.shards
     manifest = Manifest(
-        tokenizer=TokenizerIdentity("word", 10, "0" * 64, eos_id=0, eod_id=0), dtype="uint16", block_tokens=8,
+        tokenizer=TokenizerIdentity("word", 10, "0" * 64, eos_id=0, eod_id=0),
+        dtype="uint16",
+        block_tokens=8,
         splits={"train": SplitEntry(documents=4, tokens=11, blocks=2, shards=entries)},
     )
     write_manifest(tmp_path, manifest)

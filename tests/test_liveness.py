@@ -13,27 +13,50 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher import (REPO, TORCHRUN, environment, finish, free_port, rank_processes, start,
-                            wait_for_step)
+from tests.launcher import REPO, TORCHRUN, environment, finish, free_port, rank_processes, start, wait_for_step
 
 TRAIN = "launchers/train.py"
 
 
 def _args(shards: Path, output: Path, *extra: str) -> list[str]:
-    return ["--config", "configs/tiny_cpu.yaml", f"data.shards={shards}", f"train.output_dir={output}",
-            "train.max_steps=100000", "log.every=1", "eval.every=0", "checkpoint.every=10", *extra]
+    return [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"data.shards={shards}",
+        f"train.output_dir={output}",
+        "train.max_steps=100000",
+        "log.every=1",
+        "eval.every=0",
+        "checkpoint.every=10",
+        *extra,
+    ]
 
 
 def _rank_tracebacks(out: str) -> list[str]:
     """Traceback lines from the ranks' code (txl_dist, the launchers, torch.distributed under them)."""
-    return [line for line in out.splitlines() if line.strip().startswith('File "')
-            and ("txl_dist/" in line or "launchers/train.py" in line or "distributed_c10d" in line)]
+    return [
+        line
+        for line in out.splitlines()
+        if line.strip().startswith('File "')
+        and ("txl_dist/" in line or "launchers/train.py" in line or "distributed_c10d" in line)
+    ]
 
 
 def test_a_stopped_rank_is_named_within_the_stall_timeout_and_the_job_ends_non_zero(ptb_word_shards, tmp_path):
     output = tmp_path / "stalled"
-    process = start([TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                     str(free_port()), TRAIN, *_args(ptb_word_shards, output, "train.stall_timeout=6")])
+    process = start(
+        [
+            TORCHRUN,
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            TRAIN,
+            *_args(ptb_word_shards, output, "train.stall_timeout=6"),
+        ]
+    )
     wait_for_step(output, 12, process)
     stopped = rank_processes(process)[1]
     stopped.send_signal(signal.SIGSTOP)  # a hung GPU or a dead NIC, as far as the other ranks can tell
@@ -47,8 +70,9 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_the_job_ends_non_z
     assert process.returncode != 0, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("train.py: error")]
     assert len(errors) == 1, out[-3000:]
-    assert errors[0].startswith(f"train.py: error: rank 1 ({os.uname().nodename}, PID {stopped.pid}) has made no "
-                                "progress for "), errors
+    assert errors[0].startswith(
+        f"train.py: error: rank 1 ({os.uname().nodename}, PID {stopped.pid}) has made no progress for "
+    ), errors
     assert "(train.stall_timeout=6), at step " in errors[0] and "since its last checkpoint (step" in errors[0]
     assert not _rank_tracebacks(out), out[-3000:]  # torchrun's agent prints its own ChildFailedError, not ours
     # Named after the stall timeout, well before gloo's own collective timeout (10 minutes).
@@ -65,10 +89,24 @@ def test_ranks_that_disagree_on_their_environment_stop_before_training(ptb_word_
     nodes = []
     for node_rank, threads in ((0, "1"), (1, "2")):
         env = {**environment(), "OMP_NUM_THREADS": threads}
-        command = [TORCHRUN, "--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "1",
-                   "--master_addr", "127.0.0.1", "--master_port", str(port), TRAIN, *_args(ptb_word_shards, output)]
-        nodes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        command = [
+            TORCHRUN,
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node_rank),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            TRAIN,
+            *_args(ptb_word_shards, output),
+        ]
+        nodes.append(
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outs = [finish(node, timeout=120) for node in nodes]
     assert all(node.returncode != 0 for node in nodes), outs
     both = "\n".join(outs)
@@ -91,8 +129,9 @@ _LOAD_OP = "from txl_dist.training import world; print('loaded', world.load_shm_
 
 def _load_op(env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run([sys.executable, "-c", _LOAD_OP], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-c", _LOAD_OP], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"loading DeepSpeed's op still waited after {timeout} s:\n{expired.stderr}")
 
@@ -132,13 +171,24 @@ def test_a_build_in_progress_is_waited_for_not_removed(tmp_path):
     from txl_dist.training import world
 
     cache = world.prepare_extension_cache(dict(os.environ))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from txl_dist.training import world\n"
-        f"cache = Path({str(cache)!r})\n"
-        "with world.build_lock(cache):\n"
-        "    lock = world._build_directory(cache, world.SHM_OP_NAME) / 'lock'; lock.write_text('')\n"
-        "    print('holding', flush=True); time.sleep(4); lock.unlink()\n")],
-        cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from txl_dist.training import world\n"
+                f"cache = Path({str(cache)!r})\n"
+                "with world.build_lock(cache):\n"
+                "    lock = world._build_directory(cache, world.SHM_OP_NAME) / 'lock'; lock.write_text('')\n"
+                "    print('holding', flush=True); time.sleep(4); lock.unlink()\n"
+            ),
+        ],
+        cwd=REPO,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "holding"
         started = time.monotonic()

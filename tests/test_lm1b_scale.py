@@ -15,9 +15,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_stage_runs_at_a_small_scale(tmp_path):
-    command = [sys.executable, "benchmarks/lm1b_scale.py", "--scale", "0.0005", "--work-dir", str(tmp_path),
-               "--stream-seconds", "0.5", "--train-config", "configs/tiny_cpu.yaml", "--train-steps", "1",
-               "--train-overrides", "train.micro_batch=1", "--clean"]
+    command = [
+        sys.executable,
+        "benchmarks/lm1b_scale.py",
+        "--scale",
+        "0.0005",
+        "--work-dir",
+        str(tmp_path),
+        "--stream-seconds",
+        "0.5",
+        "--train-config",
+        "configs/tiny_cpu.yaml",
+        "--train-steps",
+        "1",
+        "--train-overrides",
+        "train.micro_batch=1",
+        "--clean",
+    ]
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     figures = json.loads(completed.stdout.strip().splitlines()[-1])

@@ -29,24 +29,81 @@ def lm1b_like(tmp_path_factory) -> tuple[Path, Path]:
     synthetic_lm1b.write_corpus(root, shape, progress=False)
     source = root / synthetic_lm1b.ROOT_NAME
     tokenizer, shards = root / "tokenizer", root / "shards"
-    assert train_tokenizer.main(["--kind", "word", "--format", "lm1b", "--input", str(source), "--output",
-                                 str(tokenizer), "--specials", "<S>", "</S>", "--eos", "</S>", "--unk", "<UNK>",
-                                 "--no-progress"]) == 0
-    assert build_shards.main(["--tokenizer", str(tokenizer), "--output", str(shards), "--format", "lm1b",
-                              "--input", str(source), "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "word",
+                "--format",
+                "lm1b",
+                "--input",
+                str(source),
+                "--output",
+                str(tokenizer),
+                "--specials",
+                "<S>",
+                "</S>",
+                "--eos",
+                "</S>",
+                "--unk",
+                "<UNK>",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        build_shards.main(
+            [
+                "--tokenizer",
+                str(tokenizer),
+                "--output",
+                str(shards),
+                "--format",
+                "lm1b",
+                "--input",
+                str(source),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return tokenizer, shards
 
 
 def lm1b_args(shards: Path, output: Path, *extra: str) -> list[str]:
     """lm1b_base's head (div_val 4, untied projections) with tiny layers, ZeRO-3 with every parameter
     partitioned, dropout on (so that resuming must restore the RNG too)."""
-    return ["--config", "configs/tiny_cpu.yaml", "--config", "configs/variants/zero3.yaml",
-            "zero.stage3_param_persistence_threshold=0", f"data.shards={shards}", f"train.output_dir={output}",
-            "model.preset=lm1b_base", "model.n_layer=2", "model.n_head=2", "model.d_head=8", "model.d_model=16",
-            "model.d_inner=32", "model.d_embed=64", f"model.cutoffs={json.dumps(CUTOFFS)}", "model.tgt_len=16",
-            "model.mem_len=16", "model.dropout=0.1", "train.global_batch=8", "train.micro_batch=2",
-            "optim.lr=5e-3", "schedule.warmup_steps=2", f"schedule.total_steps={STEPS}", "log.every=1",
-            "eval.every=0", "checkpoint.every=6", "checkpoint.keep_last=0", *extra]
+    return [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--config",
+        "configs/variants/zero3.yaml",
+        "zero.stage3_param_persistence_threshold=0",
+        f"data.shards={shards}",
+        f"train.output_dir={output}",
+        "model.preset=lm1b_base",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.d_head=8",
+        "model.d_model=16",
+        "model.d_inner=32",
+        "model.d_embed=64",
+        f"model.cutoffs={json.dumps(CUTOFFS)}",
+        "model.tgt_len=16",
+        "model.mem_len=16",
+        "model.dropout=0.1",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "optim.lr=5e-3",
+        "schedule.warmup_steps=2",
+        f"schedule.total_steps={STEPS}",
+        "log.every=1",
+        "eval.every=0",
+        "checkpoint.every=6",
+        "checkpoint.keep_last=0",
+        *extra,
+    ]
 
 
 def test_lm1b_shape_on_zero3_resumes_exactly_and_exports_the_live_parameters(lm1b_like, tmp_path):
@@ -55,8 +112,12 @@ def test_lm1b_shape_on_zero3_resumes_exactly_and_exports_the_live_parameters(lm1
     run(torchrun_command("launchers/train.py", lm1b_args(shards, straight, f"train.max_steps={STEPS}")))
     resumed = copy_at_step(straight, STEPS // 2, tmp_path / "resumed")
     live = tmp_path / "live.pt"
-    result = run(torchrun_command("tests/scripts/train_and_gather.py", [str(live), *lm1b_args(
-        shards, resumed, f"train.max_steps={STEPS}", f"data.tokenizer={tokenizer}")]))
+    result = run(
+        torchrun_command(
+            "tests/scripts/train_and_gather.py",
+            [str(live), *lm1b_args(shards, resumed, f"train.max_steps={STEPS}", f"data.tokenizer={tokenizer}")],
+        )
+    )
     assert f"at step {STEPS // 2} (exact" in result.stdout + result.stderr
 
     # Exact resume: every step after the resume has the straight run's data and loss.

@@ -10,10 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from txl_dist.model import ModelConfig, TransformerXLLM, preset
-from txl_dist.model import adaptive
+from txl_dist.model import ModelConfig, TransformerXLLM, adaptive, preset
 from txl_dist.model.adaptive import ProjectedAdaptiveLogSoftmax
-from txl_dist.model.attention import RelPartialLearnableMultiHeadAttn, attention_mask, relative_positions, sinusoid_encoding
+from txl_dist.model.attention import (
+    RelPartialLearnableMultiHeadAttn,
+    attention_mask,
+    relative_positions,
+    sinusoid_encoding,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. The attention equals the paper's four terms written out position by position.
@@ -23,8 +27,9 @@ def _paper_sinusoid(distance: float, d_model: int) -> torch.Tensor:
     """R_distance as in the authors' code: [sin(d / 10000^(2k/d_model)) for k] + [cos(...) for k]."""
     half = d_model // 2
     freqs = [1.0 / 10000 ** (2 * k / d_model) for k in range(half)]
-    return torch.tensor([math.sin(distance * f) for f in freqs] + [math.cos(distance * f) for f in freqs],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [math.sin(distance * f) for f in freqs] + [math.cos(distance * f) for f in freqs], dtype=torch.float64
+    )
 
 
 def _naive_attention(attn, w, mem, u, v, mem_len, clamp_len, same_length):
@@ -64,8 +69,17 @@ def _naive_attention(attn, w, mem, u, v, mem_len, clamp_len, same_length):
 
 def _random_attention(impl: str, d_model=8, n_head=2, d_head=3, seed=0):
     torch.manual_seed(seed)
-    attn = RelPartialLearnableMultiHeadAttn(n_head, d_model, d_head, dropout=0.0, dropatt=0.0, pre_lnorm=False,
-                                            layer_norm_eps=1e-5, attn_impl=impl, own_position_biases=False)
+    attn = RelPartialLearnableMultiHeadAttn(
+        n_head,
+        d_model,
+        d_head,
+        dropout=0.0,
+        dropatt=0.0,
+        pre_lnorm=False,
+        layer_norm_eps=1e-5,
+        attn_impl=impl,
+        own_position_biases=False,
+    )
     attn = attn.double().eval()
     with torch.no_grad():
         for p in attn.parameters():
@@ -129,8 +143,13 @@ def _pair(config: ModelConfig):
 def _segments(config: ModelConfig, n_segments=3, batch=3, seed=1):
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, config.n_token, (batch, n_segments * config.tgt_len + 1), generator=g)
-    return [(data[:, s * config.tgt_len:(s + 1) * config.tgt_len], data[:, s * config.tgt_len + 1:(s + 1) * config.tgt_len + 1])
-            for s in range(n_segments)]
+    return [
+        (
+            data[:, s * config.tgt_len : (s + 1) * config.tgt_len],
+            data[:, s * config.tgt_len + 1 : (s + 1) * config.tgt_len + 1],
+        )
+        for s in range(n_segments)
+    ]
 
 
 @pytest.mark.parametrize("same_length", [False, True])
@@ -207,13 +226,13 @@ def test_mems_hold_exactly_the_newest_positions(mem_len):
         _, everything = full.hidden_states(x)
     for a, b in zip(kept, everything):
         assert a.shape[0] == min(mem_len, 24)
-        assert torch.equal(a, b[b.shape[0] - a.shape[0]:])
+        assert torch.equal(a, b[b.shape[0] - a.shape[0] :])
 
 
 def test_mem_dtype_is_configurable():
     config = preset("tiny", mem_dtype="bfloat16")
     model = TransformerXLLM(config).eval()
-    (x, y), = _segments(config, n_segments=1)
+    ((x, y),) = _segments(config, n_segments=1)
     _, mems = model(x, y)
     assert all(m.dtype == torch.bfloat16 for m in mems)
     loss, mems = model(x, y, mems)  # bf16 memory feeds an fp32 model
@@ -224,7 +243,9 @@ def test_mem_dtype_is_configurable():
 # 4. Adaptive softmax.
 
 
-@pytest.mark.parametrize("cutoffs,div_val,d_embed", [([], 1, 16), ([100], 1, 12), ([100, 300], 2, 16), ([50, 200, 600], 4, 64)])
+@pytest.mark.parametrize(
+    "cutoffs,div_val,d_embed", [([], 1, 16), ([100], 1, 12), ([100, 300], 2, 16), ([50, 200, 600], 4, 64)]
+)
 def test_adaptive_log_probs_sum_to_one_and_match_the_loss(cutoffs, div_val, d_embed):
     torch.manual_seed(0)
     crit = ProjectedAdaptiveLogSoftmax(1000, d_embed, 16, cutoffs, div_val)
@@ -242,8 +263,9 @@ def test_adaptive_log_probs_sum_to_one_and_match_the_loss(cutoffs, div_val, d_em
 
 @pytest.mark.parametrize("cutoffs,div_val,d_embed", [([], 1, 16), ([100, 300], 1, 16), ([50, 200, 600], 4, 64)])
 @pytest.mark.parametrize("cluster_bias", [-20.0, 4.0, 8.0])
-def test_adaptive_argmax_equals_the_full_argmax_and_skips_clusters_that_cannot_win(cutoffs, div_val, d_embed,
-                                                                                     cluster_bias, monkeypatch):
+def test_adaptive_argmax_equals_the_full_argmax_and_skips_clusters_that_cannot_win(
+    cutoffs, div_val, d_embed, cluster_bias, monkeypatch
+):
     """Greedy decoding's exact argmax: the lowest id of the maximum of `log_prob`, for rows whose winner lies in
     the head or in a tail; a cluster whose head log-probability is below the best word is never computed."""
     torch.manual_seed(0)
@@ -256,8 +278,11 @@ def test_adaptive_argmax_equals_the_full_argmax_and_skips_clusters_that_cannot_w
             crit.cluster_bias.fill_(cluster_bias)
     computed = []
     original = ProjectedAdaptiveLogSoftmax._cluster_logits
-    monkeypatch.setattr(ProjectedAdaptiveLogSoftmax, "_cluster_logits",
-                        lambda self, h, i, *w: computed.append((i, h.shape[0])) or original(self, h, i, *w))
+    monkeypatch.setattr(
+        ProjectedAdaptiveLogSoftmax,
+        "_cluster_logits",
+        lambda self, h, i, *w: computed.append((i, h.shape[0])) or original(self, h, i, *w),
+    )
     chosen = crit.argmax(hidden)
     tails = {i for i, _ in computed if i > 0}
     computed.clear()
@@ -376,24 +401,32 @@ def test_tied_parameters_share_storage(div_val, d_embed):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    untied = TransformerXLLM(dataclasses.replace(config, tie_weight=False,
-                                                 tie_projs=[False] * len(config.tie_projs_resolved)))
+    untied = TransformerXLLM(
+        dataclasses.replace(config, tie_weight=False, tie_projs=[False] * len(config.tie_projs_resolved))
+    )
     untied.load_state_dict(model.state_dict(), strict=True)
-    (x, y), = _segments(config, n_segments=1)
+    ((x, y),) = _segments(config, n_segments=1)
     model(x, y)[0].mean().backward()
     untied(x, y)[0].mean().backward()
     # shared parameter -> (its use as an input embedding or projection, its uses in the softmax), in the untied model
-    uses = {id(model.word_emb.emb_layers[i].weight): (model.word_emb.emb_layers[i].weight,
-                                                       untied.word_emb.emb_layers[i].weight,
-                                                       [untied.crit.out_layers[i].weight])
-            for i in range(len(model.word_emb.emb_layers))}
+    uses = {
+        id(model.word_emb.emb_layers[i].weight): (
+            model.word_emb.emb_layers[i].weight,
+            untied.word_emb.emb_layers[i].weight,
+            [untied.crit.out_layers[i].weight],
+        )
+        for i in range(len(model.word_emb.emb_layers))
+    }
     for i, tied in enumerate(config.tie_projs_resolved):
         if tied and model.crit.out_projs[i] is not None:
             emb = 0 if div_val == 1 else i  # with div_val 1, every tied cluster shares the one input projection
             shared = model.word_emb.emb_projs[emb]
-            uses.setdefault(id(shared), (shared, untied.word_emb.emb_projs[emb], []))[2].append(untied.crit.out_projs[i])
+            uses.setdefault(id(shared), (shared, untied.word_emb.emb_projs[emb], []))[2].append(
+                untied.crit.out_projs[i]
+            )
     assert len(uses) > len(model.word_emb.emb_layers) or not any(
-        tied and p is not None for tied, p in zip(config.tie_projs_resolved, model.crit.out_projs))
+        tied and p is not None for tied, p in zip(config.tie_projs_resolved, model.crit.out_projs)
+    )
     for shared, as_input, as_outputs in uses.values():
         assert as_input.grad.abs().max() > 0 and all(p.grad.abs().max() > 0 for p in as_outputs)
         torch.testing.assert_close(shared.grad, as_input.grad + sum(p.grad for p in as_outputs), rtol=1e-5, atol=1e-7)
@@ -432,8 +465,9 @@ HF_CASES = {
     "div_val4_tied_projs": dict(div_val=4, d_embed=32, cutoffs=[200, 600]),
     "div_val4_untied_projs": dict(div_val=4, d_embed=32, cutoffs=[200, 600], tie_projs=[False, False, False]),
     "untie_r": dict(div_val=4, d_embed=32, cutoffs=[200, 600], untie_r=True),
-    "untie_r_pre_lnorm_clamp_same_length": dict(div_val=2, d_embed=16, cutoffs=[300], untie_r=True, pre_lnorm=True,
-                                                clamp_len=5, same_length=True),
+    "untie_r_pre_lnorm_clamp_same_length": dict(
+        div_val=2, d_embed=16, cutoffs=[300], untie_r=True, pre_lnorm=True, clamp_len=5, same_length=True
+    ),
     "full_softmax_untied_weights": dict(div_val=1, d_embed=16, cutoffs=[], tie_weight=False),
 }
 
@@ -491,7 +525,7 @@ def test_huggingface_full_vocabulary_log_probs_match():
         warnings.simplefilter("ignore")
         hf = TransfoXLLMHeadModel(TransfoXLConfig(**to_hf_config(config))).eval()
     hf.load_state_dict(to_hf_state_dict(ours.state_dict(), config), strict=True)
-    (inputs, _), = _segments(config, n_segments=1)
+    ((inputs, _),) = _segments(config, n_segments=1)
     with torch.no_grad():
         log_probs, _ = ours(inputs)
         hf_scores = hf(input_ids=inputs, mems=[torch.empty(0, 3, config.d_model)] * config.n_layer).prediction_scores
@@ -545,7 +579,7 @@ def test_half_precision_weights_forward_is_finite():
     mems = None
     for x, y in _segments(config, n_segments=2):
         loss, mems = model(x, y, mems)
-    (x, y), = _segments(config, n_segments=1)
+    ((x, y),) = _segments(config, n_segments=1)
     loss, _ = model(x, y)
     assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
     assert abs(loss.mean().item() - reference.mean().item()) / reference.mean().item() <= 2e-2
@@ -587,7 +621,9 @@ def _closed_form_parameters(c: ModelConfig) -> int:
     return embeddings + in_projs + out_projs + head + 2 * hd + c.n_layer * per_layer
 
 
-@pytest.mark.parametrize("name,authors_count", [("lm1b_base", 358e6), ("lm1b_large", 841e6), ("ptb_small", None), ("tiny", None)])
+@pytest.mark.parametrize(
+    "name,authors_count", [("lm1b_base", 358e6), ("lm1b_large", 841e6), ("ptb_small", None), ("tiny", None)]
+)
 def test_parameter_counts(name, authors_count):
     config = preset(name)
     with torch.device("meta"):
@@ -602,16 +638,19 @@ def test_parameter_counts(name, authors_count):
 # Configuration errors name the field.
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (dict(cutoffs=[600, 200]), "cutoffs"),
-    (dict(cutoffs=[200, 1000]), "cutoffs"),
-    (dict(div_val=0), "div_val"),
-    (dict(tie_projs=[True]), "tie_projs"),
-    (dict(dropout=1.5), "dropout"),
-    (dict(attn_impl="flash"), "attn_impl"),
-    (dict(mem_len=0, same_length=True), "same_length"),
-    (dict(d_embed=64, div_val=128), "div_val"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(cutoffs=[600, 200]), "cutoffs"),
+        (dict(cutoffs=[200, 1000]), "cutoffs"),
+        (dict(div_val=0), "div_val"),
+        (dict(tie_projs=[True]), "tie_projs"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(attn_impl="flash"), "attn_impl"),
+        (dict(mem_len=0, same_length=True), "same_length"),
+        (dict(d_embed=64, div_val=128), "div_val"),
+    ],
+)
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"model.{field}="):
         preset("tiny", **overrides)

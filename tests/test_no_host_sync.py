@@ -14,15 +14,28 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from txl_dist.config import OptimConfig
 from txl_dist.evaluation import to_device
 from txl_dist.model import TransformerXLLM, preset
 from txl_dist.training.deepspeed_config import build_torch_optimizer
-from txl_dist.config import OptimConfig
 
 # aten operators whose output shape or value depends on tensor data (the host must read the device).
-SYNCING_OPS = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique", "_unique2",
-               "unique_consecutive", "unique_dim", "bincount", "repeat_interleave", "equal", "is_nonzero",
-               "allclose", "nonzero_static"}
+SYNCING_OPS = {
+    "nonzero",
+    "_local_scalar_dense",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "bincount",
+    "repeat_interleave",
+    "equal",
+    "is_nonzero",
+    "allclose",
+    "nonzero_static",
+}
 # Tensor methods that hand data to the host.
 SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 
@@ -64,16 +77,34 @@ class _MethodRecorder(TorchFunctionMode):
 
 def _config():
     # lm1b's shape in small: div_val 4, three tail clusters, untied projections.
-    return preset("tiny", n_token=4000, cutoffs=[500, 1500, 3000], div_val=4, d_embed=64, d_model=32, n_head=2,
-                  d_head=16, d_inner=64, tie_projs=[False] * 4, dropout=0.1, dropatt=0.1, tgt_len=8, mem_len=8)
+    return preset(
+        "tiny",
+        n_token=4000,
+        cutoffs=[500, 1500, 3000],
+        div_val=4,
+        d_embed=64,
+        d_model=32,
+        n_head=2,
+        d_head=16,
+        d_inner=64,
+        tie_projs=[False] * 4,
+        dropout=0.1,
+        dropatt=0.1,
+        tgt_len=8,
+        mem_len=8,
+    )
 
 
 def _step(model, optimizer, inputs, targets, mems, *, plan: bool):
     """One training step as the trainer runs it: the plan is made from the host batch before the copy."""
     target_plan = model.plan_targets(targets, torch.device("cpu")) if plan else None
     with SyncRecorder() as recorder:
-        loss, mems = model(to_device(inputs, torch.device("cpu")), to_device(targets, torch.device("cpu")), mems,
-                           target_plan=target_plan)
+        loss, mems = model(
+            to_device(inputs, torch.device("cpu")),
+            to_device(targets, torch.device("cpu")),
+            mems,
+            target_plan=target_plan,
+        )
         loss.mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25, foreach=True)
         optimizer.step()
@@ -91,7 +122,7 @@ def test_a_training_step_never_waits_for_the_device(dtype):
     data[0, :] = 3999  # the last cluster sees targets; other clusters may see none: both paths run
     mems = None
     for segment in range(3):
-        window = data[:, segment * config.tgt_len:(segment + 1) * config.tgt_len + 1]
+        window = data[:, segment * config.tgt_len : (segment + 1) * config.tgt_len + 1]
         with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
             calls, mems = _step(model, optimizer, window[:, :-1], window[:, 1:], mems, plan=True)
         assert calls == [], f"segment {segment}: operations that wait for the device: {calls}"

@@ -18,8 +18,17 @@ from txl_dist.model.config import preset
 
 REPO = Path(__file__).resolve().parents[1]
 # Sizes that no two shape classes of the formula share (K B h != L B d_inner, ...).
-SHAPE = dict(d_model=48, n_head=2, d_head=20, d_inner=112, d_embed=64, n_token=5000, cutoffs=[1000, 2000, 3000],
-             tgt_len=5, mem_len=7)
+SHAPE = dict(
+    d_model=48,
+    n_head=2,
+    d_head=20,
+    d_inner=112,
+    d_embed=64,
+    n_token=5000,
+    cutoffs=[1000, 2000, 3000],
+    tgt_len=5,
+    mem_len=7,
+)
 BATCH = 3
 
 
@@ -38,8 +47,10 @@ def _saved_bytes(model_config, dtype: torch.dtype, batch: int) -> tuple[int, lis
     torch.manual_seed(0)
     model = TransformerXLLM(model_config).to(dtype).train()
     tokens, targets = _batch(model_config, batch)
-    mems = [torch.randn(model_config.mem_len, batch, model_config.d_model).to(dtype)
-            for _ in range(model_config.n_layer + 1)]
+    mems = [
+        torch.randn(model_config.mem_len, batch, model_config.d_model).to(dtype)
+        for _ in range(model_config.n_layer + 1)
+    ]
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,8 +86,18 @@ def test_forward_backward_peak_is_the_plan_within_a_fifth():
     backward pass, before most gradients exist.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    model_config = preset("lm1b_base", n_layer=2, d_model=128, n_head=4, d_head=32, d_inner=512, n_token=30000,
-                          cutoffs=[5000, 10000, 20000], tgt_len=16, mem_len=16)
+    model_config = preset(
+        "lm1b_base",
+        n_layer=2,
+        d_model=128,
+        n_head=4,
+        d_head=32,
+        d_inner=512,
+        n_token=30000,
+        cutoffs=[5000, 10000, 20000],
+        tgt_len=16,
+        mem_len=16,
+    )
     batch = 8
     torch.manual_seed(0)
     model = TransformerXLLM(model_config).to(torch.bfloat16).train()
@@ -86,14 +107,17 @@ def test_forward_backward_peak_is_the_plan_within_a_fifth():
         loss, _ = model(tokens, targets, mems)
         loss.mean().backward()
     live = peak = 0
-    for _, size in sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
-                          if e.name() == "[memory]"):
+    for _, size in sorted(
+        (e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+    ):
         live += size
         peak = max(peak, live)
     rows = [int(((targets >= s) & (targets < e)).sum()) for s, e in model_config.cluster_bounds()[1:]]
-    planned = (2 * plan.layer_activation_bytes(model_config, batch, 2)
-               + plan.head_activation_bytes(model_config, batch, 2, rows=rows)
-               + plan.head_transient_bytes(model_config, batch, 2))
+    planned = (
+        2 * plan.layer_activation_bytes(model_config, batch, 2)
+        + plan.head_activation_bytes(model_config, batch, 2, rows=rows)
+        + plan.head_transient_bytes(model_config, batch, 2)
+    )
     assert planned == pytest.approx(peak, rel=0.2)
 
 
@@ -104,8 +128,10 @@ def test_model_states_follow_the_zero_stage():
     P = shape.parameters
 
     def terms(stage: int, dtype: str = "bf16", offload: str = "none", world: int = 8) -> dict[str, plan.Term]:
-        changed = load_config(REPO / "configs" / "lm1b_base.yaml",
-                              [f"zero.stage={stage}", f"precision.dtype={dtype}", f"zero.offload_optimizer={offload}"])
+        changed = load_config(
+            REPO / "configs" / "lm1b_base.yaml",
+            [f"zero.stage={stage}", f"precision.dtype={dtype}", f"zero.offload_optimizer={offload}"],
+        )
         changed = with_manifest_vocab(changed, 793_471, "test")
         return {t.name: t for t in plan.plan_memory(changed, world, 1, "cuda", shape).terms}
 
@@ -120,10 +146,18 @@ def test_model_states_follow_the_zero_stage():
     assert "fp32 master weights" not in zero0_fp32 and zero0_fp32["Adam moments (fp32)"].bytes == 8 * P
     offloaded = terms(2, offload="cpu")
     assert offloaded["Adam moments (fp32)"].where == "host" and offloaded["fp32 master weights"].where == "host"
-    on_device = plan.plan_memory(with_manifest_vocab(load_config(REPO / "configs" / "lm1b_base.yaml"), 793_471, "t"),
-                                 8, 1, "cuda", shape)
-    offload_plan = plan.plan_memory(with_manifest_vocab(load_config(
-        REPO / "configs" / "lm1b_base.yaml", ["zero.offload_optimizer=cpu"]), 793_471, "t"), 8, 1, "cuda", shape)
+    on_device = plan.plan_memory(
+        with_manifest_vocab(load_config(REPO / "configs" / "lm1b_base.yaml"), 793_471, "t"), 8, 1, "cuda", shape
+    )
+    offload_plan = plan.plan_memory(
+        with_manifest_vocab(
+            load_config(REPO / "configs" / "lm1b_base.yaml", ["zero.offload_optimizer=cpu"]), 793_471, "t"
+        ),
+        8,
+        1,
+        "cuda",
+        shape,
+    )
     assert offload_plan.peak < on_device.peak and offload_plan.host >= 12 * -(-P // 8)
 
 
@@ -149,17 +183,24 @@ def test_sizes_parse():
 
 
 def test_command_line_plans_lm1b_large_without_deepspeed():
-    program = ("import sys; from txl_dist import plan; plan.main(['--config', 'configs/lm1b_large.yaml', "
-               "'--world-size', '64', '--device-memory', '80GiB']); "
-               "print('deepspeed imported:', 'deepspeed' in sys.modules)")
+    program = (
+        "import sys; from txl_dist import plan; plan.main(['--config', 'configs/lm1b_large.yaml', "
+        "'--world-size', '64', '--device-memory', '80GiB']); "
+        "print('deepspeed imported:', 'deepspeed' in sys.modules)"
+    )
     completed = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout
     assert "841,295,982 parameters" in out and "64 rank(s) of cuda" in out
     assert "largest micro-batch that fits:" in out and "train.micro_batch=8 x 1 accumulation" in out
     assert out.strip().endswith("deepspeed imported: False")
-    bad = subprocess.run([sys.executable, "-m", "txl_dist.plan", "--config", "configs/lm1b_large.yaml",
-                          "--world-size", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "txl_dist.plan", "--config", "configs/lm1b_large.yaml", "--world-size", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--world-size 0: must be at least 1" in bad.stderr
 
 
@@ -167,8 +208,9 @@ def test_print_config_shows_the_plan_as_comments(capsys):
     from txl_dist.training.cli import parse_run_args
 
     with pytest.raises(SystemExit):
-        parse_run_args(["--config", str(REPO / "configs" / "lm1b_large.yaml"), "--print-config"], world_size=64,
-                       device="cuda")
+        parse_run_args(
+            ["--config", str(REPO / "configs" / "lm1b_large.yaml"), "--print-config"], world_size=64, device="cuda"
+        )
     out = capsys.readouterr().out
     comments = [line for line in out.splitlines() if line.startswith("# ")]
     assert comments[0].startswith("# memory plan: lm1b_large") and any("peak per rank" in c for c in comments)

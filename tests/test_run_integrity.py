@@ -36,8 +36,10 @@ def _checkpoint(directory: Path) -> Path:
     tag_dir = directory / "step00000005"
     (tag_dir / "txl_rank_states").mkdir(parents=True)
     files = {}
-    for name, tensor in (("mp_rank_00_model_states.pt", torch.randn(4096)),
-                         ("txl_rank_states/rank00000.pt", torch.randn(512))):
+    for name, tensor in (
+        ("mp_rank_00_model_states.pt", torch.randn(4096)),
+        ("txl_rank_states/rank00000.pt", torch.randn(512)),
+    ):
         files[name] = fileio.atomic_write_checksummed(tag_dir / name, lambda h, t=tensor: torch.save({"x": t}, h))
     marker = {"step": 5, "checksum": fileio.CHECKSUM_NAME, "files": {k: v.to_json() for k, v in files.items()}}
     (tag_dir / COMPLETE).write_text(json.dumps(marker))
@@ -52,8 +54,11 @@ def test_only_the_shared_memory_buffers_of_this_sessions_runs_are_removed(tmp_pa
 
     port = free_port()
     ours = {f"deepspeed_allreduce_buffer_0_127.0.0.1_{port}_{rank}" for rank in (0, 1)}
-    theirs = {f"deepspeed_allreduce_buffer_0_127.0.0.1_{port + 1}_0",
-              f"deepspeed_allreduce_buffer_0_127.0.0.1_1{port}_0", f"deepspeed_allreduce_buffer_0_10.0.0.2_{port}0_1"}
+    theirs = {
+        f"deepspeed_allreduce_buffer_0_127.0.0.1_{port + 1}_0",
+        f"deepspeed_allreduce_buffer_0_127.0.0.1_1{port}_0",
+        f"deepspeed_allreduce_buffer_0_10.0.0.2_{port}0_1",
+    }
     for name in ours | theirs:
         (tmp_path / name).write_bytes(b"")
     assert sorted(path.name for path in remove_shm_buffers(tmp_path)) == sorted(ours)
@@ -106,16 +111,20 @@ def test_deepspeed_classes_load_and_a_crafted_pickle_is_refused_unrun(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    scaler = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2,
-                               consecutive_hysteresis=False)
+    scaler = DynamicLossScaler(
+        init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+    )
     torch.save({"loss_scaler": scaler, "zero_stage": ZeroStageEnum(2), "w": torch.ones(3)}, tmp_path / "ok.pt")
     loaded = weights_only.load(tmp_path / "ok.pt")
     assert loaded["loss_scaler"].cur_scale == 2**16 and loaded["zero_stage"] == ZeroStageEnum(2)
 
     marker = tmp_path / "PWNED"
     torch.save({"w": torch.ones(3), "x": _Crafted(marker)}, tmp_path / "bad.pt")
-    with pytest.raises(weights_only.UnsafeCheckpointError, match=r"bad.pt: refused to unpickle: it refers to "
-                                                                 r"posix.system"):
+    with pytest.raises(
+        weights_only.UnsafeCheckpointError,
+        match=r"bad.pt: refused to unpickle: it refers to "
+        r"posix.system",
+    ):
         weights_only.load(tmp_path / "bad.pt")
     # What DeepSpeed's own code calls, inside the guard: torch.load(..., weights_only=False).
     with weights_only.deepspeed_loads_weights_only(), pytest.raises(weights_only.UnsafeCheckpointError):
@@ -131,8 +140,12 @@ def test_a_second_run_is_refused_naming_the_holder_until_the_lock_is_released(tm
     first = RunLock(tmp_path / "run").acquire()
     holder = read_holder(tmp_path / "run" / LOCK_NAME)
     assert (holder.host, holder.pid, holder.token) == (socket.gethostname(), os.getpid(), first.token)
-    with pytest.raises(RunDirectoryBusy, match=re.escape(f"is in use by another run (host {socket.gethostname()}, "
-                                                         f"PID {os.getpid()}, started {holder.started}; lock")):
+    with pytest.raises(
+        RunDirectoryBusy,
+        match=re.escape(
+            f"is in use by another run (host {socket.gethostname()}, PID {os.getpid()}, started {holder.started}; lock"
+        ),
+    ):
         RunLock(tmp_path / "run").acquire()
     first.release()
     assert not (tmp_path / "run" / LOCK_NAME).exists()
@@ -162,8 +175,11 @@ def test_locks_of_dead_or_recycled_processes_are_taken_over(tmp_path, caplog):
         _write_holder(tmp_path, boot_id="another-boot")
         RunLock(tmp_path).acquire().release()
     reasons = [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records if "taking over" in r.getMessage()]
-    assert reasons == [f"PID {finished.pid} is no longer running", f"PID {os.getpid()} is another process now",
-                       "the host has restarted since"]
+    assert reasons == [
+        f"PID {finished.pid} is no longer running",
+        f"PID {os.getpid()} is another process now",
+        "the host has restarted since",
+    ]
 
 
 def test_a_lock_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, caplog):
@@ -252,8 +268,10 @@ def test_export_to_hf_into_itself_or_its_parent_is_refused_and_the_input_kept(ex
         result = _convert("export-to-hf", str(export_dir), str(output), "--overwrite")
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr == f"convert.py export-to-hf: error: output {output} {what} {export_dir}: " + (
-            "choose another output\n" if what == "is the input" else
-            "replacing it would delete the input; choose another output\n")
+            "choose another output\n"
+            if what == "is the input"
+            else "replacing it would delete the input; choose another output\n"
+        )
     assert _tree_digest(export_dir.parent) == before
 
 
@@ -292,13 +310,27 @@ def _read_only(mount: Path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
 
 
-def test_a_full_disk_stops_build_shards_and_convert_with_one_line_and_nothing_partial(small_tmpfs, ptb_word_tokenizer,
-                                                                                    export_dir, capsys):
+def test_a_full_disk_stops_build_shards_and_convert_with_one_line_and_nothing_partial(
+    small_tmpfs, ptb_word_tokenizer, export_dir, capsys
+):
     from data_tools import build_shards
 
     output = small_tmpfs / "shards"
-    status = build_shards.main(["--tokenizer", str(ptb_word_tokenizer), "--output", str(output), "--format", "ptb",
-                                "--tokens-per-block", "4096", "--tokens-per-shard", "131072", "--no-progress"])
+    status = build_shards.main(
+        [
+            "--tokenizer",
+            str(ptb_word_tokenizer),
+            "--output",
+            str(output),
+            "--format",
+            "ptb",
+            "--tokens-per-block",
+            "4096",
+            "--tokens-per-shard",
+            "131072",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 1
     assert len(err.splitlines()) == 1 and err.startswith(f"build_shards: error: {output}/")
@@ -323,8 +355,9 @@ def test_read_only_outputs_fail_with_one_line(small_tmpfs, export_dir, ptb_word_
     from data_tools import train_tokenizer
 
     _read_only(small_tmpfs)
-    status = train_tokenizer.main(["--kind", "word", "--format", "ptb", "--output", str(small_tmpfs / "tok"),
-                                   "--no-progress"])
+    status = train_tokenizer.main(
+        ["--kind", "word", "--format", "ptb", "--output", str(small_tmpfs / "tok"), "--no-progress"]
+    )
     assert status == 1
     assert capsys.readouterr().err == f"train_tokenizer: error: {small_tmpfs / 'tok'}: read-only file system\n"
     from launchers import convert
@@ -343,15 +376,40 @@ def test_empty_input_is_an_error_unless_asked_for(ptb_word_tokenizer, tmp_path, 
 
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"),
-                                 "--no-progress"]) == 1
+    assert (
+        train_tokenizer.main(
+            ["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"), "--no-progress"]
+        )
+        == 1
+    )
     error = capsys.readouterr().err
     assert "train_tokenizer: error: no document in the input" in error and f"{empty} (1 files" in error
     assert not (tmp_path / "tok" / "tokenizer.json").exists()
-    assert train_tokenizer.main(["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"),
-                                 "--no-progress", "--allow-empty", "--overwrite"]) == 0
-    shards = ["--tokenizer", str(ptb_word_tokenizer), "--output", str(tmp_path / "shards"),
-              "--split", f"train={empty}", "--no-progress"]
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "word",
+                "--input",
+                str(empty),
+                "--output",
+                str(tmp_path / "tok"),
+                "--no-progress",
+                "--allow-empty",
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
+    shards = [
+        "--tokenizer",
+        str(ptb_word_tokenizer),
+        "--output",
+        str(tmp_path / "shards"),
+        "--split",
+        f"train={empty}",
+        "--no-progress",
+    ]
     assert build_shards.main(shards) == 1
     assert "build_shards: error: split 'train' has no documents" in capsys.readouterr().err
     assert not (tmp_path / "shards" / "manifest.json").exists()
@@ -367,8 +425,10 @@ def test_decoding_a_damaged_shard_is_one_line(ptb_word_shards, ptb_word_tokenize
     os.truncate(shards / "train-000000.tar", 700)
     assert inspect_shards.main([str(shards), "--decode", "2", "--tokenizer", str(ptb_word_tokenizer)]) == 1
     err = capsys.readouterr().err
-    assert err == (f"inspect_shards: error: {shards / 'train-000000.tar'}: truncated or damaged shard (unexpected "
-                   f"end of data); --verify checks every shard\n")
+    assert err == (
+        f"inspect_shards: error: {shards / 'train-000000.tar'}: truncated or damaged shard (unexpected "
+        f"end of data); --verify checks every shard\n"
+    )
 
 
 # ---- no orphaned ranks: what a rank watches ----------------------------------------------------------------------
@@ -395,9 +455,13 @@ def test_a_rank_asks_to_stop_when_its_launcher_or_the_reader_of_its_output_is_go
     import signal
 
     reason_file = tmp_path / "reason"
-    launch = subprocess.Popen([sys.executable, "-c", _LAUNCH, _RANK, str(reason_file), "deepspeed.launcher.launch"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    launch = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCH, _RANK, str(reason_file), "deepspeed.launcher.launch"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert launch.stdout.readline() == b"ready\n"
     if gone == "reader":
         launch.stdout.close()
@@ -423,10 +487,23 @@ def test_a_full_disk_during_a_checkpoint_stops_every_rank_with_one_line(small_tm
     from tests.launcher import launcher_command, run, tail
 
     output = small_tmpfs / "run"
-    result = run(launcher_command("launchers/train.py", [
-        "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}", f"train.output_dir={output}",
-        "train.max_steps=8", "eval.every=0", "log.every=1", "checkpoint.every=2", "checkpoint.keep_last=0"]),
-        check=False)
+    result = run(
+        launcher_command(
+            "launchers/train.py",
+            [
+                "--config",
+                "configs/tiny_cpu.yaml",
+                f"data.shards={ptb_word_shards}",
+                f"train.output_dir={output}",
+                "train.max_steps=8",
+                "eval.every=0",
+                "log.every=1",
+                "checkpoint.every=2",
+                "checkpoint.keep_last=0",
+            ],
+        ),
+        check=False,
+    )
     text = tail(result, 300)
     assert result.returncode != 0
     errors = [line for line in text.splitlines() if line.startswith("train.py: error")]
@@ -443,8 +520,16 @@ def test_an_output_dir_that_is_a_file_is_refused_before_anything_starts(ptb_word
 
     (tmp_path / "run").write_text("not a directory")
     with pytest.raises(SystemExit) as stopped:
-        parse_run_args(["--config", str(REPO / "configs" / "tiny_cpu.yaml"), f"data.shards={ptb_word_shards}",
-                        f"train.output_dir={tmp_path / 'run'}"], world_size=2, device="cpu")
+        parse_run_args(
+            [
+                "--config",
+                str(REPO / "configs" / "tiny_cpu.yaml"),
+                f"data.shards={ptb_word_shards}",
+                f"train.output_dir={tmp_path / 'run'}",
+            ],
+            world_size=2,
+            device="cpu",
+        )
     assert stopped.value.code == 2
     assert capsys.readouterr().err.endswith(f"train.output_dir='{tmp_path / 'run'}': a file, not a directory\n")
 
@@ -458,9 +543,24 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     from tests.launcher import in_process, run, tail
 
     output = tmp_path / "run"
-    run([sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}",
-         f"train.output_dir={output}", "train.max_steps=2", "schedule.warmup_steps=1", "eval.every=0",
-         "log.every=1", "checkpoint.every=0", "train.micro_batch=4", "eval.batch_size=64", "eval.tgt_len=32"])
+    run(
+        [
+            sys.executable,
+            "launchers/train.py",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"data.shards={ptb_word_shards}",
+            f"train.output_dir={output}",
+            "train.max_steps=2",
+            "schedule.warmup_steps=1",
+            "eval.every=0",
+            "log.every=1",
+            "checkpoint.every=0",
+            "train.micro_batch=4",
+            "eval.batch_size=64",
+            "eval.tgt_len=32",
+        ]
+    )
     tag_dir = output / "checkpoints" / "step00000002"
     # evaluate.py and convert.py called in this process (one rank, no process group), their output captured.
     evaluate = ["launchers/evaluate.py", str(output), "--split", "valid", "--batch-size", "8", "--no-progress"]
@@ -471,11 +571,15 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     model_states = tag_dir / "mp_rank_00_model_states.pt"
     original = model_states.read_bytes()
     middle = len(original) // 2
-    model_states.write_bytes(original[:middle] + bytes(4096) + original[middle + 4096:])
+    model_states.write_bytes(original[:middle] + bytes(4096) + original[middle + 4096 :])
     assert model_states.stat().st_size == len(original)
-    for name, command in (("evaluate.py", [*evaluate, "--output", str(tmp_path / "damaged.json")]),
-                          ("convert.py zero-to-export",
-                           ["launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")])):
+    for name, command in (
+        ("evaluate.py", [*evaluate, "--output", str(tmp_path / "damaged.json")]),
+        (
+            "convert.py zero-to-export",
+            ["launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")],
+        ),
+    ):
         result = in_process(*command, check=False)
         errors = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode != 0 and len(errors) == 1, tail(result)
@@ -493,15 +597,23 @@ def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it
     unverified = in_process(*evaluate, "--no-verify", "--output", str(tmp_path / "unverified.json"))
     assert "warning: --no-verify" in unverified.stderr
     assert json.loads((tmp_path / "unverified.json").read_text())["loss"] == expected_loss
-    converted = in_process("launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"),
-                           "--no-verify")
+    converted = in_process(
+        "launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export"), "--no-verify"
+    )
     assert "warning: --no-verify" in converted.stderr and (tmp_path / "export" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("command, inputs", [
-    ("zero-to-export", ["checkpoint"]), ("export-to-hf", ["export"]), ("export-to-hub", ["export"]),
-    ("hf-to-export", ["hf"]), ("export-to-original", ["export"]), ("original-to-export", ["original.pt", "config.json"]),
-])
+@pytest.mark.parametrize(
+    "command, inputs",
+    [
+        ("zero-to-export", ["checkpoint"]),
+        ("export-to-hf", ["export"]),
+        ("export-to-hub", ["export"]),
+        ("hf-to-export", ["hf"]),
+        ("export-to-original", ["export"]),
+        ("original-to-export", ["original.pt", "config.json"]),
+    ],
+)
 def test_no_conversion_writes_over_its_input_or_a_folder_that_holds_it(command, inputs, tmp_path, capsys):
     """Every subcommand of convert.py, before it reads anything: an output that is its first input, or the folder
     holding it (with --overwrite), is refused in one line, and nothing in the tree changes."""
@@ -523,6 +635,8 @@ def test_no_conversion_writes_over_its_input_or_a_folder_that_holds_it(command, 
         assert convert.main([command, *paths, output, "--overwrite"]) == 2
         error = capsys.readouterr().err
         assert error == f"convert.py {command}: error: output {output} {what} {paths[0]}: " + (
-            "choose another output\n" if what == "is the input" else
-            "replacing it would delete the input; choose another output\n"), error
+            "choose another output\n"
+            if what == "is the input"
+            else "replacing it would delete the input; choose another output\n"
+        ), error
     assert _tree_digest(tmp_path) == before

@@ -65,8 +65,15 @@ def test_one_epoch_reads_every_token_once_in_contiguous_streams(shards, world_si
     steps = (tokens_per_stream - 1) // tgt_len
     batches, ids_by_rank = [], []
     for rank in range(world_size):
-        with TrainStreams(shards, "train", tgt_len=tgt_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                          world_size=world_size, rank=rank) as streams:
+        with TrainStreams(
+            shards,
+            "train",
+            tgt_len=tgt_len,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            world_size=world_size,
+            rank=rank,
+        ) as streams:
             assert (streams.num_streams, streams.steps_per_epoch) == (num_streams, steps)
             iterator = iter(streams)
             rank_batches = take(iterator, steps * grad_accum)
@@ -89,8 +96,9 @@ def test_one_epoch_reads_every_token_once_in_contiguous_streams(shards, world_si
     rows = rows_by_stream(batches)
     for stream, windows in rows.items():
         # Row b of step t+1 starts at the token after row b of step t: the windows tile the stream.
-        assert np.array_equal(np.concatenate(windows),
-                              np.arange(stream * tokens_per_stream, stream * tokens_per_stream + steps * tgt_len))
+        assert np.array_equal(
+            np.concatenate(windows), np.arange(stream * tokens_per_stream, stream * tokens_per_stream + steps * tgt_len)
+        )
     inputs = consumed_inputs(batches)
     assert np.unique(inputs).size == inputs.size == TRAIN_TOKENS - dropped
     assert dropped == TRAIN_TOKENS - num_streams * steps * tgt_len
@@ -103,8 +111,17 @@ def test_shuffled_epochs_follow_their_seeded_block_order(shards):
     steps = (tokens_per_stream - 1) // tgt_len
     batches = []
     for rank in range(world_size):
-        streams = TrainStreams(shards, "train", tgt_len=tgt_len, micro_batch=micro_batch, grad_accum=1,
-                               world_size=world_size, rank=rank, seed=seed, shuffle_blocks=True)
+        streams = TrainStreams(
+            shards,
+            "train",
+            tgt_len=tgt_len,
+            micro_batch=micro_batch,
+            grad_accum=1,
+            world_size=world_size,
+            rank=rank,
+            seed=seed,
+            shuffle_blocks=True,
+        )
         batches.append(take(iter(streams), 2 * steps))
     orders = [epoch_order(shards, "train", seed, epoch) for epoch in (0, 1)]
     assert not np.array_equal(orders[0], orders[1])
@@ -112,7 +129,7 @@ def test_shuffled_epochs_follow_their_seeded_block_order(shards):
         epoch_batches = [b for rank_batches in batches for b in rank_batches if b.epoch == epoch]
         for stream, windows in rows_by_stream(epoch_batches).items():
             start = stream * tokens_per_stream
-            assert np.array_equal(np.concatenate(windows), order[start:start + steps * tgt_len])
+            assert np.array_equal(np.concatenate(windows), order[start : start + steps * tgt_len])
         inputs = consumed_inputs(epoch_batches)
         assert np.unique(inputs).size == inputs.size == num_streams * steps * tgt_len
 
@@ -197,8 +214,18 @@ def test_other_stream_count_repartitions_the_rest_of_the_epoch(shards, old_shape
 
     def loaders(shape):
         world_size, micro_batch, grad_accum = shape
-        return [TrainStreams(shards, "train", tgt_len=tgt_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                             world_size=world_size, rank=rank) for rank in range(world_size)]
+        return [
+            TrainStreams(
+                shards,
+                "train",
+                tgt_len=tgt_len,
+                micro_batch=micro_batch,
+                grad_accum=grad_accum,
+                world_size=world_size,
+                rank=rank,
+            )
+            for rank in range(world_size)
+        ]
 
     old = loaders(old_shape)
     before = [b for streams in old for b in take(iter(streams), steps_before * streams.grad_accum)]
@@ -233,8 +260,17 @@ def test_other_stream_count_repartitions_the_rest_of_the_epoch(shards, old_shape
 
 def test_repartitioning_twice_in_one_epoch_still_uses_no_token_twice(shards):
     def loader(micro_batch):
-        return TrainStreams(shards, "train", tgt_len=5, micro_batch=micro_batch, grad_accum=1, world_size=1,
-                            rank=0, seed=3, shuffle_blocks=True)
+        return TrainStreams(
+            shards,
+            "train",
+            tgt_len=5,
+            micro_batch=micro_batch,
+            grad_accum=1,
+            world_size=1,
+            rank=0,
+            seed=3,
+            shuffle_blocks=True,
+        )
 
     first = loader(6)
     batches = take(iter(first), 400)
@@ -304,8 +340,10 @@ def test_states_of_another_split_tokenizer_shard_set_or_seed_are_refused(shards,
     with pytest.raises(StreamStateError, match="key 'layout_spans'"):
         streams.load_state_dict({**state, "layout_spans": [[0, TRAIN_TOKENS + 1]]})
     # A state of the other shuffle setting would read the epoch's blocks in another order.
-    with pytest.raises(StreamStateError, match="key 'shuffle_blocks' is False, this loader has True: the epoch's "
-                                               "block order would differ"):
+    with pytest.raises(
+        StreamStateError,
+        match="key 'shuffle_blocks' is False, this loader has True: the epoch's block order would differ",
+    ):
         TrainStreams(shards, "train", shuffle_blocks=True, **kwargs).load_state_dict(state)
     with pytest.raises(StreamStateError, match="key 'shuffle_blocks' is True, this loader has False"):
         TrainStreams(shards, "train", **kwargs).load_state_dict(shuffled.state_dict())
@@ -336,18 +374,23 @@ def test_states_that_are_not_stream_states_or_point_past_the_streams_are_refused
             fresh.load_state_dict(bad)
     # The streams of that state hold TRAIN_TOKENS // 2 tokens each: a position past them is no place to continue.
     per_stream = TRAIN_TOKENS // 2
-    with pytest.raises(StreamStateError, match=f"position {per_stream + 1} lies beyond the streams' {per_stream} "
-                                               f"tokens"):
+    with pytest.raises(
+        StreamStateError, match=f"position {per_stream + 1} lies beyond the streams' {per_stream} tokens"
+    ):
         fresh.load_state_dict({**state, "position": per_stream + 1})
     # A refused state changes nothing: the loader still reads from the start.
     assert_same_batches(take(iter(TrainStreams(shards, "train", **kwargs)), 4), take(iter(fresh), 4))
 
 
 def test_a_tokenizer_other_than_the_configured_one_is_refused(shards):
-    with pytest.raises(ManifestError, match=f"{shards}/manifest.json: tokenizer fingerprint {FINGERPRINT} differs "
-                                            f"from the configured tokenizer's {'c' * 64}"):
-        TrainStreams(shards, "train", tgt_len=5, micro_batch=2, grad_accum=1, world_size=1, rank=0,
-                     expected_fingerprint="c" * 64)
+    with pytest.raises(
+        ManifestError,
+        match=f"{shards}/manifest.json: tokenizer fingerprint {FINGERPRINT} differs "
+        f"from the configured tokenizer's {'c' * 64}",
+    ):
+        TrainStreams(
+            shards, "train", tgt_len=5, micro_batch=2, grad_accum=1, world_size=1, rank=0, expected_fingerprint="c" * 64
+        )
     with pytest.raises(ManifestError, match="no split 'test'; it has \\['train', 'valid'\\]"):
         TrainStreams(shards, "test", tgt_len=5, micro_batch=2, grad_accum=1, world_size=1, rank=0)
 
@@ -374,7 +417,7 @@ def test_missing_truncated_and_altered_shards_are_named(shards, tmp_path):
     path = broken / "valid-000001.tar"
     offset = read_manifest(broken).splits["valid"].shards[1].block_byte_offsets[3]
     data = bytearray(path.read_bytes())
-    data[offset:offset + 512] = b"\x07" * 512
+    data[offset : offset + 512] = b"\x07" * 512
     path.write_bytes(bytes(data))
     with pytest.raises(ShardError, match=f"{path}: bad tar header at byte {offset}"):
         read_whole_epoch(broken)
@@ -388,7 +431,9 @@ def test_missing_truncated_and_altered_shards_are_named(shards, tmp_path):
     data[entry.block_byte_offsets[0] + 3 * 512 + 128 + 1] ^= 0xFF
     path.write_bytes(bytes(data))
     assert len(read_whole_epoch(broken)) > 0
-    with pytest.raises(ShardError, match=f"{path}: sha256 mismatch: .* expects {entry.sha256}, the file has [0-9a-f]{{64}}"):
+    with pytest.raises(
+        ShardError, match=f"{path}: sha256 mismatch: .* expects {entry.sha256}, the file has [0-9a-f]{{64}}"
+    ):
         read_whole_epoch(broken, verify_sha256=True)
 
 
@@ -410,8 +455,9 @@ def test_broken_pipe_shards_are_named(shards, tmp_path):
 
 def gloo_rank(rank: int, world_size: int, shards: Path, init_file: Path, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    streams = TrainStreams(shards, "train", tgt_len=7, micro_batch=3, grad_accum=2,
-                           world_size=dist.get_world_size(), rank=dist.get_rank())
+    streams = TrainStreams(
+        shards, "train", tgt_len=7, micro_batch=3, grad_accum=2, world_size=dist.get_world_size(), rank=dist.get_rank()
+    )
     batches = take(iter(streams), streams.steps_per_epoch * 2)
     inputs = torch.stack([b.inputs for b in batches])  # [steps * grad_accum, micro_batch, tgt_len]
     ids = torch.stack([b.stream_ids for b in batches])
@@ -437,8 +483,9 @@ def test_two_gloo_processes_read_disjoint_streams_covering_the_split(shards, tmp
     for stream in range(num_streams):
         rank, index, row = (array[0] for array in np.nonzero(ids == stream))
         windows = inputs[rank, index::2, row]  # this stream's rows in step order (grad_accum 2)
-        assert np.array_equal(windows.ravel(),
-                              np.arange(stream * tokens_per_stream, stream * tokens_per_stream + steps * tgt_len))
+        assert np.array_equal(
+            windows.ravel(), np.arange(stream * tokens_per_stream, stream * tokens_per_stream + steps * tgt_len)
+        )
     assert np.unique(inputs).size == inputs.size == num_streams * steps * tgt_len
 
 
@@ -450,17 +497,29 @@ def test_penn_treebank_streams_tile_the_real_token_stream(ptb_word_shards, ptb_w
     from txl_dist.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(ptb_word_tokenizer)
-    expected = [i for line in treebank.penn["train"].split("\n") if line.strip()
-                for i in tokenizer.encode(line) + [tokenizer.eos_id]]
+    expected = [
+        i
+        for line in treebank.penn["train"].split("\n")
+        if line.strip()
+        for i in tokenizer.encode(line) + [tokenizer.eos_id]
+    ]
     tgt_len, micro_batch, grad_accum, world_size = 32, 4, 2, 2
     n_streams = world_size * micro_batch * grad_accum
     per_stream = len(expected) // n_streams
     inputs: dict[int, list[int]] = {}
     last_target: dict[int, int] = {}
     for rank in range(world_size):
-        with TrainStreams(ptb_word_shards, "train", tgt_len=tgt_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                          world_size=world_size, rank=rank, expected_fingerprint=tokenizer.fingerprint,
-                          verify_sha256=True) as streams:
+        with TrainStreams(
+            ptb_word_shards,
+            "train",
+            tgt_len=tgt_len,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            world_size=world_size,
+            rank=rank,
+            expected_fingerprint=tokenizer.fingerprint,
+            verify_sha256=True,
+        ) as streams:
             assert streams.num_tokens == len(expected)
             steps = streams.steps_per_epoch
             batches = iter(streams)
@@ -473,5 +532,5 @@ def test_penn_treebank_streams_tile_the_real_token_stream(ptb_word_shards, ptb_w
     assert sorted(inputs) == list(range(n_streams))
     for stream, tokens in inputs.items():
         start = stream * per_stream
-        assert tokens == expected[start:start + steps * tgt_len], stream
+        assert tokens == expected[start : start + steps * tgt_len], stream
         assert last_target[stream] == expected[start + steps * tgt_len], stream

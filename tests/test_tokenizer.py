@@ -4,9 +4,9 @@ clear errors of a damaged tokenizer directory."""
 from __future__ import annotations
 
 import collections
-import random
 import hashlib
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -59,8 +59,27 @@ def test_word_min_count_max_size_and_specials(tmp_path):
     text = _write_lines(tmp_path / "text.txt", ["a a a b b c", "d a b e e", "  ", "c e"])
     counts = collections.Counter(text.read_text().split())  # a4 b3 e3 c2 d1
     output = tmp_path / "tok"
-    assert train_tokenizer.main(["--kind", "word", "--input", str(text), "--output", str(output), "--min-count", "2",
-                                 "--specials", "<eos>", "<pad>", "--eod", "<eod>", "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "word",
+                "--input",
+                str(text),
+                "--output",
+                str(output),
+                "--min-count",
+                "2",
+                "--specials",
+                "<eos>",
+                "<pad>",
+                "--eod",
+                "<eod>",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     tokenizer = load_tokenizer(output)
     pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     kept = sorted((w for w, c in counts.items() if c >= 2), key=lambda w: (-counts[w], w))
@@ -70,15 +89,33 @@ def test_word_min_count_max_size_and_specials(tmp_path):
     assert tokenizer.encode_document("a\nb") == [pieces.index("a"), 0, pieces.index("b"), 2]
 
     capped = tmp_path / "capped"
-    assert train_tokenizer.main(["--kind", "word", "--input", str(text), "--output", str(capped), "--max-size", "4",
-                                 "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            ["--kind", "word", "--input", str(text), "--output", str(capped), "--max-size", "4", "--no-progress"]
+        )
+        == 0
+    )
     assert [load_tokenizer(capped).id_to_piece(i) for i in range(4)] == ["<eos>", "<unk>", "a", "b"]
 
 
 def test_lm1b_preset_counts_training_words_seen_three_times(fabricated_lm1b_dir, tmp_path):
     output = tmp_path / "tok"
-    assert train_tokenizer.main(["--preset", "lm1b", "--format", "lm1b", "--input", str(fabricated_lm1b_dir),
-                                 "--output", str(output), "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--preset",
+                "lm1b",
+                "--format",
+                "lm1b",
+                "--input",
+                str(fabricated_lm1b_dir),
+                "--output",
+                str(output),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     counts = collections.Counter()
     for name in corpus.LM1B_TRAIN_FILES:  # the training files only, never the heldout ones
         counts.update((fabricated_lm1b_dir / corpus.LM1B_TRAIN_DIR / name).read_text().split())
@@ -104,8 +141,9 @@ def test_sentencepiece_round_trip_and_end_of_document(ptb_sentencepiece_tokenize
     first, second, third = (tokenizer.encode(s) for s in sentences[:3])
     assert tokens.tolist() == first + [tokenizer.eod_id] + second + [tokenizer.eos_id] + third + [tokenizer.eod_id]
     assert per_document.tolist() == [len(first) + 1, len(second) + len(third) + 2]
-    assert tokenizer.decode_document(tokens[per_document[0]:].tolist()) == "\n".join(
-        " ".join(s.split()) for s in sentences[1:3])
+    assert tokenizer.decode_document(tokens[per_document[0] :].tolist()) == "\n".join(
+        " ".join(s.split()) for s in sentences[1:3]
+    )
 
 
 def test_sentence_sample_is_uniform_bounded_and_seeded():
@@ -116,8 +154,9 @@ def test_sentence_sample_is_uniform_bounded_and_seeded():
     assert sample != train_tokenizer.sample_lines(batches, 50, seed=4)
     assert train_tokenizer.sample_lines(batches[:1], 500, seed=3) == batches[0]
     # Uniform: over many seeds, lines of the first and of the last batch are drawn about equally often.
-    draws = collections.Counter(int(line.split()[1]) // 500 for seed in range(200)
-                                for line in train_tokenizer.sample_lines(batches, 50, seed))
+    draws = collections.Counter(
+        int(line.split()[1]) // 500 for seed in range(200) for line in train_tokenizer.sample_lines(batches, 50, seed)
+    )
     assert abs(draws[0] - draws[1]) < 0.1 * (draws[0] + draws[1])
 
 
@@ -125,9 +164,26 @@ def test_sentencepiece_unigram_sampled_training_is_reproducible(ptb_text_dir, tm
     fingerprints = []
     for run in ("a", "b"):
         output = tmp_path / run
-        assert train_tokenizer.main(["--kind", "sentencepiece", "--model-type", "unigram", "--vocab-size", "800",
-                                     "--input-sentence-size", "1500", "--input", str(ptb_text_dir / "ptb.valid.txt"),
-                                     "--output", str(output), "--no-progress"]) == 0
+        assert (
+            train_tokenizer.main(
+                [
+                    "--kind",
+                    "sentencepiece",
+                    "--model-type",
+                    "unigram",
+                    "--vocab-size",
+                    "800",
+                    "--input-sentence-size",
+                    "1500",
+                    "--input",
+                    str(ptb_text_dir / "ptb.valid.txt"),
+                    "--output",
+                    str(output),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         tokenizer = load_tokenizer(output)
         assert tokenizer.vocab_size == 800 and tokenizer.eod_id == tokenizer.eos_id
         fingerprints.append(tokenizer.fingerprint)
@@ -251,8 +307,9 @@ def _expected_vocabulary(paths: list[Path], min_count: int, specials: list[str])
     counts = collections.Counter()
     for path in paths:
         counts.update(path.read_bytes().decode("utf-8", "replace").split())
-    return specials + sorted((w for w, c in counts.items() if c >= min_count and w not in specials),
-                             key=lambda w: (-counts[w], w))
+    return specials + sorted(
+        (w for w, c in counts.items() if c >= min_count and w not in specials), key=lambda w: (-counts[w], w)
+    )
 
 
 def test_word_vocabulary_is_the_same_for_any_worker_count(tmp_path):
@@ -264,8 +321,11 @@ def test_word_vocabulary_is_the_same_for_any_worker_count(tmp_path):
     # Text the numpy path leaves to str.split(): no-break spaces, U+3000, CRLF, a NUL, bytes that are not UTF-8,
     # and a line of nothing but whitespace; and words longer than 8 bytes.
     tricky = tmp_path / "tricky.txt"
-    tricky.write_bytes("b\xa0ci da\u3000f  go\r\nbure\x00cem ci\n \t \nlongerthaneightbytes ci ci\n".encode()
-                      + b"da \xff\xfe da \xff\xfe\n" + "é longerthaneightbytes\n".encode() * 3)
+    tricky.write_bytes(
+        "b\xa0ci da\u3000f  go\r\nbure\x00cem ci\n \t \nlongerthaneightbytes ci ci\n".encode()
+        + b"da \xff\xfe da \xff\xfe\n"
+        + "é longerthaneightbytes\n".encode() * 3
+    )
     inputs.append(tricky)
     long_words = tmp_path / "long_words.txt"  # clean text: the numpy path, with words of more than 8 bytes
     long_words.write_text("ninebytes tenbytes10 ci\n" * 3 + "eightbyt ninebytes\n", encoding="utf-8")
@@ -273,9 +333,26 @@ def test_word_vocabulary_is_the_same_for_any_worker_count(tmp_path):
     runs = {}
     for workers in (1, 2, 3):
         output = tmp_path / f"workers{workers}"
-        assert train_tokenizer.main(["--kind", "word", "--input", *map(str, inputs), "--output", str(output),
-                                     "--min-count", "2", "--specials", "<eos>", "--workers", str(workers),
-                                     "--no-progress"]) == 0
+        assert (
+            train_tokenizer.main(
+                [
+                    "--kind",
+                    "word",
+                    "--input",
+                    *map(str, inputs),
+                    "--output",
+                    str(output),
+                    "--min-count",
+                    "2",
+                    "--specials",
+                    "<eos>",
+                    "--workers",
+                    str(workers),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         runs[workers] = {name: (output / name).read_bytes() for name in ("vocab.txt", "tokenizer.json")}
     assert runs[1] == runs[2] == runs[3]
     tokenizer = load_tokenizer(tmp_path / "workers2")
@@ -316,9 +393,30 @@ def test_sentencepiece_trains_on_documents_longer_than_its_sentence_limit(doc_pe
     else:
         inputs = [_write_lines(tmp_path / f"speech{i}.txt", [d]) for i, d in enumerate(documents)]
     output = tmp_path / "tok"
-    assert train_tokenizer.main(["--kind", "sentencepiece", "--model-type", "unigram", "--vocab-size", "60",
-                                 "--character-coverage", "1.0", "--input", *map(str, inputs), "--doc-per", doc_per,
-                                 "--input-sentence-size", "100000", "--output", str(output), "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "sentencepiece",
+                "--model-type",
+                "unigram",
+                "--vocab-size",
+                "60",
+                "--character-coverage",
+                "1.0",
+                "--input",
+                *map(str, inputs),
+                "--doc-per",
+                doc_per,
+                "--input-sentence-size",
+                "100000",
+                "--output",
+                str(output),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     tokenizer = load_tokenizer(output)
     training = json.loads((output / "tokenizer.json").read_text())["training"]
     assert training["lines_cut"] == 12 and training["max_sentence_length"] == 4192
@@ -346,12 +444,33 @@ def test_sentencepiece_sample_stays_bounded_and_empty_input_is_one_error(tmp_pat
     documents = _speeches(4, seed=5)
     text = _write_lines(tmp_path / "speeches.txt", documents)
     output = tmp_path / "tok"
-    assert train_tokenizer.main(["--kind", "sentencepiece", "--vocab-size", "40", "--character-coverage", "1.0",
-                                 "--input", str(text), "--input-sentence-size", "300", "--output", str(output),
-                                 "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "sentencepiece",
+                "--vocab-size",
+                "40",
+                "--character-coverage",
+                "1.0",
+                "--input",
+                str(text),
+                "--input-sentence-size",
+                "300",
+                "--output",
+                str(output),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert json.loads((output / "tokenizer.json").read_text())["training"]["sampled_lines"] == 300
     blank = _write_lines(tmp_path / "blank.txt", ["   ", "\t", ""])
-    assert train_tokenizer.main(["--kind", "sentencepiece", "--input", str(blank), "--output",
-                                 str(tmp_path / "none"), "--no-progress"]) == 1
+    assert (
+        train_tokenizer.main(
+            ["--kind", "sentencepiece", "--input", str(blank), "--output", str(tmp_path / "none"), "--no-progress"]
+        )
+        == 1
+    )
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "no document in the input" in error[0] and "blank.txt" in error[0]

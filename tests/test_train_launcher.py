@@ -19,8 +19,19 @@ import pytest
 import torch
 
 from tests.launcher import (
-    REPO, copy_at_step, finish, free_port, in_process, launcher_command, rank_processes, records, run, start,
-    tail, torchrun_command, wait_for_step,
+    REPO,
+    copy_at_step,
+    finish,
+    free_port,
+    in_process,
+    launcher_command,
+    rank_processes,
+    records,
+    run,
+    start,
+    tail,
+    torchrun_command,
+    wait_for_step,
 )
 
 pytestmark = pytest.mark.launcher
@@ -33,10 +44,23 @@ def args(shards: Path, output_dir: Path, *extra: str) -> list[str]:
     """The tiny model, ZeRO 2 fp32, dropout on, a schedule fixed at 40 steps whatever train.max_steps says (a high
     learning rate so that the loss visibly falls within them). The validation pass at the end of a run scores PTB
     valid in 36 segments of 64 streams (tiny_cpu.yaml's 4 streams of 8 tokens would take 2,305 forwards)."""
-    return ["--config", "configs/tiny_cpu.yaml", f"data.shards={shards}", f"train.output_dir={output_dir}",
-            "model.dropout=0.1", "optim.lr=5e-3", "schedule.warmup_steps=2", f"schedule.total_steps={STEPS}",
-            "log.every=1", "eval.every=0", "eval.batch_size=64", "eval.tgt_len=32",
-            "checkpoint.every=10", "checkpoint.keep_last=0", *extra]
+    return [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"data.shards={shards}",
+        f"train.output_dir={output_dir}",
+        "model.dropout=0.1",
+        "optim.lr=5e-3",
+        "schedule.warmup_steps=2",
+        f"schedule.total_steps={STEPS}",
+        "log.every=1",
+        "eval.every=0",
+        "eval.batch_size=64",
+        "eval.tgt_len=32",
+        "checkpoint.every=10",
+        "checkpoint.keep_last=0",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +84,17 @@ def test_reference_run_trains_and_reports(reference):
     logged = records(reference)
     assert sorted(logged) == list(range(1, STEPS + 1))
     for record in logged.values():
-        for key in ("loss", "ppl", "lr", "tokens", "grad_norm", "tokens_per_s", "step_time_s", "rss_mb", "data_checksum"):
+        for key in (
+            "loss",
+            "ppl",
+            "lr",
+            "tokens",
+            "grad_norm",
+            "tokens_per_s",
+            "step_time_s",
+            "rss_mb",
+            "data_checksum",
+        ):
             assert key in record, key
     assert logged[STEPS]["tokens"] == STEPS * 8 * 8  # global batch 8 x tgt_len 8
     first = sum(logged[s]["loss"] for s in range(1, 6)) / 5
@@ -92,9 +126,18 @@ def test_a_signal_to_one_rank_stops_both_and_validation_leaves_training_unchange
     from txl_dist.convert.zero import read_training_checkpoint
 
     output = tmp_path / "validated"
-    extra = ["eval.every=8", "eval.max_batches=0", "eval.batch_size=64", "eval.tgt_len=32", "eval.mem_len=32",
-             "eval.clamp_len=6", "eval.same_length=true", "checkpoint.every=2", "checkpoint.keep_last=1",
-             "train.max_steps=400"]
+    extra = [
+        "eval.every=8",
+        "eval.max_batches=0",
+        "eval.batch_size=64",
+        "eval.tgt_len=32",
+        "eval.mem_len=32",
+        "eval.clamp_len=6",
+        "eval.same_length=true",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=1",
+        "train.max_steps=400",
+    ]
     straight = records(reference)
     for rank, signum, after in ((1, signal.SIGINT, 10), (0, signal.SIGTERM, None)):
         process = start(torchrun_command(TRAIN, args(ptb_word_shards, output, *extra)))
@@ -119,7 +162,8 @@ def test_a_signal_to_one_rank_stops_both_and_validation_leaves_training_unchange
         best = min(evaluations, key=lambda step: evaluations[step]["loss"])
         checkpoints = output / "checkpoints"
         assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step")) == sorted(
-            {f"step{stopped_at:08d}", f"step{best:08d}"})
+            {f"step{stopped_at:08d}", f"step{best:08d}"}
+        )
         assert latest(output) == f"step{stopped_at:08d}"
         _check_complete(checkpoints / latest(output), stopped_at, reference)
         client = read_training_checkpoint(output).client
@@ -135,13 +179,16 @@ def _check_complete(tag_dir: Path, step: int, reference: Path) -> None:
     expected_architecture = json.loads((reference / "checkpoints" / "step00000040" / "COMPLETE.json").read_text())
     assert (marker["step"], marker["world_size"], marker["streams_per_rank"]) == (step, 2, 4)
     assert marker["rank_states"] == ["rank00000.pt", "rank00001.pt"]
-    assert marker["architecture"] == expected_architecture["architecture"] and marker["architecture"]["n_token"] == 10000
+    assert (
+        marker["architecture"] == expected_architecture["architecture"] and marker["architecture"]["n_token"] == 10000
+    )
     on_disk = sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file())
     assert sorted(marker["files"]) == [name for name in on_disk if name != "COMPLETE.json"]
     # DeepSpeed's files: the module, and one optimizer partition per rank (named bf16_zero_pp_rank_* under bf16).
     assert "mp_rank_00_model_states.pt" in marker["files"]
     assert sorted(name.removeprefix("bf16_") for name in marker["files"] if name.endswith("_optim_states.pt")) == [
-        f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(2)]
+        f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(2)
+    ]
     assert verify_checkpoint(tag_dir) == []
 
 
@@ -184,8 +231,20 @@ def test_tensorboard_has_the_scalars(reference):
     events = EventAccumulator(str(reference / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = {f"train/{name}" for name in ("loss", "ppl", "lr", "grad_norm", "tokens", "tokens_per_s",
-                                             "step_time_s", "rss_mb", "skipped_steps")}
+    expected = {
+        f"train/{name}"
+        for name in (
+            "loss",
+            "ppl",
+            "lr",
+            "grad_norm",
+            "tokens",
+            "tokens_per_s",
+            "step_time_s",
+            "rss_mb",
+            "skipped_steps",
+        )
+    }
     expected |= {"eval/loss", "eval/ppl"}
     assert expected <= tags, expected - tags
     losses = events.Scalars("train/loss")
@@ -234,9 +293,26 @@ def test_two_nodes_of_one_process_on_localhost(reference, ptb_word_shards, tmp_p
     output = tmp_path / "two_nodes"
     port = str(free_port())
     node_args = args(ptb_word_shards, output, "train.max_steps=6")
-    nodes = [start(launcher_command(TRAIN, node_args, launcher_flags=[
-        "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
-        "--master_port", port])) for rank in (0, 1)]
+    nodes = [
+        start(
+            launcher_command(
+                TRAIN,
+                node_args,
+                launcher_flags=[
+                    "--hostfile",
+                    str(hostfile),
+                    "--no_ssh",
+                    "--node_rank",
+                    str(rank),
+                    "--master_addr",
+                    "127.0.0.1",
+                    "--master_port",
+                    port,
+                ],
+            )
+        )
+        for rank in (0, 1)
+    ]
     outs = [finish(node, timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "on 2 rank(s)" in outs[0]
@@ -269,16 +345,14 @@ def _refused_in_process(argv: list[str], capsys, monkeypatch) -> str:
 
 
 def test_bad_config_fails_before_any_process_group(ptb_word_shards, tmp_path, capsys, monkeypatch):
-    error = _refused_in_process(args(ptb_word_shards, tmp_path / "bad", "train.micro_batch=3"), capsys,
-                                monkeypatch)
+    error = _refused_in_process(args(ptb_word_shards, tmp_path / "bad", "train.micro_batch=3"), capsys, monkeypatch)
     assert error.startswith("launchers/train.py: error: train.micro_batch") and "global_batch" in error, error
     assert not (tmp_path / "bad").exists()
 
 
-def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_before_start_up(first_half,
-                                                                                               ptb_word_shards,
-                                                                                               tmp_path, capsys,
-                                                                                               monkeypatch):
+def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_before_start_up(
+    first_half, ptb_word_shards, tmp_path, capsys, monkeypatch
+):
     """What the trainer would find only after every rank started is refused by the command line, from the files:
     the run directory's newest checkpoint has another architecture, or checkpoints are there under
     checkpoint.resume=false, or data.tokenizer is not the shards' tokenizer. Nothing in the run changes."""
@@ -287,13 +361,20 @@ def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_be
     output = tmp_path / "changed"
     shutil.copytree(first_half, output)
     before = sorted(p.relative_to(output).as_posix() for p in output.rglob("*"))
-    refused = lambda argv: _refused_in_process(argv, capsys, monkeypatch)
+
+    def refused(argv):
+        return _refused_in_process(argv, capsys, monkeypatch)
+
     error = refused(args(ptb_word_shards, output, "train.max_steps=30", "model.d_inner=48"))
-    assert error.endswith(f"{output / 'checkpoints' / 'step00000020'} was trained with another architecture: "
-                          f"d_inner: checkpoint 32, config 48"), error
+    assert error.endswith(
+        f"{output / 'checkpoints' / 'step00000020'} was trained with another architecture: "
+        f"d_inner: checkpoint 32, config 48"
+    ), error
     error = refused(args(ptb_word_shards, output, "train.max_steps=30", "checkpoint.resume=false"))
-    assert error.endswith(f"checkpoint.resume=false, but {output / 'checkpoints'} holds checkpoints (newest "
-                          f"step00000020): choose another train.output_dir, or remove them"), error
+    assert error.endswith(
+        f"checkpoint.resume=false, but {output / 'checkpoints'} holds checkpoints (newest "
+        f"step00000020): choose another train.output_dir, or remove them"
+    ), error
     # A damaged newest marker is left to the trainer's verification (which then looks at older checkpoints).
     damaged = tmp_path / "damaged_marker"
     shutil.copytree(first_half, damaged)
@@ -303,11 +384,24 @@ def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_be
     parse_run_args(args(ptb_word_shards, damaged, "model.d_inner=48"), world_size=2, device="cpu")
 
     (tmp_path / "other.txt").write_text("a few other words\n")
-    assert train_tokenizer.main(["--kind", "word", "--input", str(tmp_path / "other.txt"), "--output",
-                                 str(tmp_path / "other_tokenizer"), "--no-progress"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--kind",
+                "word",
+                "--input",
+                str(tmp_path / "other.txt"),
+                "--output",
+                str(tmp_path / "other_tokenizer"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    error = refused(args(ptb_word_shards, tmp_path / "other", "train.max_steps=4",
-                         f"data.tokenizer={tmp_path / 'other_tokenizer'}"))
+    error = refused(
+        args(ptb_word_shards, tmp_path / "other", "train.max_steps=4", f"data.tokenizer={tmp_path / 'other_tokenizer'}")
+    )
     assert f"data.tokenizer='{tmp_path / 'other_tokenizer'}': its fingerprint " in error, error
     assert "the shards were built with another tokenizer" in error and str(ptb_word_shards / "manifest.json") in error
     assert sorted(p.relative_to(output).as_posix() for p in output.rglob("*")) == before
@@ -315,16 +409,29 @@ def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_be
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (DeepSpeed refuses fp16 on its CPU "
-                    "accelerator); the model's fp16 paths are tested with autocast in test_model.py")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (DeepSpeed refuses fp16 on its CPU "
+    "accelerator); the model's fp16 paths are tested with autocast in test_model.py",
+)
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_training_on_gpus(precision, ptb_word_shards, tmp_path):
     """On a CUDA machine: ZeRO 2 over NCCL with torch's fused Adam; fp16 with dynamic loss scaling, or bf16."""
     n_gpus = min(2, torch.cuda.device_count())
     output = tmp_path / precision
-    command = launcher_command(TRAIN, args(ptb_word_shards, output, "--config", f"configs/variants/{precision}.yaml",
-                                           "train.max_steps=30", "model.dropout=0.0",
-                                           f"train.micro_batch={8 // n_gpus // 2}"), nprocs=n_gpus)
+    command = launcher_command(
+        TRAIN,
+        args(
+            ptb_word_shards,
+            output,
+            "--config",
+            f"configs/variants/{precision}.yaml",
+            "train.max_steps=30",
+            "model.dropout=0.0",
+            f"train.micro_batch={8 // n_gpus // 2}",
+        ),
+        nprocs=n_gpus,
+    )
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # the CUDA accelerator, not the CPU's
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, tail(result)
@@ -340,11 +447,22 @@ def test_half_precision_training_on_gpus(precision, ptb_word_shards, tmp_path):
     if precision == "fp16":
         # The fp16 optimizer state (DeepSpeed's loss scaler objects) reads back weights-only, in training and in
         # a conversion.
-        resumed = subprocess.run([c.replace("train.max_steps=30", "train.max_steps=32") for c in command],
-                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        resumed = subprocess.run(
+            [c.replace("train.max_steps=30", "train.max_steps=32") for c in command],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert resumed.returncode == 0 and "at step 30 (exact" in resumed.stderr, tail(resumed)
-        converted = subprocess.run([sys.executable, "launchers/convert.py", "zero-to-export", str(output),
-                                    str(tmp_path / "export")], cwd=REPO, env=env, capture_output=True, text=True)
+        converted = subprocess.run(
+            [sys.executable, "launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert converted.returncode == 0, tail(converted)
 
 
@@ -392,8 +510,10 @@ def test_damaged_checkpoints_are_skipped_and_never_rotate_the_good_one_out(refer
     before = sorted(p.name for p in checkpoints.iterdir())
 
     # Without verification the damaged newest checkpoint is resumed from: its NaN weights stop the run at once.
-    result = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=42",
-                                              "checkpoint.verify=false")), check=False)
+    result = run(
+        launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=42", "checkpoint.verify=false")),
+        check=False,
+    )
     text = tail(result, 400)
     assert result.returncode != 0
     assert "checkpoint.verify=false: resuming from" in text
@@ -402,8 +522,11 @@ def test_damaged_checkpoints_are_skipped_and_never_rotate_the_good_one_out(refer
 
     # With verification: three damaged checkpoints skipped, each with its reasons, and the run resumes from
     # step 10. With keep_last=2, saving step 12 must not count the damaged ones and delete step 10.
-    result = run(torchrun_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=12", "checkpoint.every=2",
-                                              "checkpoint.keep_last=2")))
+    result = run(
+        torchrun_command(
+            TRAIN, args(ptb_word_shards, output, "train.max_steps=12", "checkpoint.every=2", "checkpoint.keep_last=2")
+        )
+    )
     log = result.stderr
     assert "step00000040/mp_rank_00_model_states.pt: CRC-32" in log and "(damaged)" in log
     assert "step00000030/txl_rank_states/rank00001.pt: " in log and "(truncated or replaced)" in log
@@ -411,7 +534,12 @@ def test_damaged_checkpoints_are_skipped_and_never_rotate_the_good_one_out(refer
     assert "mp_rank_00_model_states.pt" in skipped_20 and "rank00000.pt: CRC-32" in skipped_20
     assert "at step 10 (exact" in log
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step")) == [
-        "step00000010", "step00000012", "step00000020", "step00000030", "step00000040"]
+        "step00000010",
+        "step00000012",
+        "step00000020",
+        "step00000030",
+        "step00000040",
+    ]
     straight, resumed = records(reference), records(output)
     for step in (11, 12):
         assert resumed[step]["loss"] == straight[step]["loss"], step
@@ -438,10 +566,13 @@ def test_no_orphaned_ranks_one_run_per_directory_and_stale_locks(reference, ptb_
 
     # While a run holds the directory, a second one is refused at once, naming the holder.
     with open(tmp_path / "third.log", "w") as third_log:
-        third = subprocess.Popen(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=100000",
-                                                              "checkpoint.keep_last=2")),
-                                 cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
-                                 stdout=third_log, stderr=subprocess.STDOUT)
+        third = subprocess.Popen(
+            launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=100000", "checkpoint.keep_last=2")),
+            cwd=REPO,
+            env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+            stdout=third_log,
+            stderr=subprocess.STDOUT,
+        )
     wait_for_step(output, stopped_at + 1, third, timeout=300)
     holder = json.loads((output / "run.lock").read_text())
     second = run(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400")), check=False)
@@ -456,8 +587,10 @@ def test_no_orphaned_ranks_one_run_per_directory_and_stale_locks(reference, ptb_
     assert json.loads((output / "run.lock").read_text())["token"] == holder["token"]
     resume_step = int(latest(output).removeprefix("step"))
     result = run(torchrun_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={resume_step + 2}")))
-    assert (f"taking over {output / 'run.lock'} from a run that is gone (host {holder['host']}, PID "
-            f"{holder['pid']}, started {holder['started']}): PID {holder['pid']} is no longer running") in result.stderr
+    assert (
+        f"taking over {output / 'run.lock'} from a run that is gone (host {holder['host']}, PID "
+        f"{holder['pid']}, started {holder['started']}): PID {holder['pid']} is no longer running"
+    ) in result.stderr
     assert f"at step {resume_step} (exact" in result.stderr
     assert not (output / "run.lock").exists()
     # The resume after the SIGTERM was exact: the first 40 steps equal the uninterrupted reference run's.
@@ -480,11 +613,24 @@ def test_nodes_that_see_different_output_directories_are_refused(ptb_word_shards
     for rank in (0, 1):
         cwd = tmp_path / f"node{rank}"
         cwd.mkdir()
-        command = launcher_command(str(REPO / TRAIN), node_args, launcher_flags=[
-            "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
-            "--master_port", port])
-        nodes.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        command = launcher_command(
+            str(REPO / TRAIN),
+            node_args,
+            launcher_flags=[
+                "--hostfile",
+                str(hostfile),
+                "--no_ssh",
+                "--node_rank",
+                str(rank),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+            ],
+        )
+        nodes.append(
+            subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outs = [finish(node, timeout=180) for node in nodes]
     assert all(node.returncode != 0 for node in nodes)
     _one_error(outs[0] + outs[1], "train.output_dir must be on a filesystem shared by all nodes: rank 1 on")
@@ -522,8 +668,10 @@ def test_a_crafted_pickle_in_a_checkpoint_is_never_run(reference, ptb_word_shard
     (tag_dir / "COMPLETE.json").write_text(json.dumps(complete))
 
     refused = "refused to unpickle: it refers to posix.system"
-    for command in (["launchers/evaluate.py", str(output), "--split", "valid", "--no-progress"],
-                    ["launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")]):
+    for command in (
+        ["launchers/evaluate.py", str(output), "--split", "valid", "--no-progress"],
+        ["launchers/convert.py", "zero-to-export", str(output), str(tmp_path / "export")],
+    ):
         result = in_process(*command, check=False)
         assert result.returncode == 2 and refused in result.stderr, tail(result)
         assert not marker.exists() and not (tmp_path / "export").exists()
@@ -537,8 +685,12 @@ def test_inf_in_mems_is_reset_and_never_saved(ptb_word_shards, tmp_path):
     """tests/scripts/train_with_inf_mems.py makes rank 0's first stream's new memory inf from step 3 on, as an
     overflowing fp16 forward would."""
     output = tmp_path / "inf"
-    run(torchrun_command("tests/scripts/train_with_inf_mems.py",
-                         args(ptb_word_shards, output, "train.max_steps=6", "checkpoint.every=0")))
+    run(
+        torchrun_command(
+            "tests/scripts/train_with_inf_mems.py",
+            args(ptb_word_shards, output, "train.max_steps=6", "checkpoint.every=0"),
+        )
+    )
     logged = records(output)
     assert [logged[s]["mems_reset"] for s in (1, 2)] == [0, 0]
     assert [logged[s]["mems_reset"] for s in (3, 6)] == [1, 4]  # one per poisoned micro-batch

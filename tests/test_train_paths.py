@@ -30,7 +30,7 @@ def step_losses(model, rows: torch.Tensor, tgt_len: int, steps: int, mems_for=la
     [t*tgt_len, (t+1)*tgt_len] of every row; the memory of each step goes, through ``mems_for``, to the next."""
     losses, mems = [], None
     for step in range(steps):
-        window = rows[:, step * tgt_len:(step + 1) * tgt_len + 1]
+        window = rows[:, step * tgt_len : (step + 1) * tgt_len + 1]
         loss, mems = model(window[:, :-1], window[:, 1:], mems_for(mems, step) if mems is not None else None)
         losses.append(loss.double().mean().item())
     return losses
@@ -49,13 +49,31 @@ def still(ptb_word_shards, tmp_path_factory) -> Path:
     were drawn, so that every step's loss follows from the first checkpoint's weights and the tokens. The weights
     are drawn with std 0.5 (not 0.02), which makes the loss depend on the memory by ~1e-3 (at 0.02, by ~1e-6)."""
     output = tmp_path_factory.mktemp("still")
-    run(torchrun_command(TRAIN, [
-        "--config", "configs/tiny_cpu.yaml", f"data.shards={ptb_word_shards}", f"train.output_dir={output}",
-        "data.train_split=test", f"model.tgt_len={TGT_LEN}", f"model.mem_len={MEM_LEN}", "model.dropout=0.0",
-        "model.init_std=0.5", f"train.global_batch={2 * SLOTS * ROWS}", f"train.micro_batch={ROWS}",
-        "train.max_epochs=1", "train.max_steps=100000", "optim.lr=1e-12", "log.every=1",
-        *[f"eval.{key}={value}" for key, value in EVAL.items()], "checkpoint.every=0", "checkpoint.keep_last=0",
-    ]))
+    run(
+        torchrun_command(
+            TRAIN,
+            [
+                "--config",
+                "configs/tiny_cpu.yaml",
+                f"data.shards={ptb_word_shards}",
+                f"train.output_dir={output}",
+                "data.train_split=test",
+                f"model.tgt_len={TGT_LEN}",
+                f"model.mem_len={MEM_LEN}",
+                "model.dropout=0.0",
+                "model.init_std=0.5",
+                f"train.global_batch={2 * SLOTS * ROWS}",
+                f"train.micro_batch={ROWS}",
+                "train.max_epochs=1",
+                "train.max_steps=100000",
+                "optim.lr=1e-12",
+                "log.every=1",
+                *[f"eval.{key}={value}" for key, value in EVAL.items()],
+                "checkpoint.every=0",
+                "checkpoint.keep_last=0",
+            ],
+        )
+    )
     return output
 
 
@@ -70,7 +88,7 @@ def test_every_slot_trains_on_its_own_streams_memory(still, ptb_word_shards):
     logged = records(still)
     assert sorted(logged) == list(range(1, steps + 1))
     model, _ = checkpoint_model(still)
-    rows = tokens[:streams * per_stream].view(streams, per_stream)
+    rows = tokens[: streams * per_stream].view(streams, per_stream)
     right = step_losses(model, rows, TGT_LEN, steps)
     got = [logged[step]["loss"] for step in range(1, steps + 1)]
     error = max(abs(a - b) / b for a, b in zip(right, got))
@@ -111,8 +129,11 @@ def test_sampled_evaluations_score_the_first_max_batches_windows_of_every_stream
     """eval.max_batches=3 during training: exactly 3 windows of each of the 8 evaluation streams, scored as an
     oracle scores them here (stream s starts at target s * n + min(s, extra), EvalStreams' rule); the full pass
     after the last step scores every target, and only it counts as the best."""
-    evaluations = [json.loads(line) for line in (still / "metrics.jsonl").read_text().splitlines()
-                   if json.loads(line)["kind"] == "eval"]
+    evaluations = [
+        json.loads(line)
+        for line in (still / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "eval"
+    ]
     steps = max(records(still))
     sampled, final = evaluations[:-1], evaluations[-1]
     assert [e["step"] for e in sampled] == list(range(EVAL["every"], steps + 1, EVAL["every"]))
@@ -122,7 +143,7 @@ def test_sampled_evaluations_score_the_first_max_batches_windows_of_every_stream
     per_stream, extra = divmod(len(tokens) - 1, EVAL["batch_size"])
     starts = [s * per_stream + min(s, extra) for s in range(EVAL["batch_size"])]
     span = EVAL["max_batches"] * EVAL["tgt_len"] + 1
-    rows = torch.stack([tokens[start:start + span] for start in starts])
+    rows = torch.stack([tokens[start : start + span] for start in starts])
     model, checkpoint = checkpoint_model(still, mem_len=EVAL["mem_len"], tgt_len=EVAL["tgt_len"])
     expected = sum(step_losses(model, rows, EVAL["tgt_len"], EVAL["max_batches"])) / EVAL["max_batches"]
     for evaluation in sampled:
@@ -134,13 +155,28 @@ def test_sampled_evaluations_score_the_first_max_batches_windows_of_every_stream
 
 # ---- resume on another number of ranks, and with another global batch -------------------------------------------
 
+
 def settled_args(shards: Path, output_dir: Path, *extra: str) -> list[str]:
     """The tiny model as in tests/test_train_launcher.py's reference run, without dropout, its weights drawn with
     std 0.5: at 0.02 another stream's memory moves a step's loss by at most ~1e-5, too little to tell."""
-    return ["--config", "configs/tiny_cpu.yaml", f"data.shards={shards}", f"train.output_dir={output_dir}",
-            "model.dropout=0.0", "model.init_std=0.5", "optim.lr=5e-3", "schedule.warmup_steps=2",
-            "schedule.total_steps=40", "log.every=1", "eval.every=0", "eval.batch_size=64", "eval.tgt_len=32",
-            "checkpoint.every=10", "checkpoint.keep_last=0", *extra]
+    return [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"data.shards={shards}",
+        f"train.output_dir={output_dir}",
+        "model.dropout=0.0",
+        "model.init_std=0.5",
+        "optim.lr=5e-3",
+        "schedule.warmup_steps=2",
+        "schedule.total_steps=40",
+        "log.every=1",
+        "eval.every=0",
+        "eval.batch_size=64",
+        "eval.tgt_len=32",
+        "checkpoint.every=10",
+        "checkpoint.keep_last=0",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -172,15 +208,20 @@ def test_resume_on_one_rank_equals_the_two_rank_continuation(settled, ptb_word_s
     assert not any(p.name.endswith("_universal") for p in (output / "checkpoints").iterdir())
 
     model, checkpoint = checkpoint_model(output, "step00000010")
-    with TrainStreams(ptb_word_shards, "train", tgt_len=8, micro_batch=2, grad_accum=4, world_size=1,
-                      rank=0) as streams:
+    with TrainStreams(
+        ptb_word_shards, "train", tgt_len=8, micro_batch=2, grad_accum=4, world_size=1, rank=0
+    ) as streams:
         assert streams.load_state_dict(checkpoint.client["data"]) == ResumeKind.EXACT
         windows = iter(streams)
         batches = [next(windows) for _ in range(4)]
     assert torch.cat([batch.stream_ids for batch in batches]).tolist() == list(range(8))
     inputs, targets = (torch.cat(parts) for parts in zip(*((batch.inputs, batch.targets) for batch in batches)))
-    states = [torch.load(output / "checkpoints" / "step00000010" / "txl_rank_states" / f"rank{rank:05d}.pt",
-                         weights_only=True) for rank in range(2)]
+    states = [
+        torch.load(
+            output / "checkpoints" / "step00000010" / "txl_rank_states" / f"rank{rank:05d}.pt", weights_only=True
+        )
+        for rank in range(2)
+    ]
     assert [state["stream_ids"].tolist() for state in states] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     mems = [torch.cat(layers, dim=1) for layers in zip(*(state["mems"] for state in states))]  # [mem_len, 8, d]
     with torch.no_grad():
@@ -190,8 +231,9 @@ def test_resume_on_one_rank_equals_the_two_rank_continuation(settled, ptb_word_s
     assert abs(moved - expected) > 10 * tolerance * expected
 
 
-def test_resume_with_another_global_batch_repartitions_the_rest_and_starts_without_memory(settled, ptb_word_shards,
-                                                                                           tmp_path):
+def test_resume_with_another_global_batch_repartitions_the_rest_and_starts_without_memory(
+    settled, ptb_word_shards, tmp_path
+):
     """global_batch 8 -> 16 on the same 2 ranks (4 accumulation steps): the rest of the epoch is cut into 16
     streams. Each step reads what TrainStreams, loaded with the checkpoint's data state, gives for the new layout
     (the logged data checksum is the trainer's sum over ranks and slots), and the first step's loss is that of the
@@ -199,8 +241,9 @@ def test_resume_with_another_global_batch_repartitions_the_rest_and_starts_witho
     from txl_dist.data import ResumeKind, TrainStreams
 
     output = copy_at_step(settled, 10, tmp_path / "wider")
-    result = run(torchrun_command(TRAIN, settled_args(ptb_word_shards, output, "train.max_steps=13",
-                                                      "train.global_batch=16")))
+    result = run(
+        torchrun_command(TRAIN, settled_args(ptb_word_shards, output, "train.max_steps=13", "train.global_batch=16"))
+    )
     log = result.stderr
     assert "resume with 16 streams instead of 8: epoch 0 re-partitioned" in log
     assert "the number of streams changed; memory starts empty" in log and "at step 10 (repartitioned" in log
@@ -208,8 +251,9 @@ def test_resume_with_another_global_batch_repartitions_the_rest_and_starts_witho
     model, checkpoint = checkpoint_model(output, "step00000010")
     checksums, first_windows = {step: 0 for step in (11, 12, 13)}, []
     for rank in range(2):
-        streams = TrainStreams(ptb_word_shards, "train", tgt_len=8, micro_batch=2, grad_accum=4, world_size=2,
-                               rank=rank)
+        streams = TrainStreams(
+            ptb_word_shards, "train", tgt_len=8, micro_batch=2, grad_accum=4, world_size=2, rank=rank
+        )
         assert streams.load_state_dict(checkpoint.client["data"]) == ResumeKind.REPARTITIONED
         batches = iter(streams)
         for step in (11, 12, 13):
@@ -228,8 +272,12 @@ def test_resume_with_another_global_batch_repartitions_the_rest_and_starts_witho
     assert logged[11]["loss"] == pytest.approx(expected, rel=1e-5)
     # The premise: had the new streams 0-7 kept the memory of the old streams 0-7 (other text now), the loss
     # would differ by far more than the tolerance.
-    old = [torch.load(output / "checkpoints" / "step00000010" / "txl_rank_states" / f"rank{rank:05d}.pt",
-                      weights_only=True) for rank in range(2)]
+    old = [
+        torch.load(
+            output / "checkpoints" / "step00000010" / "txl_rank_states" / f"rank{rank:05d}.pt", weights_only=True
+        )
+        for rank in range(2)
+    ]
     assert [state["stream_ids"].tolist() for state in old] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     old_mems = [torch.cat(layers, dim=1) for layers in zip(*(state["mems"] for state in old))]
     with torch.no_grad():

@@ -21,8 +21,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Pieces of text that stress the scanner: every kind of whitespace str.split() knows (and U+200B, which it
 # does not), multi-byte characters, words of 8 and 9 bytes (the packed-key limit), NUL and carriage returns.
-PIECES = ["a", "b", "é", "\U0001F600", "abcdefgh", "abcdefghi", "zzzzzzzzzzzzzzzz", " ", "  ", "\t", "\n", "\n",
-          "\x0b", "\x0c", "\x1c", "\x1f", "\u200b"]
+PIECES = [
+    "a",
+    "b",
+    "é",
+    "\U0001f600",
+    "abcdefgh",
+    "abcdefghi",
+    "zzzzzzzzzzzzzzzz",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\n",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\x1f",
+    "\u200b",
+]
 # What the scanner leaves to the str path.
 DECLINED = ["\xa0", "\x85", "\u2028", "\u3000", "\u2009", "\x00", "\r"]
 
@@ -38,15 +55,18 @@ def test_scanned_words_lines_and_characters_equal_str_split():
     generator = random.Random(7)
     scanned = declined = 0
     for _ in range(4000):
-        text = "".join(generator.choice(DECLINED if generator.random() < 0.015 else PIECES)
-                       for _ in range(generator.randint(0, 40)))
+        text = "".join(
+            generator.choice(DECLINED if generator.random() < 0.015 else PIECES)
+            for _ in range(generator.randint(0, 40))
+        )
         data = text.encode("utf-8")
         if generator.random() < 0.05:  # a byte that is not UTF-8
             position = generator.randint(0, len(data))
             data = data[:position] + b"\xff" + data[position:]
         scan = scan_lines(data)
-        needs_str = ("\x00" in text or "\r" in text or b"\xff" in data
-                     or any(c.isspace() and not c.isascii() for c in text))
+        needs_str = (
+            "\x00" in text or "\r" in text or b"\xff" in data or any(c.isspace() and not c.isascii() for c in text)
+        )
         assert (scan is None) == needs_str, repr(data)
         if scan is None:
             declined += 1
@@ -104,8 +124,7 @@ def test_word_tokenizer_fast_path_equals_encode_documents(ptb_word_tokenizer):
     lines[7] = "new-word-never-seen the"  # outside the vocabulary: <unk>
     data = ("\n".join(lines) + "\n").encode()
     tokens, per_document = tokenizer.encode_scanned_lines(scan_lines(data), np.uint16)
-    expected, expected_per_document = tokenizer.encode_documents([[line] for line in lines if line.split()],
-                                                                 np.uint16)
+    expected, expected_per_document = tokenizer.encode_documents([[line] for line in lines if line.split()], np.uint16)
     assert tokens.dtype == np.uint16
     assert tokens.tolist() == expected.tolist() and per_document.tolist() == expected_per_document.tolist()
     assert tokenizer.unk_id in tokens.tolist()
@@ -115,9 +134,26 @@ def test_synthetic_corpus_is_deterministic_and_has_the_lm1b_layout(tmp_path):
     shape = synthetic_lm1b.CorpusShape(scale=0.0005, seed=5)
     one = synthetic_lm1b.write_corpus(tmp_path / "one", shape, workers=1, progress=False)
     # The command line, as users run it, with two processes.
-    completed = subprocess.run([sys.executable, "-m", "data_tools.synthetic_lm1b", "--output", str(tmp_path / "two"),
-                                "--scale", "0.0005", "--seed", "5", "--workers", "2", "--no-progress"],
-                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_tools.synthetic_lm1b",
+            "--output",
+            str(tmp_path / "two"),
+            "--scale",
+            "0.0005",
+            "--seed",
+            "5",
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 0, completed.stderr
     root_one = tmp_path / "one" / synthetic_lm1b.ROOT_NAME
     root_two = tmp_path / "two" / synthetic_lm1b.ROOT_NAME

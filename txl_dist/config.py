@@ -33,9 +33,10 @@ import math
 import os
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Sequence, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -52,7 +53,7 @@ class ConfigError(ValueError):
         where = f" (set {source})" if source else ""
         super().__init__(f"{key}={value!r} is not allowed: {allowed}{where}")
 
-    def with_source(self, source: str | None) -> "ConfigError":
+    def with_source(self, source: str | None) -> ConfigError:
         return ConfigError(self.key, self.value, self.allowed, source)
 
 
@@ -169,8 +170,12 @@ class TrainConfig(_Section):
         self._at_least("global_batch", 1)
         self._at_least("micro_batch", 1, optional=True)
         if self.micro_batch is not None:
-            _require(self.global_batch % self.micro_batch == 0, "train.micro_batch", self.micro_batch,
-                     f"a divisor of train.global_batch={self.global_batch}")
+            _require(
+                self.global_batch % self.micro_batch == 0,
+                "train.micro_batch",
+                self.micro_batch,
+                f"a divisor of train.global_batch={self.global_batch}",
+            )
 
     def batch_layout(self, world_size: int, micro_batch: int | None = None) -> BatchLayout:
         """Micro-batch and gradient accumulation for ``world_size`` ranks; ValueError naming the three numbers
@@ -226,8 +231,12 @@ class OptimConfig(_Section):
 
     def _check_ranges(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "a positive number")
-        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optim.betas", self.betas,
-                 "two numbers in [0, 1)")
+        _require(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "optim.betas",
+            self.betas,
+            "two numbers in [0, 1)",
+        )
         _require(self.eps > 0, "optim.eps", self.eps, "a positive number")
         self._at_least("weight_decay", 0.0)
         self._at_least("grad_clip", 0.0)
@@ -346,10 +355,12 @@ class EvalConfig(_Section):
         self._at_least("batch_size", 1)
         self._at_least("max_batches", 0)
 
-    def resolve(self, model: ModelConfig) -> "EvalConfig":
+    def resolve(self, model: ModelConfig) -> EvalConfig:
         """A copy with every null segment setting replaced by the model's."""
-        resolved = {name: getattr(model, name) if getattr(self, name) is None else getattr(self, name)
-                    for name in ("tgt_len", "mem_len", "clamp_len", "same_length")}
+        resolved = {
+            name: getattr(model, name) if getattr(self, name) is None else getattr(self, name)
+            for name in ("tgt_len", "mem_len", "clamp_len", "same_length")
+        }
         return dataclasses.replace(self, **resolved)
 
 
@@ -391,9 +402,16 @@ class LogConfig(_Section):
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
-    "schedule": ScheduleConfig, "precision": PrecisionConfig, "zero": ZeroConfig, "eval": EvalConfig,
-    "checkpoint": CheckpointConfig, "log": LogConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "precision": PrecisionConfig,
+    "zero": ZeroConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
 }
 """The sections of a run config file, in the order they are printed."""
 
@@ -430,7 +448,7 @@ class RunConfig:
     """Where each key path was last set ("in configs/x.yaml", "on the command line"), for error messages and
     for telling a value that was given from a default. Not part of the configuration itself."""
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         """Check every section and the rules that join sections; ConfigError names the key and where it was set."""
         try:
             _check_types(self.model, "model")
@@ -459,21 +477,38 @@ class RunConfig:
         schedule = self.schedule
         total = schedule.resolved_total_steps(self.train.max_steps)
         total_name = "train.max_steps" if schedule.total_steps is None else "schedule.total_steps"
-        _require(schedule.warmup_steps <= total, "schedule.warmup_steps", schedule.warmup_steps,
-                 f"at most the schedule's length, {total_name}={total}")
+        _require(
+            schedule.warmup_steps <= total,
+            "schedule.warmup_steps",
+            schedule.warmup_steps,
+            f"at most the schedule's length, {total_name}={total}",
+        )
         if schedule.kind == "constant":
-            _require(schedule.min_lr == 0, "schedule.min_lr", schedule.min_lr,
-                     "0 with schedule.kind='constant' (a constant schedule never decays)")
-        _require(schedule.min_lr <= self.optim.lr, "schedule.min_lr", schedule.min_lr,
-                 f"at most optim.lr={self.optim.lr}")
+            _require(
+                schedule.min_lr == 0,
+                "schedule.min_lr",
+                schedule.min_lr,
+                "0 with schedule.kind='constant' (a constant schedule never decays)",
+            )
+        _require(
+            schedule.min_lr <= self.optim.lr, "schedule.min_lr", schedule.min_lr, f"at most optim.lr={self.optim.lr}"
+        )
         if self.zero.offload_optimizer != "none":
-            _require(self.zero.stage >= 1, "zero.offload_optimizer", self.zero.offload_optimizer,
-                     f"'none' with zero.stage=0 (DeepSpeed offloads ZeRO-partitioned optimizer states: "
-                     f"use zero.stage 1, 2 or 3)")
+            _require(
+                self.zero.stage >= 1,
+                "zero.offload_optimizer",
+                self.zero.offload_optimizer,
+                "'none' with zero.stage=0 (DeepSpeed offloads ZeRO-partitioned optimizer states: "
+                "use zero.stage 1, 2 or 3)",
+            )
         evaluation = self.eval.resolve(self.model)
         if evaluation.same_length:
-            _require(evaluation.mem_len > 0, "eval.same_length", True,
-                     "false when the evaluation mem_len is 0 (every query would see no key)")
+            _require(
+                evaluation.mem_len > 0,
+                "eval.same_length",
+                True,
+                "false when the evaluation mem_len is 0 (every query would see no key)",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, sections in order; `from_dict` rebuilds an equal config."""
@@ -487,7 +522,7 @@ class RunConfig:
         return yaml.dump(self.to_dict(), Dumper=_ConfigDumper, sort_keys=False, width=120)
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "a config dict") -> "RunConfig":
+    def from_dict(cls, data: Any, where: str = "a config dict") -> RunConfig:
         """Build and validate a config from plain data such as `to_dict` gives (e.g. a checkpoint's)."""
         if not isinstance(data, dict):
             raise ValueError(f"{where}: a run config must be a mapping of sections, got {type(data).__name__}")
@@ -499,7 +534,8 @@ class _ConfigDumper(yaml.SafeDumper):
 
 
 _ConfigDumper.add_representer(
-    list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True))
+    list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+)
 
 
 def with_manifest_vocab(cfg: RunConfig, vocab_size: int, manifest_where: str) -> RunConfig:
@@ -523,8 +559,9 @@ def with_manifest_vocab(cfg: RunConfig, vocab_size: int, manifest_where: str) ->
     return dataclasses.replace(cfg, model=model, key_sources=sources)
 
 
-def load_config(paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
-                overrides: Sequence[str] = ()) -> RunConfig:
+def load_config(
+    paths: str | os.PathLike | Sequence[str | os.PathLike] | None, overrides: Sequence[str] = ()
+) -> RunConfig:
     """Build the run config: defaults, then each file in ``paths`` (with its includes) left to right, then the
     ``key.path=value`` overrides. Raises ValueError naming the key, the value, what is allowed and its source."""
     if paths is None:
@@ -552,16 +589,17 @@ def _build(data: dict[str, Any], sources: dict[str, str]) -> RunConfig:
     data = {section: {} if value is None else value for section, value in data.items()}
     for section, value in data.items():
         if section not in SECTIONS:
-            raise ValueError(f"unknown section {section!r} {sources.get(str(section), '')}".rstrip()
-                             + f"; allowed sections: {', '.join(SECTIONS)}")
+            raise ValueError(
+                f"unknown section {section!r} {sources.get(str(section), '')}".rstrip()
+                + f"; allowed sections: {', '.join(SECTIONS)}"
+            )
         if not isinstance(value, dict):
             raise ConfigError(section, value, f"a mapping of {section} keys", sources.get(section))
     sections: dict[str, Any] = {}
     model_data = dict(data.get("model", {}))
     preset_name = model_data.pop(PRESET_KEY, None)
     if preset_name is not None and (not isinstance(preset_name, str) or preset_name not in PRESETS):
-        raise ConfigError("model.preset", preset_name, f"null or one of {sorted(PRESETS)}",
-                          sources.get("model.preset"))
+        raise ConfigError("model.preset", preset_name, f"null or one of {sorted(PRESETS)}", sources.get("model.preset"))
     for name, cls in SECTIONS.items():
         values = model_data if name == "model" else data.get(name, {})
         names = [f.name for f in dataclasses.fields(cls)]
@@ -569,8 +607,10 @@ def _build(data: dict[str, Any], sources: dict[str, str]) -> RunConfig:
         if unknown:
             key = f"{name}.{unknown[0]}"
             allowed = ([PRESET_KEY] if name == "model" else []) + names
-            raise ValueError(f"unknown key {key!r} {sources.get(key, '')}".rstrip()
-                             + f"; allowed keys in {name}: {', '.join(allowed)}")
+            raise ValueError(
+                f"unknown key {key!r} {sources.get(key, '')}".rstrip()
+                + f"; allowed keys in {name}: {', '.join(allowed)}"
+            )
         try:
             values = _typed_values(cls, copy.deepcopy(values), name)
         except ConfigError as error:
@@ -640,8 +680,12 @@ def _coerce(value: Any, hint: Any) -> Any:
     return value
 
 
-_SCALAR_NAMES = {bool: ("a boolean (true or false)", "booleans"), int: ("an integer", "integers"),
-                 float: ("a number", "numbers"), str: ("a string (quote it if it looks like a number)", "strings")}
+_SCALAR_NAMES = {
+    bool: ("a boolean (true or false)", "booleans"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string (quote it if it looks like a number)", "strings"),
+}
 
 
 def _describe(hint: Any) -> str:
@@ -694,8 +738,9 @@ def _read_config_file(path: Path, including: tuple[Path, ...]) -> tuple[dict[str
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(item, str) for item in includes):
-        raise ValueError(f"{shown}: include={includes!r} is not allowed: a path or a list of paths "
-                         f"(relative to {shown})")
+        raise ValueError(
+            f"{shown}: include={includes!r} is not allowed: a path or a list of paths (relative to {shown})"
+        )
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for item in includes:

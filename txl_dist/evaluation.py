@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,9 @@ class EvalResult:
 
 
 @contextlib.contextmanager
-def segment_settings(model: TransformerXLLM, *, mem_len: int | None = None, clamp_len: int | None = None,
-                     same_length: bool | None = None) -> Iterator[None]:
+def segment_settings(
+    model: TransformerXLLM, *, mem_len: int | None = None, clamp_len: int | None = None, same_length: bool | None = None
+) -> Iterator[None]:
     """Evaluate with other memory settings, then put the training ones back."""
     saved = (model.config.mem_len, model.config.clamp_len, model.config.same_length)
     model.reset_length(mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
@@ -51,8 +52,9 @@ def segment_settings(model: TransformerXLLM, *, mem_len: int | None = None, clam
 
 
 @torch.no_grad()
-def evaluate(model: TransformerXLLM, streams, device: torch.device, *, max_batches: int = 0,
-             progress: bool = False) -> EvalResult:
+def evaluate(
+    model: TransformerXLLM, streams, device: torch.device, *, max_batches: int = 0, progress: bool = False
+) -> EvalResult:
     """Score `EvalStreams` with ``model`` in eval mode (the module itself; under DeepSpeed, ``engine.module``).
 
     Every rank must call this with its own streams: all ranks run the same number of forwards (ZeRO-3 gathers
@@ -71,8 +73,9 @@ def evaluate(model: TransformerXLLM, streams, device: torch.device, *, max_batch
             if batch.reset_mems:
                 mems = None
             plan = model.plan_targets(batch.targets, device)  # on the host: no wait for the device
-            loss, mems = model(to_device(batch.inputs, device), to_device(batch.targets, device), mems,
-                               target_plan=plan)
+            loss, mems = model(
+                to_device(batch.inputs, device), to_device(batch.targets, device), mems, target_plan=plan
+            )
             mask = to_device(batch.mask, device)
             nll_sum += torch.where(mask, loss.double(), 0.0).sum()
             count += mask.sum()

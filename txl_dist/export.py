@@ -35,8 +35,9 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -44,7 +45,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from txl_dist.fileio import (
-    CHECKSUM_NAME, FileChecksum, atomic_write_text, check_output_path, file_checksum, staged_output,
+    CHECKSUM_NAME,
+    FileChecksum,
+    atomic_write_text,
+    check_output_path,
+    file_checksum,
+    staged_output,
 )
 from txl_dist.model import ModelConfig, TransformerXLLM
 from txl_dist.tokenizer import fingerprint_files
@@ -65,9 +71,27 @@ CHECKSUMS_FORMAT = "txl_dist.export-checksums"
 
 log = logging.getLogger("txl_dist.export")
 
-AUTHORS_FIELDS = ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "d_embed", "div_val", "cutoffs",
-                  "tie_weight", "tie_projs", "untie_r", "pre_lnorm", "tgt_len", "mem_len", "clamp_len",
-                  "same_length", "dropout", "dropatt")
+AUTHORS_FIELDS = (
+    "n_token",
+    "n_layer",
+    "n_head",
+    "d_model",
+    "d_head",
+    "d_inner",
+    "d_embed",
+    "div_val",
+    "cutoffs",
+    "tie_weight",
+    "tie_projs",
+    "untie_r",
+    "pre_lnorm",
+    "tgt_len",
+    "mem_len",
+    "clamp_len",
+    "same_length",
+    "dropout",
+    "dropatt",
+)
 """The fields of config.json named as in the authors' code; all are required when reading."""
 EXTRA_FIELDS = ("attn_impl", "mem_dtype", "init_std", "proj_init_std", "layer_norm_eps")
 """Our fields the authors' code does not have; ModelConfig's defaults when absent."""
@@ -144,8 +168,10 @@ def apply_eval_overrides(config: ModelConfig, overrides: Mapping[str, Any]) -> M
     for name in allowed:
         if name not in EVAL_SETTINGS:
             if name in names:
-                raise ValueError(f"{name} cannot be overridden when loading an export: it fixes the shapes or the "
-                                 f"meaning of the weights (evaluation settings are {list(EVAL_SETTINGS)})")
+                raise ValueError(
+                    f"{name} cannot be overridden when loading an export: it fixes the shapes or the "
+                    f"meaning of the weights (evaluation settings are {list(EVAL_SETTINGS)})"
+                )
             raise ValueError(f"unknown setting {name!r}; evaluation settings are {list(EVAL_SETTINGS)}")
     return dataclasses.replace(config, **allowed).validate()
 
@@ -164,28 +190,38 @@ def _tokenizer_files(directory: Path) -> tuple[list[str], dict[str, Any]]:
     if missing:
         raise ValueError(f"{path}: missing key(s) {missing}")
     files = description["files"]
-    if not isinstance(files, list) or not files or any(
-            not isinstance(name, str) or Path(name).name != name or name == TOKENIZER_JSON for name in files):
+    if (
+        not isinstance(files, list)
+        or not files
+        or any(not isinstance(name, str) or Path(name).name != name or name == TOKENIZER_JSON for name in files)
+    ):
         raise ValueError(f"{path}: key 'files' must list the names of the tokenizer's files, got {files!r}")
     for name in files:
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name}: missing tokenizer file (listed in {path})")
     actual = fingerprint_files(directory, files)
     if actual != description["fingerprint"]:
-        raise ValueError(f"{directory}: the files {files} have fingerprint {actual}, but {path} records "
-                         f"{description['fingerprint']}; they changed after the tokenizer was made")
+        raise ValueError(
+            f"{directory}: the files {files} have fingerprint {actual}, but {path} records "
+            f"{description['fingerprint']}; they changed after the tokenizer was made"
+        )
     return files, {key: description[key] for key in IDENTITY_KEYS}
 
 
-def _check_same_tokenizer(recorded: Mapping[str, Any], found: Mapping[str, Any], recorded_where: str,
-                          found_where: str) -> None:
+def _check_same_tokenizer(
+    recorded: Mapping[str, Any], found: Mapping[str, Any], recorded_where: str, found_where: str
+) -> None:
     if recorded["fingerprint"] != found["fingerprint"]:
-        raise ValueError(f"tokenizer mismatch: {recorded_where} records fingerprint {recorded['fingerprint']}, "
-                         f"but {found_where} has fingerprint {found['fingerprint']}")
+        raise ValueError(
+            f"tokenizer mismatch: {recorded_where} records fingerprint {recorded['fingerprint']}, "
+            f"but {found_where} has fingerprint {found['fingerprint']}"
+        )
     for key in IDENTITY_KEYS:
         if recorded[key] != found[key]:
-            raise ValueError(f"tokenizer mismatch: {recorded_where} records {key}={recorded[key]!r}, "
-                             f"but {found_where} has {key}={found[key]!r}")
+            raise ValueError(
+                f"tokenizer mismatch: {recorded_where} records {key}={recorded[key]!r}, "
+                f"but {found_where} has {key}={found[key]!r}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,16 +250,19 @@ def _check_keys_and_shapes(state: Mapping[str, torch.Tensor], expected: Mapping[
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{where}: the weights do not match the configuration: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"{where}: the weights do not match the configuration: missing {missing}, unexpected {unexpected}"
+        )
     for key, shape in expected.items():
         if state[key].shape != shape:
-            raise ValueError(f"{where}: {key} has shape {list(state[key].shape)}, but the configuration gives "
-                             f"{list(shape)}")
+            raise ValueError(
+                f"{where}: {key} has shape {list(state[key].shape)}, but the configuration gives {list(shape)}"
+            )
 
 
-def unique_weights(state: Mapping[str, torch.Tensor], config: ModelConfig, where: str = "state dict"
-                   ) -> dict[str, torch.Tensor]:
+def unique_weights(
+    state: Mapping[str, torch.Tensor], config: ModelConfig, where: str = "state dict"
+) -> dict[str, torch.Tensor]:
     """The state dict with each tied tensor once (under the embedding's name), checked key by key and shape by
     shape against ``config``. A tied alias may be absent (DeepSpeed's consolidated weights list each parameter
     once) or present, in which case it must equal the tensor it is tied to."""
@@ -235,9 +274,13 @@ def unique_weights(state: Mapping[str, torch.Tensor], config: ModelConfig, where
         value = state.pop(alias)
         if stored not in state:
             state[stored] = value
-        elif value is not state[stored] and not (value.shape == state[stored].shape and torch.equal(value, state[stored])):
-            raise ValueError(f"{where}: {alias} differs from {stored}, but the configuration ties them "
-                             f"(tie_weight={config.tie_weight}, tie_projs={config.tie_projs_resolved})")
+        elif value is not state[stored] and not (
+            value.shape == state[stored].shape and torch.equal(value, state[stored])
+        ):
+            raise ValueError(
+                f"{where}: {alias} differs from {stored}, but the configuration ties them "
+                f"(tie_weight={config.tie_weight}, tie_projs={config.tie_projs_resolved})"
+            )
     _check_keys_and_shapes(state, {k: s for k, s in shapes.items() if k not in aliases}, where)
     return state
 
@@ -263,10 +306,16 @@ def write_checksums(folder: str | os.PathLike) -> None:
     from txl_dist.training.checkpoint import FILES_KEY
 
     folder = Path(folder)
-    files = {path.relative_to(folder).as_posix(): file_checksum(path) for path in sorted(folder.rglob("*"))
-             if path.is_file() and path.name != CHECKSUMS_FILE}
-    record = {"format": CHECKSUMS_FORMAT, "checksum": CHECKSUM_NAME,
-              FILES_KEY: {name: checksum.to_json() for name, checksum in files.items()}}
+    files = {
+        path.relative_to(folder).as_posix(): file_checksum(path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != CHECKSUMS_FILE
+    }
+    record = {
+        "format": CHECKSUMS_FORMAT,
+        "checksum": CHECKSUM_NAME,
+        FILES_KEY: {name: checksum.to_json() for name, checksum in files.items()},
+    }
     atomic_write_text(folder / CHECKSUMS_FILE, json.dumps(record, indent=1) + "\n")
 
 
@@ -284,8 +333,15 @@ def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
         if record.get("checksum") != CHECKSUM_NAME:
             raise ValueError(f"checksum {record.get('checksum')!r}, expected {CHECKSUM_NAME!r}")
         expected = {name: FileChecksum.from_json(entry) for name, entry in record[FILES_KEY].items()}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
-            ValueError) as error:
+    except (
+        OSError,
+        UnicodeDecodeError,
+        json.JSONDecodeError,
+        AttributeError,
+        KeyError,
+        TypeError,
+        ValueError,
+    ) as error:
         return [f"{path}: unreadable ({error})"]
     return check_files(export_dir, expected, threads=min(8, os.cpu_count() or 1), marker=CHECKSUMS_FILE)
 
@@ -297,11 +353,15 @@ def require_verified_export(export_dir: str | os.PathLike, verify: bool = True) 
         return
     problems = verify_export(export_dir)
     if problems is None:
-        log.warning("%s: no %s (an export written before txl_dist checksummed its exports): its files are not "
-                    "verified", export_dir, CHECKSUMS_FILE)
+        log.warning(
+            "%s: no %s (an export written before txl_dist checksummed its exports): its files are not verified",
+            export_dir,
+            CHECKSUMS_FILE,
+        )
     elif problems:
-        raise ExportVerificationError(f"{export_dir} fails verification: {'; '.join(problems)} (--no-verify, or "
-                                      f"verify=False, reads it anyway)")
+        raise ExportVerificationError(
+            f"{export_dir} fails verification: {'; '.join(problems)} (--no-verify, or verify=False, reads it anyway)"
+        )
 
 
 def require_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
@@ -312,18 +372,26 @@ def require_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad.append(f"{name} ({int((~torch.isfinite(tensor)).sum()):,} of {tensor.numel():,} values)")
     if bad:
-        raise ValueError(f"{where}: weights hold NaN or infinity: {', '.join(bad[:5])}"
-                         f"{f' and {len(bad) - 5} more tensors' if len(bad) > 5 else ''}")
+        raise ValueError(
+            f"{where}: weights hold NaN or infinity: {', '.join(bad[:5])}"
+            f"{f' and {len(bad) - 5} more tensors' if len(bad) > 5 else ''}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Writing and reading an export
 
 
-def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], config: ModelConfig,
-                 out_dir: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
-                 tokenizer_identity: Mapping[str, Any] | None = None,
-                 training_info: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
+def write_export(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    tokenizer_identity: Mapping[str, Any] | None = None,
+    training_info: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write an export folder (see the module docstring) and return its path.
 
     ``tokenizer_dir``: a tokenizer directory (its ``tokenizer.json`` lists the files) to copy into
@@ -337,8 +405,10 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
     if isinstance(model_or_state_dict, nn.Module):
         model_config = getattr(model_or_state_dict, "config", None)
         if isinstance(model_config, ModelConfig) and model_config.architecture() != config.architecture():
-            raise ValueError(f"the model's architecture {model_config.architecture()} differs from the config's "
-                             f"{config.architecture()}")
+            raise ValueError(
+                f"the model's architecture {model_config.architecture()} differs from the config's "
+                f"{config.architecture()}"
+            )
         state = model_or_state_dict.state_dict()
     else:
         state = model_or_state_dict
@@ -355,14 +425,19 @@ def write_export(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], co
             _check_same_tokenizer(identity, found, "the checkpoint", str(tokenizer_dir))
         identity = found
     if identity is not None and identity.get("vocab_size") != config.n_token:
-        raise ValueError(f"tokenizer mismatch: the tokenizer has vocab_size={identity.get('vocab_size')}, but the "
-                         f"model has n_token={config.n_token}")
+        raise ValueError(
+            f"tokenizer mismatch: the tokenizer has vocab_size={identity.get('vocab_size')}, but the "
+            f"model has n_token={config.n_token}"
+        )
     config_text = json.dumps(config_to_json(config, identity), indent=1) + "\n"
     training_text = json.dumps(dict(training_info), indent=1) + "\n" if training_info is not None else None
 
     with staged_output(out_dir, "txl_dist.export.write_export") as staging:
-        save_safetensors(weights, staging / WEIGHTS_FILE,
-                         metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
+        save_safetensors(
+            weights,
+            staging / WEIGHTS_FILE,
+            metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)},
+        )
         if tokenizer_dir is not None:
             (staging / TOKENIZER_DIR).mkdir()
             for name in tokenizer_files + [TOKENIZER_JSON]:
@@ -387,8 +462,9 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: 
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from error
 
 
-def load_model(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", verify: bool = True,
-               **overrides: Any) -> TransformerXLLM:
+def load_model(
+    export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", verify: bool = True, **overrides: Any
+) -> TransformerXLLM:
     """The model of an export folder, in eval mode, on ``device``.
 
     ``overrides`` change evaluation settings only (`EVAL_SETTINGS`: tgt_len, mem_len, clamp_len, same_length,
@@ -410,14 +486,21 @@ def load_model(export_dir: str | os.PathLike, *, device: str | torch.device = "c
     shapes, aliases = _layout(config)
     recorded_aliases = json.loads(metadata.get(TIED_METADATA_KEY, "{}"))
     if recorded_aliases != aliases:
-        raise ValueError(f"{weights_path}: stored with the ties {recorded_aliases}, but {export_dir / CONFIG_FILE} "
-                         f"(tie_weight, tie_projs) gives {aliases}")
+        raise ValueError(
+            f"{weights_path}: stored with the ties {recorded_aliases}, but {export_dir / CONFIG_FILE} "
+            f"(tie_weight, tie_projs) gives {aliases}"
+        )
     _check_keys_and_shapes(tensors, {k: s for k, s in shapes.items() if k not in aliases}, str(weights_path))
     return model_from_state_dict(tensors, config, device=device, where=str(weights_path))
 
 
-def model_from_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, *,
-                          device: str | torch.device = "cpu", where: str = "state dict") -> TransformerXLLM:
+def model_from_state_dict(
+    state: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    *,
+    device: str | torch.device = "cpu",
+    where: str = "state dict",
+) -> TransformerXLLM:
     """A model in eval mode holding ``state`` (with or without the keys of tied tensors, e.g. DeepSpeed's
     consolidated weights); a missing, extra or misshapen weight is an error naming it."""
     weights = unique_weights(state, config, where)
@@ -441,20 +524,25 @@ def load_export_tokenizer(export_dir: str | os.PathLike) -> Tokenizer | None:
             raise ValueError(f"{folder}: present, but {config_path} records no tokenizer (key 'tokenizer' is null)")
         return None
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: missing, but {config_path} records a tokenizer (fingerprint "
-                                f"{recorded['fingerprint']}); copy that tokenizer's directory there")
+        raise FileNotFoundError(
+            f"{folder}: missing, but {config_path} records a tokenizer (fingerprint "
+            f"{recorded['fingerprint']}); copy that tokenizer's directory there"
+        )
     _, found = _tokenizer_files(folder)
     _check_same_tokenizer(recorded, found, str(config_path), str(folder))
     if found["vocab_size"] != config.n_token:
-        raise ValueError(f"tokenizer mismatch: {folder} has vocab_size={found['vocab_size']}, but {config_path} "
-                         f"has n_token={config.n_token}")
+        raise ValueError(
+            f"tokenizer mismatch: {folder} has vocab_size={found['vocab_size']}, but {config_path} "
+            f"has n_token={config.n_token}"
+        )
     from txl_dist.tokenizer import load_tokenizer
 
     return load_tokenizer(folder)
 
 
-def load_pretrained(export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", verify: bool = True,
-                    **overrides: Any) -> tuple[TransformerXLLM, Tokenizer | None]:
+def load_pretrained(
+    export_dir: str | os.PathLike, *, device: str | torch.device = "cpu", verify: bool = True, **overrides: Any
+) -> tuple[TransformerXLLM, Tokenizer | None]:
     """(model in eval mode, tokenizer or None) of an export folder; ``overrides`` and ``verify`` as in
     `load_model` (the files are verified before any is read)."""
     require_verified_export(export_dir, verify)

@@ -11,10 +11,11 @@ import secrets
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO
 
 
 def sha256_files(paths: Sequence[str | os.PathLike], block_bytes: int = 1 << 22) -> str:
@@ -96,7 +97,7 @@ class FileChecksum:
         return {"bytes": self.bytes, CHECKSUM_NAME: self.crc32}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "FileChecksum":
+    def from_json(cls, data: dict[str, Any]) -> FileChecksum:
         return cls(int(data["bytes"]), str(data[CHECKSUM_NAME]))
 
 
@@ -162,11 +163,18 @@ def atomic_write_checksummed(path: str | os.PathLike, write: Callable[[BinaryIO]
 # ---- write failures as one line --------------------------------------------------------------------------------
 
 _CAUSES = {
-    errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-    errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-    errno.ENOTDIR: "not a directory (a file is in the way)", errno.EISDIR: "is a directory",
-    errno.EEXIST: "already exists", errno.ENOENT: "no such file or directory", errno.EIO: "input/output error",
-    errno.ENAMETOOLONG: "file name too long", errno.ESTALE: "stale file handle (the file was removed on the server)",
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "not a directory (a file is in the way)",
+    errno.EISDIR: "is a directory",
+    errno.EEXIST: "already exists",
+    errno.ENOENT: "no such file or directory",
+    errno.EIO: "input/output error",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.ESTALE: "stale file handle (the file was removed on the server)",
 }
 
 
@@ -222,14 +230,17 @@ def refuse_output_over_inputs(output: str | os.PathLike, inputs: Sequence[str | 
         if out == source_path:
             raise OutputPathError(f"output {given} is the input {source}: choose another output")
         if out in source_path.parents:
-            raise OutputPathError(f"output {given} contains the input {source}: replacing it would delete the "
-                                  f"input; choose another output")
+            raise OutputPathError(
+                f"output {given} contains the input {source}: replacing it would delete the "
+                f"input; choose another output"
+            )
         if source_path in out.parents:
             raise OutputPathError(f"output {given} lies inside the input {source}: choose an output outside it")
 
 
-def check_output_path(output: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, overwrite: bool,
-                      directory: bool = True) -> Path:
+def check_output_path(
+    output: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, overwrite: bool, directory: bool = True
+) -> Path:
     """Refuse, before any work, an output that would lose data; return it.
 
     Refused: an output that is one of ``inputs``, contains one, or lies inside one (symbolic links followed); an
@@ -249,9 +260,11 @@ def check_output_path(output: str | os.PathLike, inputs: Sequence[str | os.PathL
     if not given.is_dir():
         raise OutputPathError(f"{given}: is a file; --overwrite replaces only a folder this tool wrote")
     if any(given.iterdir()) and not (given / OUTPUT_MARKER).is_file():
-        raise OutputPathError(f"{given}: holds files this tool did not write (no {OUTPUT_MARKER}); --overwrite "
-                              f"replaces only an empty folder or one written by txl_dist: remove it yourself or "
-                              f"choose another output")
+        raise OutputPathError(
+            f"{given}: holds files this tool did not write (no {OUTPUT_MARKER}); --overwrite "
+            f"replaces only an empty folder or one written by txl_dist: remove it yourself or "
+            f"choose another output"
+        )
     return given
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-from typing import Any, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -58,8 +59,16 @@ class TokenSampler:
     """Chooses the next token from log-probabilities: greedy, or sampled with temperature, top-k and nucleus
     (top-p) filtering, from a private generator."""
 
-    def __init__(self, device: torch.device, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, greedy: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        greedy: bool = False,
+    ):
         if not temperature > 0:
             raise ValueError(f"temperature={temperature} must be > 0 (use greedy=True for the most probable token)")
         if not isinstance(top_k, int) or top_k < 0:
@@ -135,19 +144,30 @@ class IncrementalDecoder:
         segment = self.model.config.tgt_len
         for start in range(0, tokens.shape[1], segment):
             if self.kv_cache:
-                hidden, self.cache = self.model.hidden_states_cached(tokens[:, start:start + segment], self.cache)
+                hidden, self.cache = self.model.hidden_states_cached(tokens[:, start : start + segment], self.cache)
             else:
-                hidden, self.mems = self.model.hidden_states(tokens[:, start:start + segment], self.mems)
+                hidden, self.mems = self.model.hidden_states(tokens[:, start : start + segment], self.mems)
         return hidden[-1]  # hidden [L, 1, d_model]: the newest position
 
 
-def iter_generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
-                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                      greedy: bool = False, stop_ids: Collection[int] = (), kv_cache: bool = True) -> Iterator[int]:
+def iter_generate_ids(
+    model: TransformerXLLM,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    greedy: bool = False,
+    stop_ids: Collection[int] = (),
+    kv_cache: bool = True,
+) -> Iterator[int]:
     """The new tokens (not the prompt) after ``prompt_ids``, one at a time as they are decoded (see
     `generate_ids`)."""
-    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, greedy=greedy)
+    choose = _prepare(
+        model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy
+    )
     if max_new_tokens == 0:
         return
     with _inference(model):
@@ -164,9 +184,19 @@ def iter_generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new
             ids = [token]
 
 
-def generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 greedy: bool = False, stop_ids: Collection[int] = (), kv_cache: bool = True) -> list[int]:
+def generate_ids(
+    model: TransformerXLLM,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    greedy: bool = False,
+    stop_ids: Collection[int] = (),
+    kv_cache: bool = True,
+) -> list[int]:
     """The new tokens (not the prompt) after ``prompt_ids``, decoded incrementally.
 
     The prompt goes in segments of ``model.config.tgt_len``; each new token then costs one forward of one token,
@@ -175,19 +205,41 @@ def generate_ids(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_toke
     at every layer. Generation stops after ``max_new_tokens`` tokens or after emitting one of ``stop_ids`` (which
     is included).
     """
-    return list(iter_generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, seed=seed, greedy=greedy, stop_ids=stop_ids, kv_cache=kv_cache))
+    return list(
+        iter_generate_ids(
+            model,
+            prompt_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            greedy=greedy,
+            stop_ids=stop_ids,
+            kv_cache=kv_cache,
+        )
+    )
 
 
-def generate_ids_recompute(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, *,
-                           max_context: int | None = None, temperature: float = 1.0, top_k: int = 0,
-                           top_p: float = 1.0, seed: int | None = None, greedy: bool = False,
-                           stop_ids: Collection[int] = ()) -> list[int]:
+def generate_ids_recompute(
+    model: TransformerXLLM,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    max_context: int | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    greedy: bool = False,
+    stop_ids: Collection[int] = (),
+) -> list[int]:
     """Like `generate_ids`, but every new token recomputes the whole prefix (its last ``max_context`` tokens when
     given) in one segment without memory: the vanilla Transformer's decoding, the reference for tests and
     benchmarks."""
-    choose = _prepare(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, greedy=greedy)
+    choose = _prepare(
+        model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy
+    )
     device = _device(model)
     ids = list(prompt_ids)
     new_ids: list[int] = []
@@ -203,8 +255,9 @@ def generate_ids_recompute(model: TransformerXLLM, prompt_ids: Sequence[int], ma
     return new_ids
 
 
-def score_ids(model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context_id: int, *,
-              batch_size: int = 16) -> list[tuple[float, int]]:
+def score_ids(
+    model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context_id: int, *, batch_size: int = 16
+) -> list[tuple[float, int]]:
     """(log-probability in nats, number of scored tokens) of each token sequence, scored as a document.
 
     A sequence ``ids`` is read as ``[context_id] + ids`` and predicts ``ids + [context_id]``: it is conditioned
@@ -224,19 +277,19 @@ def score_ids(model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context
     by_length = sorted(range(len(ids_list)), key=lambda index: len(ids_list[index]))
     with _inference(model):
         for first in range(0, len(by_length), batch_size):
-            batch = by_length[first:first + batch_size]
+            batch = by_length[first : first + batch_size]
             n_targets = torch.tensor([len(ids_list[index]) + 1 for index in batch], device=device)
             width = int(n_targets.max())
             data = torch.full((len(batch), width + 1), context_id, dtype=torch.long, device=device)
             for row, index in enumerate(batch):
                 if ids_list[index]:
-                    data[row, 1:len(ids_list[index]) + 1] = torch.tensor(list(ids_list[index]), device=device)
+                    data[row, 1 : len(ids_list[index]) + 1] = torch.tensor(list(ids_list[index]), device=device)
             scored = torch.arange(width, device=device)[None, :] < n_targets[:, None]  # [B, width]
             nll = torch.zeros(len(batch), dtype=torch.float64, device=device)
             mems = None
             for start in range(0, width, segment):
                 window = slice(start, min(start + segment, width))
-                loss, mems = model(data[:, window], data[:, window.start + 1:window.stop + 1], mems)
+                loss, mems = model(data[:, window], data[:, window.start + 1 : window.stop + 1], mems)
                 nll += torch.where(scored[:, window], loss.double(), 0.0).sum(dim=1)
             for row, index in enumerate(batch):
                 results[index] = (-float(nll[row]), int(n_targets[row]))
@@ -265,7 +318,9 @@ class TextStream:
         self.line: list[int] = []
         self.pending_breaks = 0
         # Bytes become text as their UTF-8 characters complete; a byte that is not UTF-8 prints as U+FFFD.
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if getattr(tokenizer, "kind", None) == "byte" else None
+        self._utf8 = (
+            codecs.getincrementaldecoder("utf-8")("replace") if getattr(tokenizer, "kind", None) == "byte" else None
+        )
 
     def push(self, token_id: int) -> str:
         if self._utf8 is not None and token_id not in self.separators:
@@ -283,11 +338,11 @@ class TextStream:
             return ""
         breaks = "\n" * self.pending_breaks
         self.pending_breaks = 0
-        context = self.line[-self.CONTEXT:]
+        context = self.line[-self.CONTEXT :]
         before = self.tokenizer.decode(context) if context else ""
         after = self.tokenizer.decode(context + [token_id])
         self.line.append(token_id)
-        return breaks + (after[len(before):] if after.startswith(before) else after)
+        return breaks + (after[len(before) :] if after.startswith(before) else after)
 
     def finish(self) -> str:
         """Separators at the end: n of them close n - 1 empty lines (decode_document's convention)."""
@@ -299,14 +354,24 @@ class TextStream:
         return tail
 
 
-def iter_generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens: int = 50, *,
-                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                  greedy: bool = False) -> Iterator[str]:
+def iter_generate(
+    model: TransformerXLLM,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int = 50,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    greedy: bool = False,
+) -> Iterator[str]:
     """The text that follows ``prompt``, piece by piece as tokens are decoded (see `generate`)."""
     prompt_ids = [tokenizer.eod_id] + tokenizer.encode(prompt)
     stream = TextStream(tokenizer)
-    for token in iter_generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, seed=seed, greedy=greedy):
+    for token in iter_generate_ids(
+        model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy
+    ):
         piece = stream.push(token)
         if piece:
             yield piece
@@ -315,20 +380,41 @@ def iter_generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_t
         yield tail
 
 
-def generate(model: TransformerXLLM, tokenizer: Any, prompt: str, max_new_tokens: int = 50, *,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-             greedy: bool = False) -> str:
+def generate(
+    model: TransformerXLLM,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int = 50,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    greedy: bool = False,
+) -> str:
     """The text that follows ``prompt``, decoded incrementally (one forward of one token per new token).
 
     The prompt is read as the start of a document: it follows the document separator, as every document of the
     training stream does. Separators in the output come back as line breaks (`decode_document`).
     """
-    return "".join(iter_generate(model, tokenizer, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seed=seed, greedy=greedy))
+    return "".join(
+        iter_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            greedy=greedy,
+        )
+    )
 
 
-def score(model: TransformerXLLM, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16
-          ) -> list[dict[str, float | int]]:
+def score(
+    model: TransformerXLLM, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16
+) -> list[dict[str, float | int]]:
     """Per text: ``logprob`` (nats, of its tokens and the closing separator, given the opening one), ``tokens``
     (how many were scored), ``ppl`` = exp(-logprob / tokens) and ``unknown``: how many of its tokens are the
     unknown token. Text the vocabulary does not know scores as the unknown token, which a model usually finds
@@ -338,6 +424,12 @@ def score(model: TransformerXLLM, tokenizer: Any, texts: Sequence[str], *, batch
     encoded = [tokenizer.encode(text) for text in texts]
     scored = score_ids(model, encoded, tokenizer.eod_id, batch_size=batch_size)
     unk = getattr(tokenizer, "unk_id", None)
-    return [{"logprob": logprob, "tokens": n, "ppl": math.exp(-logprob / n),
-             "unknown": sum(token == unk for token in ids) if unk is not None else 0}
-            for (logprob, n), ids in zip(scored, encoded)]
+    return [
+        {
+            "logprob": logprob,
+            "tokens": n,
+            "ppl": math.exp(-logprob / n),
+            "unknown": sum(token == unk for token in ids) if unk is not None else 0,
+        }
+        for (logprob, n), ids in zip(scored, encoded)
+    ]

@@ -16,8 +16,8 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -38,9 +38,14 @@ class LaunchEnvironment:
     master_port: int
 
     def torch_variables(self) -> dict[str, str]:
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
-                "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(self.master_port)}
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -111,8 +116,10 @@ def _slurm(environ: Mapping[str, str]) -> LaunchEnvironment:
     if not master:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
         if not nodelist:
-            raise LaunchError("started by srun, but neither MASTER_ADDR nor SLURM_STEP_NODELIST is set: "
-                              "export MASTER_ADDR=<the first node of the step>")
+            raise LaunchError(
+                "started by srun, but neither MASTER_ADDR nor SLURM_STEP_NODELIST is set: "
+                "export MASTER_ADDR=<the first node of the step>"
+            )
         master = expand_hostlist(nodelist)[0]
     port = _int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else _slurm_port(environ)
     return LaunchEnvironment("slurm", rank, world, local_rank, local_world, master, port)
@@ -136,8 +143,9 @@ def _is_local_address(address: str) -> bool:
         return False
 
 
-def _mpi(environ: Mapping[str, str], launcher: str, rank_key: str, size_key: str,
-         local_keys: tuple[str, str]) -> LaunchEnvironment:
+def _mpi(
+    environ: Mapping[str, str], launcher: str, rank_key: str, size_key: str, local_keys: tuple[str, str]
+) -> LaunchEnvironment:
     rank, world = _int(environ, rank_key), _int(environ, size_key)
     local_rank = _int(environ, local_keys[0]) if local_keys[0] in environ else 0
     local_world = _int(environ, local_keys[1]) if local_keys[1] in environ else 1
@@ -145,12 +153,16 @@ def _mpi(environ: Mapping[str, str], launcher: str, rank_key: str, size_key: str
     if not master and launcher == "openmpi":
         master = _hnp_address(environ)
         if master and rank == 0 and not _is_local_address(master):
-            raise LaunchError(f"rank 0 of this mpirun runs on {socket.gethostname()}, not on the host of mpirun "
-                              f"({master}), where the other ranks look for it: start mpirun on the first host of the "
-                              "hostfile, or pass MASTER_ADDR=<rank 0's host> (mpirun -x, or .deepspeed_env)")
+            raise LaunchError(
+                f"rank 0 of this mpirun runs on {socket.gethostname()}, not on the host of mpirun "
+                f"({master}), where the other ranks look for it: start mpirun on the first host of the "
+                "hostfile, or pass MASTER_ADDR=<rank 0's host> (mpirun -x, or .deepspeed_env)"
+            )
     if not master:
-        raise LaunchError(f"started by {launcher}'s mpirun without MASTER_ADDR: pass the first host of the hostfile, "
-                          "e.g. `mpirun -x MASTER_ADDR=<host> ...` or a line MASTER_ADDR=<host> in .deepspeed_env")
+        raise LaunchError(
+            f"started by {launcher}'s mpirun without MASTER_ADDR: pass the first host of the hostfile, "
+            "e.g. `mpirun -x MASTER_ADDR=<host> ...` or a line MASTER_ADDR=<host> in .deepspeed_env"
+        )
     port = _int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else DEFAULT_MASTER_PORT
     return LaunchEnvironment(launcher, rank, world, local_rank, local_world, master, port)
 
@@ -161,21 +173,40 @@ def resolve(environ: Mapping[str, str]) -> LaunchEnvironment:
     if "RANK" in environ and "WORLD_SIZE" in environ:
         for key in ("MASTER_ADDR", "MASTER_PORT"):
             if not environ.get(key):
-                raise LaunchError(f"RANK and WORLD_SIZE are set but {key} is not: start the ranks with torchrun or "
-                                  "deepspeed, or set it")
+                raise LaunchError(
+                    f"RANK and WORLD_SIZE are set but {key} is not: start the ranks with torchrun or "
+                    "deepspeed, or set it"
+                )
         local_rank = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
         # DeepSpeed's per-node launcher does not set LOCAL_WORLD_SIZE.
         local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else local_rank + 1
-        return LaunchEnvironment("torch", _int(environ, "RANK"), _int(environ, "WORLD_SIZE"), local_rank,
-                                 local_world, environ["MASTER_ADDR"], _int(environ, "MASTER_PORT"))
+        return LaunchEnvironment(
+            "torch",
+            _int(environ, "RANK"),
+            _int(environ, "WORLD_SIZE"),
+            local_rank,
+            local_world,
+            environ["MASTER_ADDR"],
+            _int(environ, "MASTER_PORT"),
+        )
     if "OMPI_COMM_WORLD_SIZE" in environ:
-        return _mpi(environ, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+        return _mpi(
+            environ,
+            "openmpi",
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        )
     if "PMI_SIZE" in environ and "PMI_RANK" in environ:
         return _mpi(environ, "mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
     if "MV2_COMM_WORLD_SIZE" in environ:
-        return _mpi(environ, "mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
-                    ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"))
+        return _mpi(
+            environ,
+            "mvapich",
+            "MV2_COMM_WORLD_RANK",
+            "MV2_COMM_WORLD_SIZE",
+            ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+        )
     if _in_slurm_step(environ):
         return _slurm(environ)
     return LaunchEnvironment("single", 0, 1, 0, 1, "127.0.0.1", 0)  # `apply` picks a free port
@@ -193,8 +224,9 @@ def apply(environ: MutableMapping[str, str] | None = None) -> LaunchEnvironment:
     if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
         raise LaunchError(f"{launch.launcher} gave rank {launch.rank} in a world of {launch.world_size}")
     if not 0 <= launch.local_rank < max(launch.local_world_size, 1):
-        raise LaunchError(f"{launch.launcher} gave local rank {launch.local_rank} of {launch.local_world_size} "
-                          "on this node")
+        raise LaunchError(
+            f"{launch.launcher} gave local rank {launch.local_rank} of {launch.local_world_size} on this node"
+        )
     for key, value in launch.torch_variables().items():
         environ.setdefault(key, value)  # what a launcher set stays as it set it
     return launch
@@ -214,8 +246,14 @@ def single_task_in_multi_task_allocation(environ: Mapping[str, str]) -> int | No
 
 FORWARDED_BY_DEEPSPEED = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 """Variable families that ``deepspeed --hostfile`` (pdsh over ssh) forwards to remote ranks by itself."""
-COMPARED_VARIABLES = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "CUDA_DEVICE_MAX_CONNECTIONS",
-                      "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+COMPARED_VARIABLES = (
+    "DS_ACCELERATOR",
+    "OMP_NUM_THREADS",
+    "TORCH_EXTENSIONS_DIR",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+)
 """The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces): the ranks
 compare them at start-up (`txl_dist.training.world`)."""
 RUN_VARIABLES = (*COMPARED_VARIABLES, "DEEPSPEED_TIMEOUT", "HF_HOME", "TMPDIR")
@@ -233,8 +271,7 @@ def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, ext
     kept: list[str] = []
     try:
         with open(path, encoding="utf-8") as existing:
-            kept = [line.rstrip("\n") for line in existing
-                    if line.strip() and line.split("=", 1)[0] not in keys]
+            kept = [line.rstrip("\n") for line in existing if line.strip() and line.split("=", 1)[0] not in keys]
     except FileNotFoundError:
         pass
     lines = kept + [f"{key}={environ[key]}" for key in keys]
@@ -251,10 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m txl_dist.launch_env", description=main.__doc__)
-    parser.add_argument("--write-deepspeed-env", action="store_true",
-                        help=f"write {', '.join(RUN_VARIABLES)} (those set) into .deepspeed_env")
-    parser.add_argument("--path", default=".deepspeed_env", help="the file to write (default: ./.deepspeed_env, "
-                        "which deepspeed reads from the directory it is started in; ~/.deepspeed_env works too)")
+    parser.add_argument(
+        "--write-deepspeed-env",
+        action="store_true",
+        help=f"write {', '.join(RUN_VARIABLES)} (those set) into .deepspeed_env",
+    )
+    parser.add_argument(
+        "--path",
+        default=".deepspeed_env",
+        help="the file to write (default: ./.deepspeed_env, "
+        "which deepspeed reads from the directory it is started in; ~/.deepspeed_env works too)",
+    )
     parser.add_argument("--also", nargs="*", default=[], metavar="KEY", help="more variables to forward")
     args = parser.parse_args(argv)
     try:

@@ -23,10 +23,10 @@ What is counted, per rank (P parameters, N ranks, b bytes per element of the com
 - fp32 master weights (4 Pn; ZeRO-0 under bf16/fp16: 4 P) and Adam's two fp32 moments (8 Pn; ZeRO-0: 8 P):
   torch's fused Adam (``optim.implementation=torch``) and DeepSpeed's keep the same states. ZeRO 1-3 keep a
   fp32 master partition even in fp32 training. With ``zero.offload_optimizer=cpu`` both live in host memory.
-- Gradients, as DeepSpeed keeps them: ZeRO 0 and 1 hold them for every parameter (P b), ZeRO-2 its partition
-  (Pn b) and a reduction bucket (``zero.bucket_size`` elements, at most P), ZeRO-3 its partition and a fp32 buffer of the
-  model's size (DeepSpeed 0.19's stage-3 optimizer sizes it by the unpartitioned parameters); the fp32 gradient
-  of the partition made at the optimizer step.
+- Gradients, as DeepSpeed keeps them: ZeRO 0 and 1 hold them for every parameter (P b), ZeRO-2 its partition (Pn b)
+  and a reduction bucket (``zero.bucket_size`` elements, at most P), ZeRO-3 its partition and a fp32 buffer of the
+  model's size (DeepSpeed 0.19's stage-3 optimizer sizes it by the unpartitioned parameters); the fp32 gradient of
+  the partition made at the optimizer step.
 - Activations saved for the backward pass of one micro-batch of tgt_len tokens with mem_len of memory (klen =
   mem_len + tgt_len keys): `layer_activation_bytes` per layer, `head_activation_bytes` for the adaptive
   input and softmax (the head cluster's logits and log-probabilities over micro_batch x tgt_len rows, the tail
@@ -52,7 +52,7 @@ import dataclasses
 import math
 import re
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.model.config import ModelConfig
@@ -84,6 +84,7 @@ FRAGMENTATION_MARGIN = 0.10
 
 # ---- the model's shape ---------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """Parameter counts of a model, counted from the module built on the meta device (no memory used)."""
@@ -97,7 +98,7 @@ class ModelShape:
     freed, their memory stays in the process's heap (see CPU_HEAP_RETAINED)."""
 
     @classmethod
-    def of(cls, model: ModelConfig) -> "ModelShape":
+    def of(cls, model: ModelConfig) -> ModelShape:
         import torch
 
         from txl_dist.model import TransformerXLLM
@@ -107,7 +108,10 @@ class ModelShape:
         parameters = sum(p.numel() for p in module.parameters())
         # ZeRO-3 gathers a module's parameters for its forward: the adaptive input or softmax (all clusters), or
         # one decoder layer (the layers' ModuleList is no module that runs).
-        groups = [sum(p.numel() for p in module.word_emb.parameters()), sum(p.numel() for p in module.crit.parameters())]
+        groups = [
+            sum(p.numel() for p in module.word_emb.parameters()),
+            sum(p.numel() for p in module.crit.parameters()),
+        ]
         groups += [sum(p.numel() for p in layer.parameters()) for layer in module.layers]
         heap_sized = sum(p.numel() for p in module.parameters() if p.numel() * FP32 < GLIBC_MMAP_THRESHOLD_MAX)
         return cls(parameters, max(groups), heap_sized)
@@ -115,8 +119,8 @@ class ModelShape:
 
 # ---- activations ---------------------------------------------------------------------------------------------
 
-def layer_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: int, training: bool = True
-                           ) -> int:
+
+def layer_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: int, training: bool = True) -> int:
     """Bytes one decoder layer saves for its backward pass, for micro_batch rows of tgt_len queries over klen =
     mem_len + tgt_len keys (the memory is full after the first segment).
 
@@ -176,8 +180,9 @@ def tail_rows(model: ModelConfig, rows: int) -> list[int]:
     return [min(rows, math.ceil(rows * TAIL_MARGIN * share)) for share in shares]
 
 
-def head_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: int,
-                          rows: Sequence[int] | None = None) -> int:
+def head_activation_bytes(
+    model: ModelConfig, micro_batch: int, compute_bytes: int, rows: Sequence[int] | None = None
+) -> int:
     """Bytes the adaptive input and the adaptive softmax save for the backward pass of one micro-batch
     (N = micro_batch * tgt_len targets; C0 = cutoffs[0] + n_clusters head logits; E_i the width of cluster i):
 
@@ -229,6 +234,7 @@ def eval_forward_bytes(model: ModelConfig, batch: int, compute_bytes: int) -> in
 
 # ---- the plan ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Term:
     name: str
@@ -260,8 +266,10 @@ class MemoryPlan:
         """Held through the step, plus the larger of the backward and the optimizer step (on a CPU the offloaded
         states count too: they share its memory)."""
         places = ("device", "host") if self.device == "cpu" else ("device",)
-        total = {phase: sum(self.phase_total(phase, where) for where in places)
-                 for phase in ("steady", "backward", "step", "eval")}
+        total = {
+            phase: sum(self.phase_total(phase, where) for where in places)
+            for phase in ("steady", "backward", "step", "eval")
+        }
         return total["steady"] + max(total["backward"], total["step"], total["eval"])
 
     @property
@@ -289,13 +297,25 @@ class MemoryPlan:
         if self.host and self.device != "cpu":
             lines.append(row("host per rank", "host", "", self.host, "offloaded optimizer states"))
         if self.device != "cpu":
-            lines.append(row("needed on the device", "device", "", self.needed(),
-                             f"peak x {1 + FRAGMENTATION_MARGIN:.2f} + CUDA context {CUDA_CONTEXT_BYTES / MiB:.0f} MiB"))
+            lines.append(
+                row(
+                    "needed on the device",
+                    "device",
+                    "",
+                    self.needed(),
+                    f"peak x {1 + FRAGMENTATION_MARGIN:.2f} + CUDA context {CUDA_CONTEXT_BYTES / MiB:.0f} MiB",
+                )
+            )
         return "\n".join(lines)
 
 
-def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None, device: str = "cuda",
-                shape: ModelShape | None = None) -> MemoryPlan:
+def plan_memory(
+    cfg: RunConfig,
+    world_size: int,
+    micro_batch: int | None = None,
+    device: str = "cuda",
+    shape: ModelShape | None = None,
+) -> MemoryPlan:
     """The per-rank memory of ``cfg`` on ``world_size`` ranks of ``device`` ("cuda" or "cpu"), at
     ``micro_batch`` (default: the config's layout for that world size)."""
     # Any accelerator ("cuda", "xpu", ...) is planned as a GPU: allocations counted whole, a context outside them.
@@ -324,8 +344,12 @@ def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None,
     else:
         add("parameter partition", Pn * b, "steady", f"P/N x {b}")
         gathered = min(shape.largest_gather + zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, P)
-        add("gathered parameters (ZeRO-3)", gathered * b, "backward",
-            f"(largest module {shape.largest_gather:,} + prefetch bucket) x {b}")
+        add(
+            "gathered parameters (ZeRO-3)",
+            gathered * b,
+            "backward",
+            f"(largest module {shape.largest_gather:,} + prefetch bucket) x {b}",
+        )
     partition = P if stage == 0 else Pn
     part = "P" if stage == 0 else "P/N"
     if stage >= 1 or mixed:
@@ -340,8 +364,12 @@ def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None,
     # gradients of the layers done grow as their activations are freed, so the pass's peak is at its start.
     if stage == 0:
         add("gradients", P * b, "step", f"P x {b}")
-        add("all-reduce bucket (flat copy)", min(P, ALLREDUCE_BUCKET_ELEMENTS) * b, "step",
-            f"min(P, {ALLREDUCE_BUCKET_ELEMENTS:.0e}) x {b}")
+        add(
+            "all-reduce bucket (flat copy)",
+            min(P, ALLREDUCE_BUCKET_ELEMENTS) * b,
+            "step",
+            f"min(P, {ALLREDUCE_BUCKET_ELEMENTS:.0e}) x {b}",
+        )
         if mixed:
             add("fp32 gradients at the step", P * FP32, "step", "P x 4")
     elif stage == 1:
@@ -363,33 +391,62 @@ def plan_memory(cfg: RunConfig, world_size: int, micro_batch: int | None = None,
 
     # Activations, mems.
     layer = layer_activation_bytes(model, micro_batch, b)
-    add("activations: layers", model.n_layer * layer, "backward",
-        f"n_layer x {layer / MiB:.2f} MiB (micro-batch {micro_batch})")
-    add("activations: embedding and softmax", head_activation_bytes(model, micro_batch, b), "backward",
-        f"micro-batch {micro_batch} x tgt_len {model.tgt_len} rows")
-    add("backward transient (softmax head)", head_transient_bytes(model, micro_batch, b), "backward",
-        "logits and their gradients, once")
+    add(
+        "activations: layers",
+        model.n_layer * layer,
+        "backward",
+        f"n_layer x {layer / MiB:.2f} MiB (micro-batch {micro_batch})",
+    )
+    add(
+        "activations: embedding and softmax",
+        head_activation_bytes(model, micro_batch, b),
+        "backward",
+        f"micro-batch {micro_batch} x tgt_len {model.tgt_len} rows",
+    )
+    add(
+        "backward transient (softmax head)",
+        head_transient_bytes(model, micro_batch, b),
+        "backward",
+        "logits and their gradients, once",
+    )
     mem_bytes = b if model.mem_dtype == "compute" else {"float32": 4, "bfloat16": 2, "float16": 2}[model.mem_dtype]
-    add("mems", grad_accum * (model.n_layer + 1) * model.mem_len * micro_batch * model.d_model * mem_bytes,
-        "steady", f"{grad_accum} slot(s) x (n_layer + 1) x mem_len x micro-batch x d_model x {mem_bytes}")
+    add(
+        "mems",
+        grad_accum * (model.n_layer + 1) * model.mem_len * micro_batch * model.d_model * mem_bytes,
+        "steady",
+        f"{grad_accum} slot(s) x (n_layer + 1) x mem_len x micro-batch x d_model x {mem_bytes}",
+    )
     evaluation = cfg.eval.resolve(model)
     eval_streams = max(1, math.ceil(evaluation.batch_size / world_size))
-    add("evaluation mems (read and written)",
-        2 * (model.n_layer + 1) * evaluation.mem_len * eval_streams * model.d_model * mem_bytes, "eval",
-        f"2 x (n_layer + 1) x eval mem_len {evaluation.mem_len} x {eval_streams} stream(s) x d_model x {mem_bytes}")
+    add(
+        "evaluation mems (read and written)",
+        2 * (model.n_layer + 1) * evaluation.mem_len * eval_streams * model.d_model * mem_bytes,
+        "eval",
+        f"2 x (n_layer + 1) x eval mem_len {evaluation.mem_len} x {eval_streams} stream(s) x d_model x {mem_bytes}",
+    )
     eval_model = dataclasses.replace(model, tgt_len=evaluation.tgt_len, mem_len=evaluation.mem_len)
-    add("evaluation forward (one layer)", eval_forward_bytes(eval_model, eval_streams, b), "eval",
-        f"{eval_streams} stream(s) x eval tgt_len {evaluation.tgt_len} over {evaluation.mem_len + evaluation.tgt_len} keys")
+    add(
+        "evaluation forward (one layer)",
+        eval_forward_bytes(eval_model, eval_streams, b),
+        "eval",
+        f"{eval_streams} stream(s) x eval tgt_len {evaluation.tgt_len} "
+        f"over {evaluation.mem_len + evaluation.tgt_len} keys",
+    )
     if device == "cpu":
         add("process", CPU_PROCESS_BYTES, "steady", "Python, PyTorch, DeepSpeed, gloo (measured on 2 CPU ranks)")
         if stage > 0 or mixed:  # DeepSpeed replaces the fp32 tensors the model was built with
-            add("fp32 build copies kept in the heap", shape.heap_sized * FP32 * CPU_HEAP_RETAINED, "steady",
-                f"{CPU_HEAP_RETAINED} x 4 x parameters in tensors under 32 MiB")
+            add(
+                "fp32 build copies kept in the heap",
+                shape.heap_sized * FP32 * CPU_HEAP_RETAINED,
+                "steady",
+                f"{CPU_HEAP_RETAINED} x 4 x parameters in tensors under 32 MiB",
+            )
     return MemoryPlan(device, world_size, micro_batch, grad_accum, terms, P)
 
 
-def planned_peak_bytes(cfg: RunConfig, world_size: int = 1, micro_batch: int | None = None,
-                       device: str = "cuda") -> int:
+def planned_peak_bytes(
+    cfg: RunConfig, world_size: int = 1, micro_batch: int | None = None, device: str = "cuda"
+) -> int:
     """The planned peak per rank: compare with ``torch.cuda.max_memory_allocated()`` after a few steps of the
     same run (or, on a CPU, with the trainer's ``peak_rss_mb``)."""
     return plan_memory(cfg, world_size, micro_batch, device).peak
@@ -405,8 +462,9 @@ class Fit:
     plan: MemoryPlan | None
 
 
-def largest_micro_batch(cfg: RunConfig, world_size: int, device_memory: int, device: str = "cuda",
-                        shape: ModelShape | None = None) -> Fit:
+def largest_micro_batch(
+    cfg: RunConfig, world_size: int, device_memory: int, device: str = "cuda", shape: ModelShape | None = None
+) -> Fit:
     """The largest micro-batch that fits ``device_memory`` per rank (by doubling, then bisection), and the
     largest one that also makes a layout the trainer accepts (`TrainConfig.batch_layout`), with its accumulation
     steps."""
@@ -437,8 +495,18 @@ def largest_micro_batch(cfg: RunConfig, world_size: int, device_memory: int, dev
 # ---- command line --------------------------------------------------------------------------------------------
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "KI": 1024,
+    "MI": 1024**2,
+    "GI": 1024**3,
+    "TI": 1024**4,
+}
 
 
 def parse_size(text: str) -> int:
@@ -450,26 +518,31 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def describe(cfg: RunConfig, world_size: int, device: str, device_memory: int | None = None,
-             micro_batch: int | None = None) -> str:
+def describe(
+    cfg: RunConfig, world_size: int, device: str, device_memory: int | None = None, micro_batch: int | None = None
+) -> str:
     """The plan as text: the table for the configured (or given) micro-batch and, with ``device_memory``, the
     largest micro-batch that fits and its layout. A layout the trainer would refuse (the global batch does not
     split among the ranks) raises its ValueError."""
     return _describe(cfg, world_size, device, device_memory, micro_batch)[0]
 
 
-def _describe(cfg: RunConfig, world_size: int, device: str, device_memory: int | None = None,
-              micro_batch: int | None = None) -> tuple[str, bool | None]:
+def _describe(
+    cfg: RunConfig, world_size: int, device: str, device_memory: int | None = None, micro_batch: int | None = None
+) -> tuple[str, bool | None]:
     """(`describe`'s text, whether the planned layout fits ``device_memory``: None without one)."""
     shape = ModelShape.of(cfg.model)
     layout = cfg.train.batch_layout(world_size, micro_batch)  # the trainer's rules, its message
     plan = plan_memory(cfg, world_size, layout.micro_batch, device, shape)
     model = cfg.model
-    lines = [f"memory plan: {cfg.model_preset or 'model'} ({shape.parameters:,} parameters, n_token "
-             f"{model.n_token:,}), {world_size} rank(s) of {device}, {cfg.precision.dtype}, ZeRO-{cfg.zero.stage}"
-             f"{' with optimizer offload' if cfg.zero.offload_optimizer != 'none' else ''}, micro-batch "
-             f"{plan.micro_batch} x tgt_len {model.tgt_len} (mem_len {model.mem_len}), {plan.grad_accum} "
-             f"accumulation step(s)", plan.table()]
+    lines = [
+        f"memory plan: {cfg.model_preset or 'model'} ({shape.parameters:,} parameters, n_token "
+        f"{model.n_token:,}), {world_size} rank(s) of {device}, {cfg.precision.dtype}, ZeRO-{cfg.zero.stage}"
+        f"{' with optimizer offload' if cfg.zero.offload_optimizer != 'none' else ''}, micro-batch "
+        f"{plan.micro_batch} x tgt_len {model.tgt_len} (mem_len {model.mem_len}), {plan.grad_accum} "
+        f"accumulation step(s)",
+        plan.table(),
+    ]
     fits = None
     if device_memory is not None:
         fit = largest_micro_batch(cfg, world_size, device_memory, device, shape)
@@ -479,13 +552,17 @@ def _describe(cfg: RunConfig, world_size: int, device: str, device_memory: int |
         if fit.largest_any == 0:
             lines.append("no micro-batch fits: use a higher ZeRO stage, optimizer offload or more ranks")
         elif fit.micro_batch is None:
-            lines.append(f"largest micro-batch that fits: {fit.largest_any}, but none divides global_batch "
-                         f"{cfg.train.global_batch} / {world_size} ranks")
+            lines.append(
+                f"largest micro-batch that fits: {fit.largest_any}, but none divides global_batch "
+                f"{cfg.train.global_batch} / {world_size} ranks"
+            )
         else:
-            lines.append(f"largest micro-batch that fits: {fit.largest_any}; for global_batch "
-                         f"{cfg.train.global_batch} on {world_size} ranks: train.micro_batch={fit.micro_batch} x "
-                         f"{fit.grad_accum} accumulation step(s) (planned peak {fit.plan.peak / GiB:.2f} GiB, "
-                         f"needed {fit.plan.needed() / GiB:.2f} GiB)")
+            lines.append(
+                f"largest micro-batch that fits: {fit.largest_any}; for global_batch "
+                f"{cfg.train.global_batch} on {world_size} ranks: train.micro_batch={fit.micro_batch} x "
+                f"{fit.grad_accum} accumulation step(s) (planned peak {fit.plan.peak / GiB:.2f} GiB, "
+                f"needed {fit.plan.needed() / GiB:.2f} GiB)"
+            )
     return "\n".join(lines), fits
 
 
@@ -507,18 +584,31 @@ def device_memory_of(device: str, index: int = 0) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", default=[], required=True, metavar="PATH",
-                        help="run config (repeat to layer files, as for launchers/train.py)")
+    parser = argparse.ArgumentParser(
+        prog="python -m txl_dist.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        required=True,
+        metavar="PATH",
+        help="run config (repeat to layer files, as for launchers/train.py)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the run")
-    parser.add_argument("--device-memory", type=parse_size,
-                        help="memory per rank, e.g. 80GiB (for CPU ranks: the machine's memory / its ranks)")
+    parser.add_argument(
+        "--device-memory",
+        type=parse_size,
+        help="memory per rank, e.g. 80GiB (for CPU ranks: the machine's memory / its ranks)",
+    )
     parser.add_argument("--micro-batch", type=int, help="plan this micro-batch instead of the config's")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--vocab-size", type=int, help="model.n_token when the config gives no data.shards "
-                        "manifest (default: the preset's)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="model.n_token when the config gives no data.shards manifest (default: the preset's)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.world_size < 1:

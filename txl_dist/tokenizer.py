@@ -39,8 +39,9 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -80,8 +81,16 @@ class Tokenizer(abc.ABC):
     character_level: bool = False
     """Every token is one character (or byte): the loss per token in bits is the bits per character."""
 
-    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
-                 eos_id: int, eod_id: int, unk_id: int | None):
+    def __init__(
+        self,
+        directory: Path,
+        files: list[str],
+        fingerprint: str,
+        vocab_size: int,
+        eos_id: int,
+        eod_id: int,
+        unk_id: int | None,
+    ):
         self.directory = directory
         self.files = files
         self.fingerprint = fingerprint
@@ -106,8 +115,9 @@ class Tokenizer(abc.ABC):
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary entry of one id."""
 
-    def encode_documents(self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
-                         ) -> tuple[np.ndarray, np.ndarray]:
+    def encode_documents(
+        self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Token stream of documents given as lists of lines (see the module docstring).
 
         Returns ``(tokens, tokens_per_document)``: the documents' tokens one after another, separators included,
@@ -151,16 +161,24 @@ class Tokenizer(abc.ABC):
 
     def identity(self) -> dict[str, Any]:
         """The fields of `txl_dist.data.format.TokenizerIdentity`."""
-        return {"kind": self.kind, "vocab_size": self.vocab_size, "fingerprint": self.fingerprint,
-                "eos_id": self.eos_id, "eod_id": self.eod_id, "unk_id": self.unk_id}
+        return {
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "fingerprint": self.fingerprint,
+            "eos_id": self.eos_id,
+            "eod_id": self.eod_id,
+            "unk_id": self.unk_id,
+        }
 
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({str(self.directory)!r}, vocab_size={self.vocab_size}, "
-                f"eos_id={self.eos_id}, eod_id={self.eod_id}, unk_id={self.unk_id})")
+        return (
+            f"{type(self).__name__}({str(self.directory)!r}, vocab_size={self.vocab_size}, "
+            f"eos_id={self.eos_id}, eod_id={self.eod_id}, unk_id={self.unk_id})"
+        )
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -168,8 +186,16 @@ class SentencePieceTokenizer(Tokenizer):
 
     kind = "sentencepiece"
 
-    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
-                 eos_id: int, eod_id: int, unk_id: int | None):
+    def __init__(
+        self,
+        directory: Path,
+        files: list[str],
+        fingerprint: str,
+        vocab_size: int,
+        eos_id: int,
+        eod_id: int,
+        unk_id: int | None,
+    ):
         import sentencepiece
 
         super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
@@ -203,8 +229,16 @@ class WordTokenizer(Tokenizer):
 
     kind = "word"
 
-    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
-                 eos_id: int, eod_id: int, unk_id: int | None):
+    def __init__(
+        self,
+        directory: Path,
+        files: list[str],
+        fingerprint: str,
+        vocab_size: int,
+        eos_id: int,
+        eod_id: int,
+        unk_id: int | None,
+    ):
         super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
         self.words, self.counts = read_word_vocab(directory / files[0])
         self._entries = len(self.words)
@@ -216,7 +250,7 @@ class WordTokenizer(Tokenizer):
         return {word: token_id for token_id, word in enumerate(self.words)}
 
     @functools.cached_property
-    def _packed(self) -> "PackedVocabulary":
+    def _packed(self) -> PackedVocabulary:
         from txl_dist.word_scan import PackedVocabulary
 
         return PackedVocabulary(self.words, missing=-1 if self.unk_id is None else self.unk_id)
@@ -234,8 +268,7 @@ class WordTokenizer(Tokenizer):
         lookup, unk_id = self._ids.get, self.unk_id
         return [[lookup(word, unk_id) for word in line.split()] for line in lines]
 
-    def encode_scanned_lines(self, scan: "LineWords", dtype: np.dtype | type = np.int64
-                             ) -> tuple[np.ndarray, np.ndarray]:
+    def encode_scanned_lines(self, scan: LineWords, dtype: np.dtype | type = np.int64) -> tuple[np.ndarray, np.ndarray]:
         """The token stream of the lines of a chunk scanned by `txl_dist.word_scan.scan_lines`, each non-empty
         line a document of one line: exactly ``encode_documents([[line] for line in lines if line.split()])``,
         at about three times its speed. Returns ``(tokens, tokens_per_document)``."""
@@ -269,19 +302,32 @@ class ByteTokenizer(Tokenizer):
     kind = "byte"
     character_level = True
 
-    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
-                 eos_id: int, eod_id: int, unk_id: int | None):
+    def __init__(
+        self,
+        directory: Path,
+        files: list[str],
+        fingerprint: str,
+        vocab_size: int,
+        eos_id: int,
+        eod_id: int,
+        unk_id: int | None,
+    ):
         super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
         pieces, self.counts = read_word_vocab(directory / files[0])
         expected = [byte_piece(value) for value in range(256)]
         if pieces != expected:
             first = next((i for i, (a, b) in enumerate(zip(pieces, expected)) if a != b), min(len(pieces), 256))
-            raise TokenizerError(f"{directory / files[0]}: line {first + 1} should be {expected[first]!r} "
-                                 f"(256 lines <0x00> .. <0xFF>, one per byte value)" if first < 256 else
-                                 f"{directory / files[0]}: {len(pieces)} lines, expected 256 (<0x00> .. <0xFF>)")
+            raise TokenizerError(
+                f"{directory / files[0]}: line {first + 1} should be {expected[first]!r} "
+                f"(256 lines <0x00> .. <0xFF>, one per byte value)"
+                if first < 256
+                else f"{directory / files[0]}: {len(pieces)} lines, expected 256 (<0x00> .. <0xFF>)"
+            )
         if (eos_id, eod_id, unk_id) != (NEWLINE, NEWLINE, None):
-            raise TokenizerError(f"{directory / TOKENIZER_JSON}: a byte tokenizer has eos_id = eod_id = 10 (the "
-                                 f"newline byte) and unk_id null, got {eos_id}, {eod_id}, {unk_id}")
+            raise TokenizerError(
+                f"{directory / TOKENIZER_JSON}: a byte tokenizer has eos_id = eod_id = 10 (the "
+                f"newline byte) and unk_id null, got {eos_id}, {eod_id}, {unk_id}"
+            )
         self._entries = len(pieces)
 
     def encode(self, text: str) -> list[int]:
@@ -300,8 +346,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", "surrogateescape")
 
-    def encode_documents(self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
-                         ) -> tuple[np.ndarray, np.ndarray]:
+    def encode_documents(
+        self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
+    ) -> tuple[np.ndarray, np.ndarray]:
         # Each line's bytes and its newline: the documents' lines joined, each ended, are exactly the stream.
         data = "".join(line + "\n" for document in documents for line in document).encode("utf-8", "surrogateescape")
         tokens = np.frombuffer(data, dtype=np.uint8).astype(dtype)
@@ -324,8 +371,16 @@ class CharTokenizer(Tokenizer):
     kind = "char"
     character_level = True
 
-    def __init__(self, directory: Path, files: list[str], fingerprint: str, vocab_size: int,
-                 eos_id: int, eod_id: int, unk_id: int | None):
+    def __init__(
+        self,
+        directory: Path,
+        files: list[str],
+        fingerprint: str,
+        vocab_size: int,
+        eos_id: int,
+        eod_id: int,
+        unk_id: int | None,
+    ):
         super().__init__(directory, files, fingerprint, vocab_size, eos_id, eod_id, unk_id)
         path = directory / files[0]
         pieces, self.counts = read_word_vocab(path)
@@ -335,8 +390,9 @@ class CharTokenizer(Tokenizer):
                 raise TokenizerError(f"{path}, line {number}: expected a code point U+XXXX, got {piece!r}")
             characters.append(chr(int(piece[2:], 16)))
         if not characters or characters[0] != "\n" or (eos_id, eod_id, unk_id) != (0, 0, None):
-            raise TokenizerError(f"{path}: a character tokenizer has the newline U+000A as id 0 (eos_id = eod_id = "
-                                 f"0, unk_id null)")
+            raise TokenizerError(
+                f"{path}: a character tokenizer has the newline U+000A as id 0 (eos_id = eod_id = 0, unk_id null)"
+            )
         self.characters = characters
         self.is_space = np.array([c.isspace() for c in characters])
         """Per id: whitespace for ``str.split()``."""
@@ -352,8 +408,10 @@ class CharTokenizer(Tokenizer):
         unknown = (ids < 0) | ~inside
         if unknown.any():
             first = int(np.flatnonzero(unknown)[0])
-            raise ValueError(f"{where}: character {chr(int(codes[first]))!r} (U+{int(codes[first]):04X}, "
-                             f"character {first}) is not in the alphabet of {self.directory / self.files[0]}")
+            raise ValueError(
+                f"{where}: character {chr(int(codes[first]))!r} (U+{int(codes[first]):04X}, "
+                f"character {first}) is not in the alphabet of {self.directory / self.files[0]}"
+            )
         return ids
 
     def encode_text(self, text: str, where: str = "the text") -> np.ndarray:
@@ -363,8 +421,9 @@ class CharTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.encode_text(text).tolist()
 
-    def encode_documents(self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
-                         ) -> tuple[np.ndarray, np.ndarray]:
+    def encode_documents(
+        self, documents: Sequence[Sequence[str]], dtype: np.dtype | type = np.int64
+    ) -> tuple[np.ndarray, np.ndarray]:
         text = "".join(line + "\n" for document in documents for line in document)
         lengths = [sum(len(line) + 1 for line in document) for document in documents]
         return self.encode_text(text).astype(dtype), np.array(lengths, dtype=np.int64)
@@ -408,8 +467,7 @@ def read_word_vocab(path: Path) -> tuple[list[str], list[int]]:
     words, counts = fields[0::2], fields[1::2]
     if words and len(fields) == 2 * len(lines):
         rebuilt = "\n".join(map("\t".join, zip(words, counts)))
-        if (text in (rebuilt, rebuilt + "\n") and all(map(str.isdecimal, counts))
-                and len(set(words)) == len(words)):
+        if text in (rebuilt, rebuilt + "\n") and all(map(str.isdecimal, counts)) and len(set(words)) == len(words):
             return words, list(map(int, counts))
     return _read_word_vocab_lines(path, lines)
 
@@ -438,15 +496,30 @@ def write_word_vocab(path: Path, words: Sequence[str], counts: Sequence[int]) ->
 _CLASSES = {cls.kind: cls for cls in (SentencePieceTokenizer, WordTokenizer, ByteTokenizer, CharTokenizer)}
 
 
-def write_tokenizer_json(directory: str | os.PathLike, kind: str, files: list[str], vocab_size: int,
-                         eos_id: int, eod_id: int, unk_id: int | None, pieces: dict[str, str],
-                         training: dict[str, Any]) -> Tokenizer:
+def write_tokenizer_json(
+    directory: str | os.PathLike,
+    kind: str,
+    files: list[str],
+    vocab_size: int,
+    eos_id: int,
+    eod_id: int,
+    unk_id: int | None,
+    pieces: dict[str, str],
+    training: dict[str, Any],
+) -> Tokenizer:
     """Fingerprint the files, write ``tokenizer.json`` (atomically and last: it marks a complete directory) and
     load the result with the checks a user's `load_tokenizer` makes."""
     directory = Path(directory)
     description = {
-        "kind": kind, "vocab_size": vocab_size, "files": files, "fingerprint": fingerprint_files(directory, files),
-        "eos_id": eos_id, "eod_id": eod_id, "unk_id": unk_id, "pieces": pieces, "training": training,
+        "kind": kind,
+        "vocab_size": vocab_size,
+        "files": files,
+        "fingerprint": fingerprint_files(directory, files),
+        "eos_id": eos_id,
+        "eod_id": eod_id,
+        "unk_id": unk_id,
+        "pieces": pieces,
+        "training": training,
     }
     atomic_write_text(directory / TOKENIZER_JSON, json.dumps(description, indent=1, ensure_ascii=False) + "\n")
     return load_tokenizer(directory)
@@ -558,5 +631,7 @@ def find_tokenizer_dir(fingerprint: str, candidates: Iterable[str | os.PathLike 
         if strict:
             raise TokenizerError(problem)
         passed_over.append(problem)
-    raise TokenizerError(f"no tokenizer with fingerprint {fingerprint} among the candidates "
-                         f"({'; '.join(passed_over) or 'none given'}); pass its directory")
+    raise TokenizerError(
+        f"no tokenizer with fingerprint {fingerprint} among the candidates "
+        f"({'; '.join(passed_over) or 'none given'}); pass its directory"
+    )

@@ -68,8 +68,10 @@ class LineWords:
     def words(self, which: np.ndarray) -> list[bytes]:
         """The bytes of the words at indices ``which``."""
         data = self.data
-        return [data[start:start + length]
-                for start, length in zip(self.starts[which].tolist(), self.lengths[which].tolist())]
+        return [
+            data[start : start + length]
+            for start, length in zip(self.starts[which].tolist(), self.lengths[which].tolist())
+        ]
 
 
 def scan_lines(data: bytes) -> LineWords | None:
@@ -158,16 +160,20 @@ class PackedVocabulary:
         encoded = [word.encode("utf-8") for word in words]
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         # NUL inside a word would make its packed key ambiguous; such words go to the dict.
-        short = (lengths <= PACKED_BYTES) & np.fromiter((b"\0" not in w for w in encoded), dtype=bool,
-                                                        count=len(encoded))
+        short = (lengths <= PACKED_BYTES) & np.fromiter(
+            (b"\0" not in w for w in encoded), dtype=bool, count=len(encoded)
+        )
         self.long = {encoded[i]: i for i in np.flatnonzero(~short).tolist()}
         short_ids = np.flatnonzero(short)
         joined = b" ".join(encoded[i] for i in short_ids.tolist())
         padded = joined + bytes(PACKED_BYTES)
         starts = np.concatenate([[0], np.cumsum(lengths[short_ids] + 1)[:-1]]).astype(np.int64)
         windows = np.ndarray(shape=(len(joined),), dtype=">u8", buffer=padded, strides=(1,))
-        keys = windows[starts].astype(np.uint64) & _KEEP[lengths[short_ids]] if len(short_ids) else \
-            np.zeros(0, dtype=np.uint64)
+        keys = (
+            windows[starts].astype(np.uint64) & _KEEP[lengths[short_ids]]
+            if len(short_ids)
+            else np.zeros(0, dtype=np.uint64)
+        )
         bits = max(4, int(2 * max(len(keys), 1) - 1).bit_length())
         self._shift = np.uint64(64 - bits)
         self._mask = np.int64((1 << bits) - 1)

@@ -34,16 +34,40 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 # Debian packages the cluster needs (``make cluster-packages`` installs the missing ones).
-PACKAGES = ("slurm-wlm", "munge", "openssh-server", "openssh-client", "pdsh", "iproute2", "util-linux", "procps",
-            "openmpi-bin")
+PACKAGES = (
+    "slurm-wlm",
+    "munge",
+    "openssh-server",
+    "openssh-client",
+    "pdsh",
+    "iproute2",
+    "util-linux",
+    "procps",
+    "openmpi-bin",
+)
 # Commands the harness itself runs, checked before anything is set up.
-REQUIRED_COMMANDS = ("ip", "unshare", "nsenter", "mount", "munged", "slurmctld", "slurmd", "sbatch", "srun",
-                     "scontrol", "squeue", "sshd", "ssh", "ssh-keygen", "pdsh")
+REQUIRED_COMMANDS = (
+    "ip",
+    "unshare",
+    "nsenter",
+    "mount",
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "squeue",
+    "sshd",
+    "ssh",
+    "ssh-keygen",
+    "pdsh",
+)
 
 SUBNET = ipaddress.ip_network("10.231.87.0/24")
 CONTROLLER_ADDRESS = "10.231.87.1"
@@ -66,8 +90,21 @@ NODE_INIT = Path(__file__).with_name("node_init.py")
 # Every wait in the harness ends after at most this long (seconds) unless the caller gives another.
 START_TIMEOUT_S = 60.0
 # Job states after which a job does not run again by itself (a requeued job goes PENDING, not one of these).
-FINISHED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                             "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"})
+FINISHED_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+        "SPECIAL_EXIT",
+        "REVOKED",
+    }
+)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -101,12 +138,24 @@ def _with_sbin(env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0, env: Mapping[str, str] | None = None,
-         input: str | None = None) -> subprocess.CompletedProcess:
+def _run(
+    argv: Sequence[str],
+    *,
+    check: bool = True,
+    timeout: float = 30.0,
+    env: Mapping[str, str] | None = None,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:
     """Runs a command of the harness, capturing its output; a failure raises with the command and its stderr."""
     try:
-        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                                env=_with_sbin(os.environ if env is None else env), input=input)
+        result = subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_with_sbin(os.environ if env is None else env),
+            input=input,
+        )
     except subprocess.TimeoutExpired as error:
         raise ClusterError(f"{shlex.join(argv)} did not finish within {timeout:.0f} s") from error
     if check and result.returncode != 0:
@@ -174,13 +223,17 @@ def check_machine() -> None:
     search_path = _with_sbin(os.environ)["PATH"]
     missing = [name for name in REQUIRED_COMMANDS if shutil.which(name, path=search_path) is None]
     if missing:
-        raise ClusterUnavailable(f"missing commands for the test cluster: {' '.join(missing)} "
-                                 "(run `make cluster-packages` as root)")
+        raise ClusterUnavailable(
+            f"missing commands for the test cluster: {' '.join(missing)} (run `make cluster-packages` as root)"
+        )
     if not cgroup_v1_available():
-        raise ClusterUnavailable("the test cluster needs cgroup v1 hierarchies memory, cpuset and freezer "
-                                 "under /sys/fs/cgroup (proctrack/cgroup with cgroup/v1)")
-    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "--pid", "--fork", "true"], capture_output=True,
-                           text=True)
+        raise ClusterUnavailable(
+            "the test cluster needs cgroup v1 hierarchies memory, cpuset and freezer "
+            "under /sys/fs/cgroup (proctrack/cgroup with cgroup/v1)"
+        )
+    probe = subprocess.run(
+        ["unshare", "--net", "--uts", "--mount", "--pid", "--fork", "true"], capture_output=True, text=True
+    )
     if probe.returncode != 0:
         raise ClusterUnavailable(f"namespaces are not allowed here: unshare failed: {probe.stderr.strip()}")
 
@@ -238,7 +291,7 @@ class Cluster:
     # ------------------------------------------------------------------ set-up and tear-down
 
     @classmethod
-    def start(cls, state_dir: str | os.PathLike = DEFAULT_STATE_DIR, *, timeout: float = START_TIMEOUT_S) -> "Cluster":
+    def start(cls, state_dir: str | os.PathLike = DEFAULT_STATE_DIR, *, timeout: float = START_TIMEOUT_S) -> Cluster:
         """Brings the cluster up in STATE_DIR (made if missing) and returns it once both nodes are IDLE.
 
         Idempotent: leftovers of an earlier run in the same state directory (a crashed test session, ``up``) are
@@ -248,8 +301,11 @@ class Cluster:
         """
         check_machine()
         cluster = cls(Path(state_dir))
-        if cluster.state_dir.is_dir() and any(cluster.state_dir.iterdir()) \
-                and not (cluster.state_dir / STATE_MARKER).exists():
+        if (
+            cluster.state_dir.is_dir()
+            and any(cluster.state_dir.iterdir())
+            and not (cluster.state_dir / STATE_MARKER).exists()
+        ):
             raise ClusterUnavailable(f"{cluster.state_dir} is not empty and not a test cluster's state directory")
         began = time.monotonic()
         with cluster._locked():
@@ -259,8 +315,15 @@ class Cluster:
                 raise ClusterUnavailable(f"the test subnet {SUBNET} is already routed on this machine: {in_use}")
             try:
                 cluster._prepare_files()
-                REGISTRY_FILE.write_text(json.dumps({"state_dir": str(cluster.state_dir), "pid": os.getpid(),
-                                                     "pid_start": _process_start_time(os.getpid())}))
+                REGISTRY_FILE.write_text(
+                    json.dumps(
+                        {
+                            "state_dir": str(cluster.state_dir),
+                            "pid": os.getpid(),
+                            "pid_start": _process_start_time(os.getpid()),
+                        }
+                    )
+                )
                 cluster._make_network()
                 cluster._start_munge(timeout)
                 cluster._start_slurmctld(timeout)
@@ -317,13 +380,15 @@ class Cluster:
             raise ClusterUnavailable(
                 f"the test cluster of {previous['state_dir']} is in use by process {owner} "
                 f"({_command_line(owner)}); wait for it, or stop it: python -m tests.cluster.harness down "
-                f"{previous['state_dir']}")
+                f"{previous['state_dir']}"
+            )
         if previous and Path(previous["state_dir"]).resolve() != self.state_dir:
             other = Cluster(Path(previous["state_dir"]))
             if other._live_pids():
                 raise ClusterUnavailable(
                     f"a test cluster of state directory {other.state_dir} is up on this machine; stop it first: "
-                    f"python -m tests.cluster.harness down {other.state_dir}")
+                    f"python -m tests.cluster.harness down {other.state_dir}"
+                )
             other._teardown()
         self._teardown()
 
@@ -419,8 +484,17 @@ class Cluster:
         if self.log_dir.is_dir():
             shutil.rmtree(self.state_dir / "log.previous", ignore_errors=True)
             self.log_dir.rename(self.state_dir / "log.previous")
-        for directory in (self.state_dir, self.etc_dir, self.log_dir, self.pid_dir, self.ssh_dir, self.munge_dir,
-                          self.shared_dir, self.state_dir / "ctld", self.state_dir / "spool"):
+        for directory in (
+            self.state_dir,
+            self.etc_dir,
+            self.log_dir,
+            self.pid_dir,
+            self.ssh_dir,
+            self.munge_dir,
+            self.shared_dir,
+            self.state_dir / "ctld",
+            self.state_dir / "spool",
+        ):
             directory.mkdir(parents=True, exist_ok=True)
         (self.state_dir / STATE_MARKER).touch()
         os.chmod(self.state_dir, 0o755)
@@ -441,8 +515,7 @@ class Cluster:
             key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
 
-        hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-                 f"{CONTROLLER_ADDRESS}\ttxlctl"]
+        hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{CONTROLLER_ADDRESS}\ttxlctl"]
         hosts += [f"{node_address(node)}\t{node}" for node in self.nodes]
         (self.etc_dir / "hosts").write_text("\n".join(hosts) + "\n")
         (self.etc_dir / "slurm.conf").write_text(self._slurm_conf())
@@ -452,7 +525,8 @@ class Cluster:
             "ConstrainCores=yes\n"
             "ConstrainRAMSpace=yes\n"
             "ConstrainSwapSpace=no\n"
-            "ConstrainDevices=no\n")
+            "ConstrainDevices=no\n"
+        )
         # An empty plugstack: Debian's /etc/slurm/plugstack.conf is not read through our SLURM_CONF directory.
         (self.etc_dir / "plugstack.conf").write_text("")
 
@@ -483,18 +557,18 @@ class Cluster:
                 "PrintMotd no\n"
                 "AcceptEnv LANG LC_*\n"
                 "MaxStartups 100:30:200\n"
-                "Subsystem sftp internal-sftp\n")
+                "Subsystem sftp internal-sftp\n"
+            )
         (self.ssh_dir / "known_hosts").write_text("\n".join(known_hosts) + "\n")
         # `ssh` for the root namespace (first on PATH in ssh_env()): the harness's config, so that tools that run
         # plain `ssh HOST` (deepspeed's ssh check and `hostname -I` probe, mpirun's rsh agent) reach the nodes.
         self.bin_dir.mkdir(exist_ok=True)
         wrapper = self.bin_dir / "ssh"
-        wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('ssh') or '/usr/bin/ssh'} -F {self.ssh_config} \"$@\"\n")
+        wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("ssh") or "/usr/bin/ssh"} -F {self.ssh_config} "$@"\n')
         os.chmod(wrapper, 0o755)
         host_blocks = "".join(f"Host {node}\n    HostName {node_address(node)}\n" for node in self.nodes)
         self.ssh_config.write_text(
-            host_blocks +
-            "Host *\n"
+            host_blocks + "Host *\n"
             "    User root\n"
             f"    IdentityFile {client_key}\n"
             "    IdentitiesOnly yes\n"
@@ -504,7 +578,8 @@ class Cluster:
             "    CheckHostIP no\n"
             "    BatchMode yes\n"
             "    ConnectTimeout 5\n"
-            "    LogLevel ERROR\n")
+            "    LogLevel ERROR\n"
+        )
 
     def _slurm_conf(self) -> str:
         """The cluster's slurm.conf."""
@@ -512,7 +587,9 @@ class Cluster:
         node_lines = "".join(
             f"NodeName={node} NodeAddr={node_address(node)} NodeHostname={node} CPUs={NODE_CPUS} Boards=1 "
             f"SocketsPerBoard=1 CoresPerSocket={NODE_CPUS} ThreadsPerCore=1 RealMemory={NODE_MEMORY_MB} "
-            "State=UNKNOWN\n" for node in self.nodes)
+            "State=UNKNOWN\n"
+            for node in self.nodes
+        )
         controller = socket.gethostname().split(".")[0]
         return (
             "# Written by tests/cluster/harness.py: a two-node test cluster on one machine.\n"
@@ -560,8 +637,9 @@ class Cluster:
             "JobAcctGatherType=jobacct_gather/none\n"
             "JobCompType=jobcomp/filetxt\n"
             f"JobCompLoc={self.jobcomp_log}\n"
-            + node_lines +
-            f"PartitionName={PARTITION} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP\n")
+            + node_lines
+            + f"PartitionName={PARTITION} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP\n"
+        )
 
     # ------------------------------------------------------------------ processes
 
@@ -583,8 +661,14 @@ class Cluster:
     def _spawn(self, name: str, argv: Sequence[str], log: Path) -> subprocess.Popen:
         """Starts a root-side daemon in the foreground (its own session), output appended to LOG."""
         with open(log, "ab") as out:
-            process = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True, env=self.env())
+            process = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env(),
+            )
         self._record(name, process, process.pid, log)
         return process
 
@@ -604,24 +688,40 @@ class Cluster:
         """munged with its own key, socket, pid and seed files under the state directory."""
         log = self.log_dir / "munged.log"
         socket_path = self.munge_dir / "munge.socket"
-        process = self._spawn("munged", [
-            "munged", "--foreground", "--force", f"--socket={socket_path}",
-            f"--key-file={self.munge_dir / 'munge.key'}", f"--pid-file={self.munge_dir / 'munged.pid'}",
-            f"--log-file={log}", f"--seed-file={self.munge_dir / 'munged.seed'}", "--num-threads=10"], log)
+        process = self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={socket_path}",
+                f"--key-file={self.munge_dir / 'munge.key'}",
+                f"--pid-file={self.munge_dir / 'munged.pid'}",
+                f"--log-file={log}",
+                f"--seed-file={self.munge_dir / 'munged.seed'}",
+                "--num-threads=10",
+            ],
+            log,
+        )
 
         def works() -> bool:
             credential = subprocess.run(["munge", "-n", "-S", str(socket_path)], capture_output=True, timeout=10)
-            return credential.returncode == 0 and subprocess.run(
-                ["unmunge", "-S", str(socket_path)], input=credential.stdout, capture_output=True,
-                timeout=10).returncode == 0
+            return (
+                credential.returncode == 0
+                and subprocess.run(
+                    ["unmunge", "-S", str(socket_path)], input=credential.stdout, capture_output=True, timeout=10
+                ).returncode
+                == 0
+            )
 
         self._wait("munged", works, log, timeout, process)
 
     def _start_slurmctld(self, timeout: float) -> None:
         """slurmctld in the root namespace, in the foreground, with a clean state."""
         log = self.log_dir / "slurmctld.log"
-        process = self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(self.slurm_conf)],
-                              self.log_dir / "slurmctld.stdout")
+        process = self._spawn(
+            "slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(self.slurm_conf)], self.log_dir / "slurmctld.stdout"
+        )
 
         def answers() -> bool:
             result = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, env=self.env(), timeout=15)
@@ -641,7 +741,13 @@ class Cluster:
             "ssh_config": str(self.ssh_config),
             "cgroups": json.loads((self.state_dir / "cgroups.json").read_text()),
             "ready_file": str(ready_file),
-            "sshd_argv": [shutil.which("sshd", path=self.env()["PATH"]) or "/usr/sbin/sshd", "-D", "-e", "-f", str(node_dir / "sshd_config")],
+            "sshd_argv": [
+                shutil.which("sshd", path=self.env()["PATH"]) or "/usr/sbin/sshd",
+                "-D",
+                "-e",
+                "-f",
+                str(node_dir / "sshd_config"),
+            ],
             "sshd_log": str(self.log_dir / f"sshd-{node}.log"),
             "slurmd_argv": ["slurmd", "-D", "-N", node, "-f", str(self.slurm_conf)],
             "slurmd_stdout": str(self.log_dir / f"slurmd-{node}.stdout"),
@@ -649,10 +755,27 @@ class Cluster:
         log = self.log_dir / f"node-{node}.log"
         with open(log, "ab") as out:
             process = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{namespace_name(node)}", "--",
-                 "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--",
-                 sys.executable, str(NODE_INIT), json.dumps(spec)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env())
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{namespace_name(node)}",
+                    "--",
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "--pid",
+                    "--fork",
+                    "--mount-proc",
+                    "--",
+                    sys.executable,
+                    str(NODE_INIT),
+                    json.dumps(spec),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env(),
+            )
         # The node's PID 1 is the child of `unshare` (which stays as its parent and waits for it).
         deadline = time.monotonic() + 10.0
         init_pid = None
@@ -738,26 +861,50 @@ class Cluster:
     def _node_argv(self, node: str, argv: Sequence[str], cwd: str | os.PathLike | None) -> list[str]:
         """``nsenter`` into every namespace of NODE (net, UTS, mount, PID), in CWD, then ARGV."""
         directory = os.path.abspath(cwd if cwd is not None else os.getcwd())
-        return ["nsenter", "-t", str(self._init_pid(node)), "--net", "--uts", "--mount", "--pid",
-                f"--wd={directory}", "--", *argv]
+        return [
+            "nsenter",
+            "-t",
+            str(self._init_pid(node)),
+            "--net",
+            "--uts",
+            "--mount",
+            "--pid",
+            f"--wd={directory}",
+            "--",
+            *argv,
+        ]
 
-    def popen_on(self, node: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 cwd: str | os.PathLike | None = None, **popen_kwargs) -> subprocess.Popen:
+    def popen_on(
+        self,
+        node: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        **popen_kwargs,
+    ) -> subprocess.Popen:
         """Starts ARGV on NODE (as ``run_on``) without waiting; the process dies with the node (kill_node)."""
-        return subprocess.Popen(self._node_argv(node, argv, cwd), env=self.env(env), start_new_session=True,
-                                **popen_kwargs)
+        return subprocess.Popen(
+            self._node_argv(node, argv, cwd), env=self.env(env), start_new_session=True, **popen_kwargs
+        )
 
-    def run_on(self, node: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-               cwd: str | os.PathLike | None = None, timeout: float = 60.0,
-               check: bool = False) -> subprocess.CompletedProcess:
+    def run_on(
+        self,
+        node: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        timeout: float = 60.0,
+        check: bool = False,
+    ) -> subprocess.CompletedProcess:
         """Runs ARGV inside NODE's namespaces as a job step sees the node (its hostname, network, /etc/hosts).
 
         ENV is added to os.environ + SLURM_CONF; output is captured as text. On TIMEOUT the command's whole
         process group is killed and subprocess.TimeoutExpired raised; CHECK raises CalledProcessError on a
         non-zero exit.
         """
-        process = self.popen_on(node, argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        process = self.popen_on(node, argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -773,16 +920,24 @@ class Cluster:
         """Runs ``scontrol ARGS`` against this cluster."""
         return _run(["scontrol", *args], check=check, timeout=timeout, env=self.env())
 
-    def sbatch(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-               cwd: str | os.PathLike | None = None, timeout: float = 30.0) -> int:
+    def sbatch(
+        self,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        timeout: float = 30.0,
+    ) -> int:
         """Submits a batch job from the root namespace (``sbatch --parsable ARGS``) and returns its job id."""
         command = ["sbatch", "--parsable", *args]
         try:
-            result = subprocess.run(command, capture_output=True, text=True, env=self.env(env), cwd=cwd,
-                                    timeout=timeout)
+            result = subprocess.run(
+                command, capture_output=True, text=True, env=self.env(env), cwd=cwd, timeout=timeout
+            )
         except subprocess.TimeoutExpired as error:
-            raise ClusterError(f"{shlex.join(command)} did not answer within {timeout:.0f} s; "
-                               f"log: {self.log_dir / 'slurmctld.log'}") from error
+            raise ClusterError(
+                f"{shlex.join(command)} did not answer within {timeout:.0f} s; log: {self.log_dir / 'slurmctld.log'}"
+            ) from error
         if result.returncode != 0:
             raise ClusterError(f"sbatch refused the job: {result.stderr.strip()}")
         return int(result.stdout.strip().split(";")[0])
@@ -834,8 +989,10 @@ class Cluster:
                 return state
             if time.monotonic() > deadline:
                 info = self.job_info(job_id) or {}
-                raise TimeoutError(f"job {job_id} not in {sorted(wanted)} after {timeout:.0f} s: state {state}, "
-                                   f"reason {info.get('Reason', '?')}; log: {self.log_dir / 'slurmctld.log'}")
+                raise TimeoutError(
+                    f"job {job_id} not in {sorted(wanted)} after {timeout:.0f} s: state {state}, "
+                    f"reason {info.get('Reason', '?')}; log: {self.log_dir / 'slurmctld.log'}"
+                )
             time.sleep(0.5)
 
     def kill_node(self, node: str) -> None:
@@ -871,8 +1028,12 @@ class Cluster:
         its slurmd answers the ping that follows).
         """
         self.scontrol("update", f"nodename={node}", "state=resume", check=False)
-        self._wait(f"resume of {node}", lambda: not self._unusable(self.node_info(node).get("State", "*")),
-                   self.log_dir / "slurmctld.log", timeout)
+        self._wait(
+            f"resume of {node}",
+            lambda: not self._unusable(self.node_info(node).get("State", "*")),
+            self.log_dir / "slurmctld.log",
+            timeout,
+        )
 
     @staticmethod
     def _unusable(state: str) -> bool:
@@ -936,7 +1097,7 @@ def _parse_scontrol(line: str) -> dict[str, str]:
     record = {}
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(line)
-        record[match.group(1)] = line[match.end():end].strip()
+        record[match.group(1)] = line[match.end() : end].strip()
     return record
 
 
@@ -962,10 +1123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args[0] == "up":
             cluster = Cluster.start(state_dir)
-            print(f"cluster up in {cluster.start_seconds:.1f} s: nodes "
-                  + ", ".join(f"{node} {cluster.address(node)}" for node in cluster.nodes))
-            print(f"export SLURM_CONF={cluster.slurm_conf} PDSH_RCMD_TYPE=ssh "
-                  f"PDSH_SSH_ARGS_APPEND='-F {cluster.ssh_config}'")
+            print(
+                f"cluster up in {cluster.start_seconds:.1f} s: nodes "
+                + ", ".join(f"{node} {cluster.address(node)}" for node in cluster.nodes)
+            )
+            print(
+                f"export SLURM_CONF={cluster.slurm_conf} PDSH_RCMD_TYPE=ssh "
+                f"PDSH_SSH_ARGS_APPEND='-F {cluster.ssh_config}'"
+            )
             print(f"on a node: nsenter -t {cluster._init_pid(cluster.nodes[0])} -n -u -m -p bash")
         elif args[0] == "down":
             began = time.monotonic()

@@ -16,6 +16,7 @@ import pytest
 
 from tests.cluster.harness import ClusterError
 
+
 def slurm(cluster, argv: list[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
     """Runs a Slurm client command from the root namespace against CLUSTER."""
     return subprocess.run(argv, capture_output=True, text=True, env=cluster.env(), timeout=timeout, **kwargs)
@@ -35,10 +36,12 @@ def test_srun_runs_one_task_on_each_node(slurm_cluster):
 
 def test_sbatch_two_node_job_sees_each_node_name_and_address(slurm_cluster, job_dir):
     script = job_dir / "job.sh"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         srun bash -c 'echo "$(hostname) $(hostname -I) $SLURMD_NODENAME" > {job_dir}/task-$SLURM_PROCID'
-        """))
+        """)
+    )
     job_id = slurm_cluster.sbatch(["-N2", "--ntasks-per-node=1", f"--output={job_dir}/out.txt", str(script)])
     assert slurm_cluster.wait_job(job_id, timeout=60) == "COMPLETED", (job_dir / "out.txt").read_text()
     seen = {}
@@ -55,29 +58,41 @@ def test_sbatch_two_node_job_sees_each_node_name_and_address(slurm_cluster, job_
 
 def test_pdsh_over_ssh_reaches_both_nodes(slurm_cluster):
     nodes = ",".join(slurm_cluster.nodes)
-    result = subprocess.run(["pdsh", "-w", nodes, "hostname"], capture_output=True, text=True,
-                            env=slurm_cluster.ssh_env(), timeout=30)
+    result = subprocess.run(
+        ["pdsh", "-w", nodes, "hostname"], capture_output=True, text=True, env=slurm_cluster.ssh_env(), timeout=30
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == [f"{node}: {node}" for node in sorted(slurm_cluster.nodes)]
     # Inside a node the harness's ssh client config is the system one: plain ssh and pdsh need nothing more.
     first, second = slurm_cluster.nodes
-    inside = slurm_cluster.run_on(first, ["pdsh", "-R", "ssh", "-w", nodes, "hostname -I"], timeout=30,
-                                  env={"PDSH_SSH_ARGS_APPEND": ""})
+    inside = slurm_cluster.run_on(
+        first, ["pdsh", "-R", "ssh", "-w", nodes, "hostname -I"], timeout=30, env={"PDSH_SSH_ARGS_APPEND": ""}
+    )
     assert inside.returncode == 0, inside.stderr
     assert sorted(inside.stdout.split()) == sorted(
-        [f"{node}:" for node in slurm_cluster.nodes] + [slurm_cluster.address(node) for node in slurm_cluster.nodes])
+        [f"{node}:" for node in slurm_cluster.nodes] + [slurm_cluster.address(node) for node in slurm_cluster.nodes]
+    )
     hop = slurm_cluster.run_on(first, ["ssh", second, "hostname"], timeout=30)
     assert (hop.returncode, hop.stdout.strip()) == (0, second), hop.stderr
     # Plain `ssh NODE` from the root namespace (what deepspeed's runner runs before pdsh) with ssh_env().
-    probe = subprocess.run(["ssh", "-o", "PasswordAuthentication=no", first, "hostname -I"], capture_output=True,
-                           text=True, env=slurm_cluster.ssh_env(), timeout=30)
+    probe = subprocess.run(
+        ["ssh", "-o", "PasswordAuthentication=no", first, "hostname -I"],
+        capture_output=True,
+        text=True,
+        env=slurm_cluster.ssh_env(),
+        timeout=30,
+    )
     assert (probe.returncode, probe.stdout.split()) == (0, [slurm_cluster.address(first)]), probe.stderr
 
 
 def test_run_on_sees_the_node_as_a_job_step_does(slurm_cluster):
     first, second = slurm_cluster.nodes
-    result = slurm_cluster.run_on(first, ["bash", "-c", "hostname; hostname -I; getent hosts " + second
-                                          + "; cat /proc/1/cmdline | tr '\\0' ' '"], timeout=10, check=True)
+    result = slurm_cluster.run_on(
+        first,
+        ["bash", "-c", "hostname; hostname -I; getent hosts " + second + "; cat /proc/1/cmdline | tr '\\0' ' '"],
+        timeout=10,
+        check=True,
+    )
     name, addresses, peer, init = result.stdout.splitlines()
     assert (name, addresses.split()) == (first, [slurm_cluster.address(first)])
     assert peer.split() == [slurm_cluster.address(second), second]
@@ -87,11 +102,15 @@ def test_run_on_sees_the_node_as_a_job_step_does(slurm_cluster):
     assert (sinfo.returncode, sinfo.stdout.split()) == (0, sorted(slurm_cluster.nodes)), sinfo.stderr
 
 
-@pytest.mark.parametrize(("job_memory", "memory_env", "plain_overlap_refused"), [
-    ([], "SLURM_MEM_PER_CPU=2000", True),  # the cluster's DefMemPerCPU, as most clusters set one
-    (["--mem-per-cpu=2000"], "SLURM_MEM_PER_CPU=2000", True),
-    (["--mem=4000"], "SLURM_MEM_PER_NODE=4000", False),
-], ids=["DefMemPerCPU", "mem-per-cpu", "mem-per-node"])
+@pytest.mark.parametrize(
+    ("job_memory", "memory_env", "plain_overlap_refused"),
+    [
+        ([], "SLURM_MEM_PER_CPU=2000", True),  # the cluster's DefMemPerCPU, as most clusters set one
+        (["--mem-per-cpu=2000"], "SLURM_MEM_PER_CPU=2000", True),
+        (["--mem=4000"], "SLURM_MEM_PER_NODE=4000", False),
+    ],
+    ids=["DefMemPerCPU", "mem-per-cpu", "mem-per-node"],
+)
 def test_step_memory_under_cr_core_memory(slurm_cluster, job_dir, job_memory, memory_env, plain_overlap_refused):
     """What a second step needs while the first holds all the job's memory (Slurm 22.05, CR_Core_Memory).
 
@@ -103,12 +122,13 @@ def test_step_memory_under_cr_core_memory(slurm_cluster, job_dir, job_memory, me
     holds the memory.
     """
     script = job_dir / "job.sh"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         out={job_dir}
         env | grep '^SLURM_MEM' > $out/env.txt
         srun --ntasks-per-node=1 --mem=1000 hostname > $out/mem-within.txt 2>&1; echo $? >> $out/mem-within.txt
-        srun --ntasks-per-node=1 --cpus-per-task=2 bash -c "touch $out/holder-\$SLURM_PROCID; exec sleep 120" &
+        srun --ntasks-per-node=1 --cpus-per-task=2 bash -c "touch $out/holder-\\$SLURM_PROCID; exec sleep 120" &
         for _ in $(seq 300); do [ -e $out/holder-0 ] && [ -e $out/holder-1 ] && break; sleep 0.1; done
         try() {{
             name=$1; shift
@@ -120,9 +140,11 @@ def test_step_memory_under_cr_core_memory(slurm_cluster, job_dir, job_memory, me
         try overlap-mem-per-cpu0 --overlap --mem-per-cpu=0
         kill %1
         wait
-        """))
-    job_id = slurm_cluster.sbatch(["-N2", "--ntasks-per-node=1", "--cpus-per-task=2", *job_memory,
-                                   f"--output={job_dir}/out.txt", str(script)])
+        """)
+    )
+    job_id = slurm_cluster.sbatch(
+        ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2", *job_memory, f"--output={job_dir}/out.txt", str(script)]
+    )
     assert slurm_cluster.wait_job(job_id, timeout=90) == "COMPLETED", (job_dir / "out.txt").read_text()
     assert (job_dir / "env.txt").read_text().strip() == memory_env
 
@@ -144,8 +166,9 @@ def test_step_memory_under_cr_core_memory(slurm_cluster, job_dir, job_memory, me
 
 def test_kill_node_kills_every_process_and_restart_brings_it_back(slurm_cluster):
     first, second = slurm_cluster.nodes
-    sleeper = slurm_cluster.popen_on(second, ["bash", "-c", "echo started; exec sleep 300"], stdout=subprocess.PIPE,
-                                     text=True)
+    sleeper = slurm_cluster.popen_on(
+        second, ["bash", "-c", "echo started; exec sleep 300"], stdout=subprocess.PIPE, text=True
+    )
     assert sleeper.stdout.readline() == "started\n"
     pids = slurm_cluster.node_pids(second)
     assert len(pids) >= 4  # PID 1, sshd, slurmd, sleep
@@ -193,8 +216,9 @@ def test_disconnect_node_cuts_its_network_until_reconnected(slurm_cluster):
 
 
 def test_job_pids_are_the_job_processes_on_each_node(slurm_cluster, job_dir):
-    job_id = slurm_cluster.sbatch(["-N2", "--ntasks-per-node=1", f"--output={job_dir}/out.txt", "--wrap",
-                                   "srun sleep 300"])
+    job_id = slurm_cluster.sbatch(
+        ["-N2", "--ntasks-per-node=1", f"--output={job_dir}/out.txt", "--wrap", "srun sleep 300"]
+    )
     try:
         slurm_cluster.wait_job(job_id, "RUNNING", timeout=30)
         for node in slurm_cluster.nodes:

@@ -30,9 +30,21 @@ CPU = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
 
 
 def train_args(shards: Path, output: Path, steps: int, *extra: str) -> list[str]:
-    return ["--config", "configs/tiny_cpu.yaml", f"data.shards={shards}", f"train.output_dir={output}",
-            f"train.max_steps={steps}", f"schedule.total_steps={SCHEDULE_STEPS}", "log.every=1", "eval.every=0",
-            "eval.batch_size=64", "eval.tgt_len=32", "checkpoint.every=50", "checkpoint.keep_last=0", *extra]
+    return [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"data.shards={shards}",
+        f"train.output_dir={output}",
+        f"train.max_steps={steps}",
+        f"schedule.total_steps={SCHEDULE_STEPS}",
+        "log.every=1",
+        "eval.every=0",
+        "eval.batch_size=64",
+        "eval.tgt_len=32",
+        "checkpoint.every=50",
+        "checkpoint.keep_last=0",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +60,20 @@ def shared(slurm_cluster, ptb_word_shards) -> Path:
 def reference(shared) -> dict[int, float]:
     """Per-step losses of the uninterrupted run on one host: 2 ranks under torchrun."""
     output = shared / "reference"
-    run([TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-         "launchers/train.py", *train_args(shared / "shards", output, REFERENCE_STEPS)], timeout=400)
+    run(
+        [
+            TORCHRUN,
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "launchers/train.py",
+            *train_args(shared / "shards", output, REFERENCE_STEPS),
+        ],
+        timeout=400,
+    )
     return losses(output)
 
 
@@ -61,15 +85,28 @@ def assert_same_losses(output: Path, reference: dict[int, float], steps: int) ->
     got = losses(output)
     assert sorted(got) == list(range(1, steps + 1)), f"{output}: logged steps {sorted(got)[:5]}...{sorted(got)[-5:]}"
     different = [step for step in got if got[step] != reference[step]]
-    assert not different, f"{output}: steps {different[:10]} differ from the reference ({got[different[0]]} vs {reference[different[0]]})"
+    assert not different, (
+        f"{output}: steps {different[:10]} differ from the reference ({got[different[0]]} vs {reference[different[0]]})"
+    )
 
 
-def sbatch_job(cluster, directory: Path, steps: int, *options: str, extra: tuple[str, ...] = (),
-               env: dict[str, str] | None = None) -> int:
-    return cluster.sbatch(["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1500",
-                           f"--output={directory}/slurm-%j.out", *options, "launchers/slurm.sbatch",
-                           *train_args(directory.parent / "shards", directory / "run", steps, *extra)],
-                          env={**CPU, **(env or {})}, cwd=REPO)
+def sbatch_job(
+    cluster, directory: Path, steps: int, *options: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> int:
+    return cluster.sbatch(
+        [
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--cpus-per-task=1",
+            "--mem=1500",
+            f"--output={directory}/slurm-%j.out",
+            *options,
+            "launchers/slurm.sbatch",
+            *train_args(directory.parent / "shards", directory / "run", steps, *extra),
+        ],
+        env={**CPU, **(env or {})},
+        cwd=REPO,
+    )
 
 
 def job_output(directory: Path) -> str:
@@ -86,15 +123,27 @@ def wait_for_logged_step(output: Path, step: int, timeout: float = 120) -> None:
     pytest.fail(f"{output}: no step {step} within {timeout} s")
 
 
-def deepspeed_on_first_node(cluster, directory: Path, flags: list[str], steps: int, env: dict[str, str],
-                            output: Path | None = None) -> str:
+def deepspeed_on_first_node(
+    cluster, directory: Path, flags: list[str], steps: int, env: dict[str, str], output: Path | None = None
+) -> str:
     """`deepspeed --hostfile H FLAGS launchers/train.py ...` typed on the first node, as a user does; its output,
     after it has exited 0."""
     hostfile = directory / "hostfile"
     hostfile.write_text("".join(f"{node} slots=1\n" for node in cluster.nodes))
-    result = cluster.run_on(cluster.nodes[0], [
-        DEEPSPEED, "--hostfile", str(hostfile), *flags, "launchers/train.py",
-        *train_args(directory.parent / "shards", output or directory / "run", steps)], env=env, cwd=REPO, timeout=240)
+    result = cluster.run_on(
+        cluster.nodes[0],
+        [
+            DEEPSPEED,
+            "--hostfile",
+            str(hostfile),
+            *flags,
+            "launchers/train.py",
+            *train_args(directory.parent / "shards", output or directory / "run", steps),
+        ],
+        env=env,
+        cwd=REPO,
+        timeout=240,
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     return out
@@ -129,10 +178,25 @@ def test_srun_of_train_py_forms_one_world(slurm_cluster, shared, reference):
     """`srun -N2 python launchers/train.py`: each task is a rank (SLURM_PROCID of SLURM_NTASKS), not a world of
     its own."""
     directory = fresh(shared, "srun")
-    result = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1500",
-                             "--kill-on-bad-exit=1", PYTHON, "-u", "launchers/train.py",
-                             *train_args(shared / "shards", directory / "run", 20)],
-                            cwd=REPO, env=slurm_cluster.env(CPU), capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            "srun",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--cpus-per-task=1",
+            "--mem=1500",
+            "--kill-on-bad-exit=1",
+            PYTHON,
+            "-u",
+            "launchers/train.py",
+            *train_args(shared / "shards", directory / "run", 20),
+        ],
+        cwd=REPO,
+        env=slurm_cluster.env(CPU),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert two_hosts(result.stderr), result.stderr[-3000:]
     assert_same_losses(directory / "run", reference, 20)
@@ -142,8 +206,13 @@ def test_deepspeed_launcher_slurm_forms_one_world(slurm_cluster, shared, referen
     """`deepspeed --launcher slurm`: srun starts `python train.py` once per slot; before, every task ran a
     one-rank world of its own ("is in use by another run")."""
     directory = fresh(shared, "ds-slurm")
-    out = deepspeed_on_first_node(slurm_cluster, directory, [
-        "--launcher", "slurm", "--launcher_args=--ntasks-per-node=1 --cpus-per-task=1 --mem=1500"], 20, CPU)
+    out = deepspeed_on_first_node(
+        slurm_cluster,
+        directory,
+        ["--launcher", "slurm", "--launcher_args=--ntasks-per-node=1 --cpus-per-task=1 --mem=1500"],
+        20,
+        CPU,
+    )
     assert two_hosts(out) and "on 2 rank(s)" in out, out[-3000:]
     assert_same_losses(directory / "run", reference, 20)
 
@@ -151,8 +220,14 @@ def test_deepspeed_launcher_slurm_forms_one_world(slurm_cluster, shared, referen
 def _deepspeed_env(directory: Path) -> Path:
     """.deepspeed_env written as the README says, from the variables set where deepspeed is typed."""
     path = directory / ".deepspeed_env"
-    result = subprocess.run([PYTHON, "-m", "txl_dist.launch_env", "--write-deepspeed-env", "--path", str(path)],
-                            cwd=REPO, env={**environment(), **CPU}, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [PYTHON, "-m", "txl_dist.launch_env", "--write-deepspeed-env", "--path", str(path)],
+        cwd=REPO,
+        env={**environment(), **CPU},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return path
 
@@ -165,8 +240,9 @@ def test_deepspeed_hostfile_over_pdsh_brings_the_users_environment_to_every_rank
 
     def launch(output: Path, steps: int, env_file: Path) -> str:
         flags = ["--master_addr", slurm_cluster.nodes[0], "--master_port", str(free_port())]
-        return deepspeed_on_first_node(slurm_cluster, directory, flags, steps,
-                                       slurm_cluster.ssh_env({**CPU, "DS_ENV_FILE": str(env_file)}), output)
+        return deepspeed_on_first_node(
+            slurm_cluster, directory, flags, steps, slurm_cluster.ssh_env({**CPU, "DS_ENV_FILE": str(env_file)}), output
+        )
 
     # Without .deepspeed_env the user's variables reach no rank, and the run says so.
     bare = launch(directory / "bare", 1, directory / "none")
@@ -186,10 +262,20 @@ def test_deepspeed_launcher_openmpi_forms_one_world(slurm_cluster, shared, refer
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun is not installed (Debian's openmpi-bin: make cluster-packages)")
     directory = fresh(shared, "openmpi")
-    env = slurm_cluster.ssh_env({**CPU, "DS_ENV_FILE": str(_deepspeed_env(directory)),
-                                 "OMPI_MCA_plm_rsh_args": f"-F {slurm_cluster.ssh_config}"})
-    out = deepspeed_on_first_node(slurm_cluster, directory, [
-        "--launcher", "openmpi", "--launcher_args=--allow-run-as-root --map-by node"], 20, env)
+    env = slurm_cluster.ssh_env(
+        {
+            **CPU,
+            "DS_ENV_FILE": str(_deepspeed_env(directory)),
+            "OMPI_MCA_plm_rsh_args": f"-F {slurm_cluster.ssh_config}",
+        }
+    )
+    out = deepspeed_on_first_node(
+        slurm_cluster,
+        directory,
+        ["--launcher", "openmpi", "--launcher_args=--allow-run-as-root --map-by node"],
+        20,
+        env,
+    )
     assert two_hosts(out) and "on 2 rank(s)" in out, out[-3000:]
     assert_same_losses(directory / "run", reference, 20)
 
@@ -212,8 +298,13 @@ def _decoy_ranks(cluster, directory: Path) -> list[tuple[subprocess.Popen, Path]
     decoys = []
     for node in cluster.nodes:
         marker = directory / f"decoy-{node}"
-        process = cluster.popen_on(node, [PYTHON, "-u", "launchers/train.py", str(marker)], cwd=checkout,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = cluster.popen_on(
+            node,
+            [PYTHON, "-u", "launchers/train.py", str(marker)],
+            cwd=checkout,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         decoys.append((process, marker))
     return decoys
 
@@ -231,8 +322,13 @@ def test_time_limit_checkpoints_requeues_and_the_run_completes_exactly(slurm_clu
         deadline = time.monotonic() + 240
         while "requeueing job" not in job_output(directory):
             state = slurm_cluster.job_state(job)
-            assert time.monotonic() < deadline and state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING",
-                                                              "REQUEUED"), (state, job_output(directory)[-3000:])
+            assert time.monotonic() < deadline and state in (
+                "PENDING",
+                "RUNNING",
+                "CONFIGURING",
+                "COMPLETING",
+                "REQUEUED",
+            ), (state, job_output(directory)[-3000:])
             time.sleep(0.5)
         slurm_cluster.scontrol("update", f"jobid={job}", "timelimit=10")
         assert slurm_cluster.wait_job(job, "COMPLETED", timeout=300) == "COMPLETED", job_output(directory)[-3000:]
@@ -305,10 +401,15 @@ def test_a_lost_node_ends_the_job_naming_it_and_the_next_job_resumes(slurm_clust
     finally:
         slurm_cluster.restart_node(lost)
         slurm_cluster.resume_node(lost)
-    newest = max(int(path.name.removeprefix("step")) for path in (directory / "run" / "checkpoints").glob("step*")
-                 if (path / "COMPLETE.json").is_file())
+    newest = max(
+        int(path.name.removeprefix("step"))
+        for path in (directory / "run" / "checkpoints").glob("step*")
+        if (path / "COMPLETE.json").is_file()
+    )
     again = sbatch_job(slurm_cluster, directory, newest + 10, "--time=5", "--signal=B:USR1@10")
     assert slurm_cluster.wait_job(again, timeout=180) == "COMPLETED", job_output(directory)[-3000:]
-    assert re.search(rf"resumed from \S+ at step {newest} \(exact", job_output(directory)), job_output(directory)[-3000:]
+    assert re.search(rf"resumed from \S+ at step {newest} \(exact", job_output(directory)), job_output(directory)[
+        -3000:
+    ]
     got = losses(directory / "run")
     assert all(got[step] == reference[step] for step in range(newest + 1, newest + 11))

@@ -27,8 +27,11 @@ def main() -> None:
     trainer = Trainer(cfg, deepspeed_overlay=args.deepspeed_config)
     trainer.run()
     module = trainer.engine.module
-    partitions = {name: {"numel": p.ds_numel, "local_numel": p.ds_tensor.numel(), "persist": p.ds_persist}
-                  for name, p in module.named_parameters() if hasattr(p, "ds_tensor")}
+    partitions = {
+        name: {"numel": p.ds_numel, "local_numel": p.ds_tensor.numel(), "persist": p.ds_persist}
+        for name, p in module.named_parameters()
+        if hasattr(p, "ds_tensor")
+    }
     if partitions and dist.get_rank() == 0:
         with open(f"{out}.zero3.json", "w", encoding="utf-8") as handle:
             json.dump(partitions, handle)

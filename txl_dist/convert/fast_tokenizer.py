@@ -84,12 +84,12 @@ def _fields(data: bytes) -> list[tuple[int, int, Any]]:
         if wire == 0:
             value, pos = _varint(data, pos)
         elif wire == 1:
-            value, pos = data[pos:pos + 8], pos + 8
+            value, pos = data[pos : pos + 8], pos + 8
         elif wire == 2:
             length, pos = _varint(data, pos)
-            value, pos = data[pos:pos + length], pos + length
+            value, pos = data[pos : pos + length], pos + length
         elif wire == 5:
-            value, pos = data[pos:pos + 4], pos + 4
+            value, pos = data[pos : pos + 4], pos + 4
         else:
             raise ValueError(f"unsupported wire type {wire}")
         if pos > len(data):
@@ -165,8 +165,15 @@ def _replace(pattern: str, content: str, regex: bool = False) -> dict[str, Any]:
 
 
 def _added(token_id: int, content: str, special: bool) -> dict[str, Any]:
-    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": special}
+    return {
+        "id": token_id,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": special,
+    }
 
 
 def _template(bos: str, bos_id: int) -> dict[str, Any]:
@@ -175,8 +182,12 @@ def _template(bos: str, bos_id: int) -> dict[str, Any]:
     return {
         "type": "TemplateProcessing",
         "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [special, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}},
-                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "pair": [
+            special,
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
     }
 
@@ -186,7 +197,9 @@ def _document(eod: str) -> dict[str, Any]:
     left-padded batches)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": eod, "eos_token": eod, "pad_token": eod,
+        "bos_token": eod,
+        "eos_token": eod,
+        "pad_token": eod,
         "padding_side": "left",
         # Decoding must give back the words as they are (no "said ." -> "said." rewriting).
         "clean_up_tokenization_spaces": False,
@@ -206,13 +219,24 @@ def _word_tokenizer(tokenizer: WordTokenizer) -> tuple[dict[str, Any], str]:
         "padding": None,
         "added_tokens": [_added(tokenizer.eod_id, eod, special=True)],
         "normalizer": _replace("\n", f" {eos} "),
-        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": _python_whitespace_class() + "+"},
-                          "behavior": "Removed", "invert": False},
+        "pre_tokenizer": {
+            "type": "Split",
+            "pattern": {"Regex": _python_whitespace_class() + "+"},
+            "behavior": "Removed",
+            "invert": False,
+        },
         "post_processor": _template(eod, tokenizer.eod_id),
         # Words joined by single spaces, separators as line breaks without spaces around them.
-        "decoder": {"type": "Sequence", "decoders": separators + [
-            {"type": "WordPiece", "prefix": " ", "cleanup": False}, {"type": "Fuse"},
-            _replace(" ?\n ?", "\n", regex=True), _STRIP_OUTER_SEPARATORS]},
+        "decoder": {
+            "type": "Sequence",
+            "decoders": separators
+            + [
+                {"type": "WordPiece", "prefix": " ", "cleanup": False},
+                {"type": "Fuse"},
+                _replace(" ?\n ?", "\n", regex=True),
+                _STRIP_OUTER_SEPARATORS,
+            ],
+        },
         "model": {"type": "WordLevel", "vocab": {word: i for i, word in enumerate(words)}, "unk_token": unk},
     }
     return data, eod
@@ -240,8 +264,9 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     _check_sentencepiece(model, path)
     pieces = model["pieces"]
     if len(pieces) != tokenizer.vocab_size:
-        raise FastTokenizerError(f"{path}: {len(pieces)} pieces, but its tokenizer.json says vocab_size="
-                                 f"{tokenizer.vocab_size}")
+        raise FastTokenizerError(
+            f"{path}: {len(pieces)} pieces, but its tokenizer.json says vocab_size={tokenizer.vocab_size}"
+        )
     unigram = model["model_type"] == "unigram"
     names = [p["piece"] for p in pieces]
     names[tokenizer.eos_id] = "\n"
@@ -261,8 +286,9 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
 
     normalizers: list[dict[str, Any]] = []
     if model["charsmap"]:
-        normalizers.append({"type": "Precompiled",
-                            "precompiled_charsmap": base64.b64encode(model["charsmap"]).decode("ascii")})
+        normalizers.append(
+            {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(model["charsmap"]).decode("ascii")}
+        )
     if model["remove_extra_whitespaces"]:
         normalizers += [_replace("^ +| +$", "", regex=True), _replace(" {2,}", " ", regex=True)]
     if model["add_dummy_prefix"]:
@@ -278,12 +304,18 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
             score = len(p["piece"]) * max_score - 0.1 if p["type"] == _USER_DEFINED else p["score"]
             vocab.append([name, score])
         unk_ids = [i for i, p in enumerate(pieces) if p["type"] == _UNKNOWN]
-        model_json = {"type": "Unigram", "unk_id": unk_ids[0] if unk_ids else None, "vocab": vocab,
-                      "byte_fallback": False}
+        model_json = {
+            "type": "Unigram",
+            "unk_id": unk_ids[0] if unk_ids else None,
+            "vocab": vocab,
+            "byte_fallback": False,
+        }
     else:
         normal = {p["piece"] for p in pieces if p["type"] == _NORMAL}
-        ranked = sorted((i for i, p in enumerate(pieces) if p["type"] == _NORMAL and len(p["piece"]) > 1),
-                        key=lambda i: (-pieces[i]["score"], i))
+        ranked = sorted(
+            (i for i, p in enumerate(pieces) if p["type"] == _NORMAL and len(p["piece"]) > 1),
+            key=lambda i: (-pieces[i]["score"], i),
+        )
         merges = []
         for i in ranked:
             piece = pieces[i]["piece"]
@@ -291,12 +323,24 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
                 if piece[:cut] in normal and piece[cut:] in normal:
                     merges.append([piece[:cut], piece[cut:]])
         unk = next((names[i] for i, p in enumerate(pieces) if p["type"] == _UNKNOWN), None)
-        model_json = {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": False, "ignore_merges": False,
-                      "vocab": {name: i for i, name in enumerate(names)}, "merges": merges}
+        model_json = {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": unk,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {name: i for i, name in enumerate(names)},
+            "merges": merges,
+        }
         # BPE cannot hold a user-defined symbol whole: they are cut out of the text first.
-        added += [_added(i, names[i], special=False) for i, p in enumerate(pieces)
-                  if p["type"] == _USER_DEFINED and i not in (tokenizer.eos_id, tokenizer.eod_id)]
+        added += [
+            _added(i, names[i], special=False)
+            for i, p in enumerate(pieces)
+            if p["type"] == _USER_DEFINED and i not in (tokenizer.eos_id, tokenizer.eod_id)
+        ]
 
     decoders = [_replace("\u2581", " ")]
     unk_id = next((i for i, p in enumerate(pieces) if p["type"] == _UNKNOWN), None)
@@ -311,9 +355,14 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     if model["add_dummy_prefix"]:
         decoders += [_replace("\n ", "\n"), {"type": "Strip", "content": " ", "start": 1, "stop": 0}]
     decoders.append(_STRIP_OUTER_SEPARATORS)
-    data = _tokenizer_json(sorted(added, key=lambda token: token["id"]),
-                           {"type": "Sequence", "normalizers": normalizers}, None, _template(eod, tokenizer.eod_id),
-                           decoders, model_json)
+    data = _tokenizer_json(
+        sorted(added, key=lambda token: token["id"]),
+        {"type": "Sequence", "normalizers": normalizers},
+        None,
+        _template(eod, tokenizer.eod_id),
+        decoders,
+        model_json,
+    )
     return data, eod
 
 
@@ -321,11 +370,14 @@ def _char_tokenizer(tokenizer: CharTokenizer) -> tuple[dict[str, Any], str]:
     characters = tokenizer.characters
     eod = characters[tokenizer.eod_id]  # the newline, eos = eod
     data = _tokenizer_json(
-        [_added(tokenizer.eod_id, eod, special=True)], None,
+        [_added(tokenizer.eod_id, eod, special=True)],
+        None,
         {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
-        _template(eod, tokenizer.eod_id), [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS],
+        _template(eod, tokenizer.eod_id),
+        [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS],
         # No unknown character: the unk token named is not in the vocabulary, so such text is an error.
-        {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(characters)}, "unk_token": "<unk>"})
+        {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(characters)}, "unk_token": "<unk>"},
+    )
     return data, eod
 
 
@@ -348,20 +400,47 @@ def _byte_tokenizer(tokenizer: ByteTokenizer) -> tuple[dict[str, Any], str]:
     eod = characters[tokenizer.eod_id]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     data = _tokenizer_json(
-        [_added(tokenizer.eod_id, eod, special=True)], None, byte_level, _template(eod, tokenizer.eod_id),
+        [_added(tokenizer.eod_id, eod, special=True)],
+        None,
+        byte_level,
+        _template(eod, tokenizer.eod_id),
         [byte_level, _STRIP_OUTER_SEPARATORS],
-        {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-         "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-         "vocab": {c: i for i, c in enumerate(characters)}, "merges": []})
+        {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {c: i for i, c in enumerate(characters)},
+            "merges": [],
+        },
+    )
     return data, eod
 
 
-def _tokenizer_json(added: list[dict], normalizer: dict | None, pre_tokenizer: dict | None, post_processor: dict,
-              decoders: list[dict], model: dict) -> dict[str, Any]:
+def _tokenizer_json(
+    added: list[dict],
+    normalizer: dict | None,
+    pre_tokenizer: dict | None,
+    post_processor: dict,
+    decoders: list[dict],
+    model: dict,
+) -> dict[str, Any]:
     """A tokenizers ``tokenizer.json`` document (format version 1.0, no truncation or padding)."""
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
-            "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
-            "decoder": {"type": "Sequence", "decoders": decoders}, "model": model}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": post_processor,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": model,
+    }
 
 
 def fast_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
@@ -375,6 +454,8 @@ def fast_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
     elif isinstance(tokenizer, ByteTokenizer):
         data, eod = _byte_tokenizer(tokenizer)
     else:
-        raise FastTokenizerError(f"{tokenizer.directory}: tokenizer kind {tokenizer.kind!r} has no fast-tokenizer "
-                                 f"form (supported: word, sentencepiece, char, byte)")
+        raise FastTokenizerError(
+            f"{tokenizer.directory}: tokenizer kind {tokenizer.kind!r} has no fast-tokenizer "
+            f"form (supported: word, sentencepiece, char, byte)"
+        )
     return {"tokenizer.json": data, "tokenizer_config.json": _document(eod)}

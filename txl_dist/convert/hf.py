@@ -64,13 +64,30 @@ def _hf_tie_projs_flag(config: ModelConfig) -> bool:
 def to_hf_config(config: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TransfoXLConfig``."""
     return dict(
-        vocab_size=config.n_token, cutoffs=list(config.cutoffs), d_model=config.d_model,
-        d_embed=config.d_embed_resolved, n_head=config.n_head, d_head=config.d_head, d_inner=config.d_inner,
-        div_val=config.div_val, pre_lnorm=config.pre_lnorm, n_layer=config.n_layer, mem_len=config.mem_len,
-        clamp_len=config.clamp_len, same_length=config.same_length,
-        proj_share_all_but_first=_hf_tie_projs_flag(config), attn_type=0, sample_softmax=-1, adaptive=True,
-        dropout=config.dropout, dropatt=config.dropatt, untie_r=config.untie_r, init="normal",
-        init_std=config.init_std, proj_init_std=config.proj_init_std, layer_norm_epsilon=config.layer_norm_eps,
+        vocab_size=config.n_token,
+        cutoffs=list(config.cutoffs),
+        d_model=config.d_model,
+        d_embed=config.d_embed_resolved,
+        n_head=config.n_head,
+        d_head=config.d_head,
+        d_inner=config.d_inner,
+        div_val=config.div_val,
+        pre_lnorm=config.pre_lnorm,
+        n_layer=config.n_layer,
+        mem_len=config.mem_len,
+        clamp_len=config.clamp_len,
+        same_length=config.same_length,
+        proj_share_all_but_first=_hf_tie_projs_flag(config),
+        attn_type=0,
+        sample_softmax=-1,
+        adaptive=True,
+        dropout=config.dropout,
+        dropatt=config.dropatt,
+        untie_r=config.untie_r,
+        init="normal",
+        init_std=config.init_std,
+        proj_init_std=config.proj_init_std,
+        layer_norm_epsilon=config.layer_norm_eps,
         tie_word_embeddings=config.tie_weight,
     )
 
@@ -88,13 +105,26 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     else:  # what its constructor takes
         tie_projs = [False] + [bool(hf.get("proj_share_all_but_first", False))] * len(cutoffs)
     fields = dict(
-        n_token=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"], d_head=hf["d_head"],
-        d_model=hf["d_model"], d_inner=hf["d_inner"], d_embed=hf["d_embed"], div_val=hf["div_val"],
-        cutoffs=cutoffs, tie_weight=bool(hf.get("tie_word_embeddings", True)), tie_projs=tie_projs,
-        untie_r=bool(hf.get("untie_r", True)), pre_lnorm=bool(hf.get("pre_lnorm", False)),
-        dropout=hf.get("dropout", 0.1), dropatt=hf.get("dropatt", 0.0), mem_len=hf.get("mem_len", 0),
-        clamp_len=hf.get("clamp_len", -1), same_length=bool(hf.get("same_length", False)),
-        init_std=hf.get("init_std", 0.02), proj_init_std=hf.get("proj_init_std", 0.01),
+        n_token=hf["vocab_size"],
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        d_head=hf["d_head"],
+        d_model=hf["d_model"],
+        d_inner=hf["d_inner"],
+        d_embed=hf["d_embed"],
+        div_val=hf["div_val"],
+        cutoffs=cutoffs,
+        tie_weight=bool(hf.get("tie_word_embeddings", True)),
+        tie_projs=tie_projs,
+        untie_r=bool(hf.get("untie_r", True)),
+        pre_lnorm=bool(hf.get("pre_lnorm", False)),
+        dropout=hf.get("dropout", 0.1),
+        dropatt=hf.get("dropatt", 0.0),
+        mem_len=hf.get("mem_len", 0),
+        clamp_len=hf.get("clamp_len", -1),
+        same_length=bool(hf.get("same_length", False)),
+        init_std=hf.get("init_std", 0.02),
+        proj_init_std=hf.get("proj_init_std", 0.01),
         layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
     )
     fields.update(overrides)
@@ -149,13 +179,21 @@ HF_SETTINGS_KEY = "txl_dist_settings"
 _SETTINGS_HF_LACKS = ("tgt_len", "attn_impl", "mem_dtype")
 
 
-def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-                    verify: bool = True) -> Path:
+def write_hf_folder(
+    export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False, verify: bool = True
+) -> Path:
     """An export folder -> a folder transformers 4.37.2 loads with ``TransfoXLLMHeadModel.from_pretrained``.
 
     ``out_dir`` may not be, contain or lie inside ``export_dir``; ``overwrite`` replaces only an empty folder or
     one txl_dist wrote (`txl_dist.fileio.check_output_path`)."""
-    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, save_safetensors, unique_weights
+    from txl_dist.export import (
+        CONFIG_FILE,
+        TOKENIZER_DIR,
+        load_model,
+        read_config_file,
+        save_safetensors,
+        unique_weights,
+    )
 
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
@@ -164,9 +202,13 @@ def write_hf_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     # Shared tensors (the per-layer copies of the position biases) are written as copies: safetensors
     # refuses aliases; HuggingFace re-ties the crit weights it lists in _tied_weights_keys itself.
     weights = {key: tensor.detach().contiguous().clone() for key, tensor in state.items()}
-    hf_config = {**to_hf_config(config), "model_type": "transfo-xl", "architectures": ["TransfoXLLMHeadModel"],
-                 HF_TOKENIZER_KEY: identity,
-                 HF_SETTINGS_KEY: {name: getattr(config, name) for name in _SETTINGS_HF_LACKS}}
+    hf_config = {
+        **to_hf_config(config),
+        "model_type": "transfo-xl",
+        "architectures": ["TransfoXLLMHeadModel"],
+        HF_TOKENIZER_KEY: identity,
+        HF_SETTINGS_KEY: {name: getattr(config, name) for name in _SETTINGS_HF_LACKS},
+    }
     with staged_output(out_dir, "txl_dist.convert.hf.write_hf_folder") as staging:
         save_safetensors(weights, staging / HF_WEIGHTS, metadata={"format": "pt"})
         if (export_dir / TOKENIZER_DIR).is_dir():
@@ -198,15 +240,22 @@ def read_hf_folder(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, to
         except pickle.UnpicklingError as error:  # a pickle that asks for more than tensors: never run
             found = re.search(r"GLOBAL ([\w.]+)", str(error))
             what = f"it refers to {found.group(1)}" if found else str(error).strip().splitlines()[0]
-            raise ValueError(f"{path}: refused to unpickle: {what}, which is not a tensor (the weights-only loader "
-                             f"reads tensors and containers only; loading this file could run code)") from None
+            raise ValueError(
+                f"{path}: refused to unpickle: {what}, which is not a tensor (the weights-only loader "
+                f"reads tensors and containers only; loading this file could run code)"
+            ) from None
         except (RuntimeError, EOFError) as error:  # truncated or not a torch file
-            raise ValueError(f"{path}: not a readable PyTorch weights file ({str(error).strip().splitlines()[0]})"
-                             ) from None
+            raise ValueError(
+                f"{path}: not a readable PyTorch weights file ({str(error).strip().splitlines()[0]})"
+            ) from None
         if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
             raise ValueError(f"{path}: not a state dict of tensors")
     else:
         raise FileNotFoundError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_LEGACY_WEIGHTS}")
     tokenizer_dir = hf_dir / "tokenizer"
-    return (config, from_hf_state_dict(state, config), hf_config.get(HF_TOKENIZER_KEY),
-            tokenizer_dir if tokenizer_dir.is_dir() else None)
+    return (
+        config,
+        from_hf_state_dict(state, config),
+        hf_config.get(HF_TOKENIZER_KEY),
+        tokenizer_dir if tokenizer_dir.is_dir() else None,
+    )

@@ -60,9 +60,28 @@ KEY_MAP = KeyMap(
     target_name="modeling_txl",
 )
 
-_CONFIG_FIELDS = ("n_token", "n_layer", "n_head", "d_head", "d_model", "d_inner", "div_val", "cutoffs", "tie_weight",
-                  "untie_r", "pre_lnorm", "dropout", "dropatt", "tgt_len", "mem_len", "clamp_len", "same_length",
-                  "layer_norm_eps", "init_std", "proj_init_std")
+_CONFIG_FIELDS = (
+    "n_token",
+    "n_layer",
+    "n_head",
+    "d_head",
+    "d_model",
+    "d_inner",
+    "div_val",
+    "cutoffs",
+    "tie_weight",
+    "untie_r",
+    "pre_lnorm",
+    "dropout",
+    "dropatt",
+    "tgt_len",
+    "mem_len",
+    "clamp_len",
+    "same_length",
+    "layer_norm_eps",
+    "init_std",
+    "proj_init_std",
+)
 
 
 def hub_config(config: ModelConfig, tokenizer_identity: dict[str, Any] | None) -> dict[str, Any]:
@@ -86,12 +105,15 @@ def hub_weights(state: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
     """Our state dict -> the modeling file's keys, each tied tensor once (under the embedding's name)."""
     from txl_dist.export import unique_weights
 
-    return {key: tensor.detach().contiguous().clone() for key, tensor in
-            KEY_MAP.forward(unique_weights(state, config)).items()}
+    return {
+        key: tensor.detach().contiguous().clone()
+        for key, tensor in KEY_MAP.forward(unique_weights(state, config)).items()
+    }
 
 
-def write_hub_folder(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
-                     verify: bool = True) -> Path:
+def write_hub_folder(
+    export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False, verify: bool = True
+) -> Path:
     """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
     from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
     from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, save_safetensors

@@ -7,7 +7,8 @@ exactly one rule's source side, so a layout change shows up as an error instead 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 V = TypeVar("V")
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -35,10 +35,17 @@ INV_FREQ_KEY = "pos_emb.inv_freq"
 _REVERSED_ROWS = ("crit.cluster_weight", "crit.cluster_bias")
 
 _LAYER_KEYS = (
-    "dec_attn.qkv_net.weight", "dec_attn.r_net.weight", "dec_attn.o_net.weight",
-    "dec_attn.layer_norm.weight", "dec_attn.layer_norm.bias",
-    "pos_ff.CoreNet.0.weight", "pos_ff.CoreNet.0.bias", "pos_ff.CoreNet.3.weight", "pos_ff.CoreNet.3.bias",
-    "pos_ff.layer_norm.weight", "pos_ff.layer_norm.bias",
+    "dec_attn.qkv_net.weight",
+    "dec_attn.r_net.weight",
+    "dec_attn.o_net.weight",
+    "dec_attn.layer_norm.weight",
+    "dec_attn.layer_norm.bias",
+    "pos_ff.CoreNet.0.weight",
+    "pos_ff.CoreNet.0.bias",
+    "pos_ff.CoreNet.3.weight",
+    "pos_ff.CoreNet.3.bias",
+    "pos_ff.layer_norm.weight",
+    "pos_ff.layer_norm.bias",
 )
 
 # Our keys and the authors' MemTransformerLM keys (identical names, listed so that nothing passes unchecked).
@@ -137,7 +144,8 @@ def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     ):
         raise ValueError(
             f"{path}: expected a state dict (a mapping of parameter names to tensors), got a "
-            f"{type(loaded).__name__}" + (f" with keys {sorted(map(str, loaded))[:8]}" if isinstance(loaded, Mapping) else "")
+            f"{type(loaded).__name__}"
+            + (f" with keys {sorted(map(str, loaded))[:8]}" if isinstance(loaded, Mapping) else "")
         )
     return dict(loaded)
 

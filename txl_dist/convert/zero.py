@@ -21,7 +21,13 @@ import torch
 from txl_dist.config import RunConfig
 from txl_dist.training import weights_only
 from txl_dist.training.checkpoint import (
-    CLIENT_KEY, COMPLETE, LATEST, RANK_STATES, CheckpointVerificationError, read_marker, verify_checkpoint,
+    CLIENT_KEY,
+    COMPLETE,
+    LATEST,
+    RANK_STATES,
+    CheckpointVerificationError,
+    read_marker,
+    verify_checkpoint,
 )
 
 
@@ -66,18 +72,23 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
     if (path / COMPLETE).is_file():
         return path
     if path.is_dir() and any(path.glob("*model_states.pt")):
-        raise CheckpointError(f"{path}: a checkpoint folder without {COMPLETE}: its save did not finish, or it was "
-                              f"not written by txl_dist")
-    raise CheckpointError(f"{path}: not a txl_dist run, checkpoints directory or checkpoint folder "
-                          f"(no {LATEST} and no {COMPLETE})")
+        raise CheckpointError(
+            f"{path}: a checkpoint folder without {COMPLETE}: its save did not finish, or it was "
+            f"not written by txl_dist"
+        )
+    raise CheckpointError(
+        f"{path}: not a txl_dist run, checkpoints directory or checkpoint folder (no {LATEST} and no {COMPLETE})"
+    )
 
 
 def require_verified(tag_dir: str | os.PathLike) -> None:
     """Raise CheckpointError listing every problem when the checkpoint's files do not match its COMPLETE.json."""
     problems = verify_checkpoint(tag_dir)
     if problems:
-        raise CheckpointError(f"{tag_dir} fails verification and is not read: {'; '.join(problems)} (choose an "
-                              f"earlier checkpoint folder, or pass --no-verify to read it all the same)")
+        raise CheckpointError(
+            f"{tag_dir} fails verification and is not read: {'; '.join(problems)} (choose an "
+            f"earlier checkpoint folder, or pass --no-verify to read it all the same)"
+        )
 
 
 def read_training_checkpoint(path: str | os.PathLike, verify: bool = True) -> TrainingCheckpoint:
@@ -143,8 +154,9 @@ def _fp32_masters(optimizer: dict[str, Any], config, where: Path) -> dict[str, t
         flat = torch.cat([t.flatten() for t in flat_masters])
         sizes = [shape.numel() for _, shape in shapes]
         if flat.numel() != sum(sizes):
-            raise CheckpointError(f"{where}: the optimizer's fp32 masters hold {flat.numel()} values, the model "
-                                  f"{sum(sizes)}")
+            raise CheckpointError(
+                f"{where}: the optimizer's fp32 masters hold {flat.numel()} values, the model {sum(sizes)}"
+            )
         tensors = list(flat.split(sizes))
     masters = {}
     for (name, shape), tensor in zip(shapes, tensors):
@@ -167,7 +179,9 @@ def find_tokenizer(checkpoint: TrainingCheckpoint, explicit: str | os.PathLike |
     if explicit is not None:
         return find_tokenizer_dir(wanted, [explicit], strict=True)
     data = checkpoint.run_config.data
-    return find_tokenizer_dir(wanted, [checkpoint.run_dir / "tokenizer", data.tokenizer, *_shards_tokenizer(data.shards)])
+    return find_tokenizer_dir(
+        wanted, [checkpoint.run_dir / "tokenizer", data.tokenizer, *_shards_tokenizer(data.shards)]
+    )
 
 
 def _shards_tokenizer(shards: str | None) -> list[str]:

@@ -25,9 +25,16 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
-    from txl_dist.data.format import ManifestError, read_manifest
-    from txl_dist.data.reader import ShardError
-    from txl_dist.data.streams import EvalBatch, EvalStreams, MicroBatch, ResumeKind, StreamStateError, TrainStreams
+    from txl_dist.data.format import ManifestError, read_manifest  # noqa: F401
+    from txl_dist.data.reader import ShardError  # noqa: F401
+    from txl_dist.data.streams import (  # noqa: F401
+        EvalBatch,
+        EvalStreams,
+        MicroBatch,
+        ResumeKind,
+        StreamStateError,
+        TrainStreams,
+    )
 
 
 def __getattr__(name: str) -> Any:

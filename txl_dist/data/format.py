@@ -153,7 +153,7 @@ class Manifest:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, where: str) -> "Manifest":
+    def from_dict(cls, data: Any, where: str) -> Manifest:
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected a JSON object at the top level")
         if data.get("format") != FORMAT_NAME:
@@ -200,7 +200,9 @@ class Manifest:
                 if len(shard.block_tokens) != shard.blocks or len(shard.block_byte_offsets) != shard.blocks:
                     raise ManifestError(f"{at}: block_tokens/block_byte_offsets need {shard.blocks} entries")
                 if sum(shard.block_tokens) != shard.tokens:
-                    raise ManifestError(f"{at}: block_tokens sum to {sum(shard.block_tokens)}, tokens is {shard.tokens}")
+                    raise ManifestError(
+                        f"{at}: block_tokens sum to {sum(shard.block_tokens)}, tokens is {shard.tokens}"
+                    )
                 if shard.token_offset != token_offset or shard.block_offset != block_offset:
                     raise ManifestError(
                         f"{at}: token_offset/block_offset are {shard.token_offset}/{shard.block_offset}, "
@@ -208,8 +210,11 @@ class Manifest:
                     )
                 token_offset += shard.tokens
                 block_offset += shard.blocks
-            for key, total in (("tokens", token_offset), ("blocks", block_offset),
-                               ("documents", sum(s.documents for s in split.shards))):
+            for key, total in (
+                ("tokens", token_offset),
+                ("blocks", block_offset),
+                ("documents", sum(s.documents for s in split.shards)),
+            ):
                 if getattr(split, key) != total:
                     raise ManifestError(
                         f"{where}: splits.{name}.{key} is {getattr(split, key)}, the shards add up to {total}"

@@ -22,8 +22,8 @@ import hashlib
 import logging
 import os
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
@@ -167,7 +167,7 @@ class ShardStore:
             )
         return tokens
 
-    def open_cursor(self) -> "BlockCursor":
+    def open_cursor(self) -> BlockCursor:
         return BlockCursor(self)
 
 
@@ -202,7 +202,9 @@ class BlockCursor:
             detail = error.args[0] if error.args and isinstance(error.args[0], str) else repr(error)
             raise ShardError(f"{location}: cannot read block {key}: {detail}") from error
         self.close()
-        raise ShardError(f"{location}: the shard ends before block {key} (truncated, or not the file its manifest lists)")
+        raise ShardError(
+            f"{location}: the shard ends before block {key} (truncated, or not the file its manifest lists)"
+        )
 
     def _open(self, shard_index: int) -> None:
         self.close()
@@ -238,7 +240,7 @@ class BlockOrder:
         self.total = int(self.starts[-1])
 
     @classmethod
-    def for_epoch(cls, block_tokens: np.ndarray, *, shuffle: bool, seed: int, epoch: int) -> "BlockOrder":
+    def for_epoch(cls, block_tokens: np.ndarray, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder:
         """Manifest order, or a permutation seeded by (seed, epoch): every epoch its own, every resume the same."""
         if not shuffle:
             return cls(block_tokens)
@@ -273,7 +275,7 @@ class StreamReader:
                 self._tokens = None  # drop the old block before reading the next: one block per stream
                 self._tokens = self._cursor.read(block)
                 self._block = block
-            out[filled:filled + end - first] = self._tokens[first:end]
+            out[filled : filled + end - first] = self._tokens[first:end]
             filled += end - first
 
     def close(self) -> None:

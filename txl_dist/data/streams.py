@@ -39,7 +39,8 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,9 +145,9 @@ class _Layout:
     def unconsumed_spans(self, position: int) -> list[tuple[int, int]]:
         """Epoch-order spans not yet used as inputs when every stream stands at ``position``: each stream's rest
         and the tail after the last stream, merged where they touch."""
-        pieces = [
-            (self.stream_start(s) + position, self.stream_start(s + 1)) for s in range(self.num_streams)
-        ] + [(self.num_streams * self.tokens_per_stream, self.total)]
+        pieces = [(self.stream_start(s) + position, self.stream_start(s + 1)) for s in range(self.num_streams)] + [
+            (self.num_streams * self.tokens_per_stream, self.total)
+        ]
         spans: list[tuple[int, int]] = []
         for start, stop in pieces:
             for begin, end in self.epoch_ranges(start, stop):
@@ -205,13 +206,13 @@ class _Rows:
         for row, (reader, start, count) in enumerate(zip(self.readers, starts, counts)):
             filled = 0
             for begin, end in layout.epoch_ranges(start, start + count):
-                reader.copy(order, begin, end, self.buffer[row, filled:filled + end - begin])
+                reader.copy(order, begin, end, self.buffer[row, filled : filled + end - begin])
                 filled += end - begin
             self.buffer[row, filled:] = self.pad_id
 
     def window(self, first: int, tgt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of the window of tgt_len + 1 buffered tokens from ``first``, as int64."""
-        window = self.buffer[:, first:first + tgt_len + 1]
+        window = self.buffer[:, first : first + tgt_len + 1]
         return torch.from_numpy(window[:, :-1].astype(np.int64)), torch.from_numpy(window[:, 1:].astype(np.int64))
 
     def close(self) -> None:
@@ -275,16 +276,26 @@ class TrainStreams:
         logger.info(
             "split '%s': %d tokens in %d streams of %d tokens, %d steps of %d tokens per epoch; %d tokens (%.3f%%) "
             "not trained on per epoch (%d after the last stream, %d at the end of each stream)",
-            split, self.num_tokens, self.num_streams, self.tokens_per_stream, self.steps_per_epoch, tgt_len,
-            self.dropped_tail_tokens, 100.0 * self.dropped_tail_tokens / self.num_tokens,
+            split,
+            self.num_tokens,
+            self.num_streams,
+            self.tokens_per_stream,
+            self.steps_per_epoch,
+            tgt_len,
+            self.dropped_tail_tokens,
+            100.0 * self.dropped_tail_tokens / self.num_tokens,
             self.num_tokens - self.num_streams * self.tokens_per_stream,
             self.tokens_per_stream - self.steps_per_epoch * tgt_len,
         )
         buffer_tokens = max(1, _BUFFER_TOKENS // tgt_len) * tgt_len + 1
         first_id = rank * micro_batch * grad_accum
         self._slots = [
-            _Rows(self._store, list(range(first_id + k * micro_batch, first_id + (k + 1) * micro_batch)),
-                  buffer_tokens, self.manifest.tokenizer.eod_id)
+            _Rows(
+                self._store,
+                list(range(first_id + k * micro_batch, first_id + (k + 1) * micro_batch)),
+                buffer_tokens,
+                self.manifest.tokenizer.eod_id,
+            )
             for k in range(grad_accum)
         ]
         self._generation = 0
@@ -312,7 +323,11 @@ class TrainStreams:
             if self._position == 0:
                 logger.warning(
                     "epoch %d: the %d tokens left to re-partition are too few for %d streams of %d tokens; "
-                    "starting epoch %d", self._epoch, self._layout.total, self.num_streams, self.tgt_len + 1,
+                    "starting epoch %d",
+                    self._epoch,
+                    self._layout.total,
+                    self.num_streams,
+                    self.tgt_len + 1,
                     self._epoch + 1,
                 )
             self._start_epoch(self._epoch + 1)
@@ -389,8 +404,12 @@ class TrainStreams:
         if old.num_streams == self.num_streams:
             self._layout, self._position = old, position
             if state["tgt_len"] != self.tgt_len:
-                logger.info("resume: tgt_len %d -> %d; the streams continue at token %d",
-                            state["tgt_len"], self.tgt_len, position)
+                logger.info(
+                    "resume: tgt_len %d -> %d; the streams continue at token %d",
+                    state["tgt_len"],
+                    self.tgt_len,
+                    position,
+                )
             self._settle()
             return ResumeKind.EXACT
         self._layout = _Layout(old.unconsumed_spans(position), self.num_streams)
@@ -398,9 +417,15 @@ class TrainStreams:
         logger.warning(
             "resume with %d streams instead of %d: epoch %d re-partitioned; %d tokens consumed, the %d left are cut "
             "into %d streams of %d tokens (%d steps of %d); mems reset",
-            self.num_streams, old.num_streams, self._epoch, self.num_tokens - self._layout.total, self._layout.total,
-            self.num_streams, self._layout.tokens_per_stream,
-            self._layout.windows_left(0, self.tgt_len), self.tgt_len,
+            self.num_streams,
+            old.num_streams,
+            self._epoch,
+            self.num_tokens - self._layout.total,
+            self._layout.total,
+            self.num_streams,
+            self._layout.tokens_per_stream,
+            self._layout.windows_left(0, self.tgt_len),
+            self.tgt_len,
         )
         self._settle()
         return ResumeKind.REPARTITIONED
@@ -415,15 +440,30 @@ class TrainStreams:
                 raise StreamStateError(f"stream state: key '{key}' must be a positive integer, got {state.get(key)!r}")
         for key in ("epoch", "step", "position", "seed"):
             if not isinstance(state.get(key), int) or state[key] < 0:
-                raise StreamStateError(f"stream state: key '{key}' must be a non-negative integer, got {state.get(key)!r}")
+                raise StreamStateError(
+                    f"stream state: key '{key}' must be a non-negative integer, got {state.get(key)!r}"
+                )
         where = self._store.manifest_path
         mismatches = [
             ("split", state.get("split"), self.split, "the state belongs to another split"),
-            ("tokenizer_fingerprint", state.get("tokenizer_fingerprint"), self.manifest.tokenizer.fingerprint,
-             f"the state was saved with another tokenizer than the one of {where}"),
-            ("manifest_id", state.get("manifest_id"), self.manifest_id,
-             f"the state was saved on other shards than those of {where} (rebuilt or changed)"),
-            ("shuffle_blocks", state.get("shuffle_blocks"), self.shuffle_blocks, "the epoch's block order would differ"),
+            (
+                "tokenizer_fingerprint",
+                state.get("tokenizer_fingerprint"),
+                self.manifest.tokenizer.fingerprint,
+                f"the state was saved with another tokenizer than the one of {where}",
+            ),
+            (
+                "manifest_id",
+                state.get("manifest_id"),
+                self.manifest_id,
+                f"the state was saved on other shards than those of {where} (rebuilt or changed)",
+            ),
+            (
+                "shuffle_blocks",
+                state.get("shuffle_blocks"),
+                self.shuffle_blocks,
+                "the epoch's block order would differ",
+            ),
         ]
         if self.shuffle_blocks:  # the seed orders the blocks only when they are shuffled
             mismatches.append(("seed", state.get("seed"), self.seed, "the epoch's block order would differ"))
@@ -435,9 +475,12 @@ class TrainStreams:
         if not isinstance(spans, list) or not spans:
             raise StreamStateError("stream state: key 'layout_spans' must be a non-empty list of [start, end]")
         for span in spans:
-            if (not isinstance(span, (list, tuple)) or len(span) != 2
-                    or not all(isinstance(v, int) for v in span)
-                    or not previous_end <= span[0] < span[1] <= self.num_tokens):
+            if (
+                not isinstance(span, (list, tuple))
+                or len(span) != 2
+                or not all(isinstance(v, int) for v in span)
+                or not previous_end <= span[0] < span[1] <= self.num_tokens
+            ):
                 raise StreamStateError(
                     f"stream state: key 'layout_spans' has {span!r}; spans must increase within [0, {self.num_tokens}]"
                 )
@@ -448,7 +491,7 @@ class TrainStreams:
         for rows in self._slots:
             rows.close()
 
-    def __enter__(self) -> "TrainStreams":
+    def __enter__(self) -> TrainStreams:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -497,7 +540,12 @@ class EvalStreams:
         self._order = BlockOrder(self._store.block_tokens)
         logger.info(
             "eval split '%s': %d targets in %d streams, %d steps of %d; this rank scores %d",
-            split, targets, self.num_streams, self.num_steps, tgt_len, self.num_targets,
+            split,
+            targets,
+            self.num_streams,
+            self.num_steps,
+            tgt_len,
+            self.num_targets,
         )
 
     def __iter__(self) -> Iterator[EvalBatch]:
@@ -515,14 +563,15 @@ class EvalStreams:
                 inputs, targets = rows.window(window * tgt_len, tgt_len)
                 scored = lengths - (first_step + window) * tgt_len
                 mask = columns.unsqueeze(0) < scored.unsqueeze(1)
-                yield EvalBatch(inputs, targets, mask, rows.stream_ids_tensor.clone(), first_step + window == 0,
-                                first_step + window)
+                yield EvalBatch(
+                    inputs, targets, mask, rows.stream_ids_tensor.clone(), first_step + window == 0, first_step + window
+                )
 
     def close(self) -> None:
         """Release open remote shard streams."""
         self._rows.close()
 
-    def __enter__(self) -> "EvalStreams":
+    def __enter__(self) -> EvalStreams:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -184,8 +184,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             # less than copying the logits [rows, head words + clusters]; one matmul against the joined weights.
             return F.linear(hidden, torch.cat([weight, self.cluster_weight]), torch.cat([bias, self.cluster_bias]))
         # Few rows (decoding): two matmuls and a small concatenation of logits, no copy of the head's weights.
-        return torch.cat([F.linear(hidden, weight, bias), F.linear(hidden, self.cluster_weight, self.cluster_bias)],
-                         dim=-1)
+        return torch.cat(
+            [F.linear(hidden, weight, bias), F.linear(hidden, self.cluster_weight, self.cluster_bias)], dim=-1
+        )
 
     @torch.compiler.disable  # host work on data-dependent sizes: never traced into a compiled graph
     def plan(self, target: torch.Tensor, device: torch.device | None = None) -> TargetPlan:
@@ -222,8 +223,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             plan = self.plan(target)
         # One gather from the head for every row: the target's log-probability for head words, its cluster's
         # for tail words (a single gradient scatter into the head's [N, head] log-probabilities).
-        cluster_column = self.shortlist_size - 1 + torch.bucketize(target, self._cutoffs_on(target.device),
-                                                                   right=True)
+        cluster_column = self.shortlist_size - 1 + torch.bucketize(target, self._cutoffs_on(target.device), right=True)
         head_column = torch.where(target < self.shortlist_size, target, cluster_column)
         nll = picked_nll(head_logits, head_column)
         pad = _pads_rows(hidden)
@@ -233,7 +233,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             local = target.index_select(0, selected) - self.bounds[i][0]
             tail_nll = picked_nll(self._cluster_logits(hidden.index_select(0, selected), i, *weights[i]), local)
             if pad:
-                tail_nll = tail_nll[:rows.shape[0]]  # the padding rows get no gradient
+                tail_nll = tail_nll[: rows.shape[0]]  # the padding rows get no gradient
             nll = nll.index_add(0, rows, tail_nll)
         return nll
 
@@ -251,14 +251,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         head_logprob = F.log_softmax(self._cluster_logits(hidden, 0, *self._cluster_weight(0)).float(), dim=-1)
         if self.n_clusters == 0:
             return head_logprob.argmax(dim=-1)
-        best_value, best = head_logprob[:, :self.shortlist_size].max(dim=-1)
-        may_win = head_logprob[:, self.shortlist_size:] >= best_value.unsqueeze(1)  # [N, clusters]
+        best_value, best = head_logprob[:, : self.shortlist_size].max(dim=-1)
+        may_win = head_logprob[:, self.shortlist_size :] >= best_value.unsqueeze(1)  # [N, clusters]
         for i, needed in enumerate(may_win.any(dim=0).tolist(), start=1):
             if not needed:
                 continue
             # Every row, as `log_prob` computes it: a matmul over a subset of rows may round differently.
             tail_logprob = F.log_softmax(self._cluster_logits(hidden, i, *self._cluster_weight(i)).float(), dim=-1)
-            cluster_logprob = head_logprob[:, self.shortlist_size + i - 1:self.shortlist_size + i]
+            cluster_logprob = head_logprob[:, self.shortlist_size + i - 1 : self.shortlist_size + i]
             value, local = (cluster_logprob + tail_logprob).max(dim=-1)
             wins = may_win[:, i - 1] & (value > best_value)  # strictly: on a tie the lower id (earlier) stays
             best_value = torch.where(wins, value, best_value)

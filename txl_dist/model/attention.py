@@ -129,8 +129,18 @@ class RelShift(torch.autograd.Function):
 class RelPartialLearnableMultiHeadAttn(nn.Module):
     """Attention sub-layer with its residual connection and layer norm (post-LN, or pre-LN if configured)."""
 
-    def __init__(self, n_head: int, d_model: int, d_head: int, dropout: float, dropatt: float,
-                 pre_lnorm: bool, layer_norm_eps: float, attn_impl: str, own_position_biases: bool):
+    def __init__(
+        self,
+        n_head: int,
+        d_model: int,
+        d_head: int,
+        dropout: float,
+        dropatt: float,
+        pre_lnorm: bool,
+        layer_norm_eps: float,
+        attn_impl: str,
+        own_position_biases: bool,
+    ):
         super().__init__()
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
         self.scale = 1.0 / math.sqrt(d_head)
@@ -157,8 +167,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         length, bsz = x.shape[0], x.shape[1]
         return x.view(length, bsz, parts, self.n_head, self.d_head).permute(2, 3, 1, 0, 4).unbind(0)
 
-    def project(self, w: torch.Tensor, mem: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, w: torch.Tensor, mem: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """w [qlen, B, d_model], mem [mlen, B, d_model] or None -> q [H, B, qlen, D] (a view), and k, v
         [H, B, mlen + qlen, D] (contiguous). Queries come from the segment only; the memory is projected to keys
         and values by its own matmul, whose input needs no gradient (the memory is detached), so the backward
@@ -168,8 +177,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         if mem is None or mem.shape[0] == 0:
             return q, k.contiguous(), v.contiguous()
         mem = mem.to(w.dtype)
-        k_mem, v_mem = self._split_heads(F.linear(self.layer_norm(mem) if self.pre_lnorm else mem,
-                                                  self.qkv_net.weight[hd:]), 2)
+        k_mem, v_mem = self._split_heads(
+            F.linear(self.layer_norm(mem) if self.pre_lnorm else mem, self.qkv_net.weight[hd:]), 2
+        )
         # One pass each: the concatenation writes the [H, B, klen, D] layout the attention matmuls want.
         return q, torch.cat([k_mem, k], dim=2), torch.cat([v_mem, v], dim=2)
 
@@ -180,10 +190,19 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
-    def forward(self, w: torch.Tensor, r: torch.Tensor, mask: torch.Tensor, mem: torch.Tensor | None,
-                r_w_bias: torch.Tensor | None = None, r_r_bias: torch.Tensor | None = None, *,
-                may_mask_rows: bool = True) -> torch.Tensor:
-        """w [qlen, B, d_model], r [klen, d_model], mask [qlen, klen] bool, mem [mlen, B, d_model] -> [qlen, B, d_model].
+    def forward(
+        self,
+        w: torch.Tensor,
+        r: torch.Tensor,
+        mask: torch.Tensor,
+        mem: torch.Tensor | None,
+        r_w_bias: torch.Tensor | None = None,
+        r_r_bias: torch.Tensor | None = None,
+        *,
+        may_mask_rows: bool = True,
+    ) -> torch.Tensor:
+        """w [qlen, B, d_model], r [klen, d_model], mask [qlen, klen] bool, mem [mlen, B, d_model]
+        -> [qlen, B, d_model].
 
         The position biases come from the layer itself (untie_r) or from the caller (shared by all layers).
         ``may_mask_rows=False`` promises that every query may attend to some key (see `may_mask_whole_rows`),
@@ -198,9 +217,17 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         attn_out = self.drop(self.o_net(attn_vec))
         return w + attn_out if self.pre_lnorm else self.layer_norm(w + attn_out)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, r_head: torch.Tensor,
-               r_w_bias: torch.Tensor | None, r_r_bias: torch.Tensor | None, mask: torch.Tensor | None,
-               may_mask_rows: bool = True) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        val: torch.Tensor,
+        r_head: torch.Tensor,
+        r_w_bias: torch.Tensor | None,
+        r_r_bias: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        may_mask_rows: bool = True,
+    ) -> torch.Tensor:
         """q [H, B, qlen, D], k and val [H, B, klen, D] (any layout in which heads and batch merge),
         r_head [klen + 1, H, D] (zero row first), mask [qlen, klen] or None when no key is masked
         -> attention vectors [qlen, B, H*D] in the compute dtype (that of q).
@@ -228,8 +255,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         # (the softmax already gives those positions zero gradient).
         mask_bias = None
         if mask is not None:
-            mask_bias = torch.zeros((), dtype=dtype, device=q.device).expand(qlen, klen).masked_fill(
-                mask, mask_value(dtype))
+            mask_bias = (
+                torch.zeros((), dtype=dtype, device=q.device).expand(qlen, klen).masked_fill(mask, mask_value(dtype))
+            )
 
         impl = self.attn_impl
         if impl == "auto":
@@ -237,9 +265,12 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         if impl == "fused":
             bias = position if mask_bias is None else position + mask_bias
             out = F.scaled_dot_product_attention(
-                q_u.view(n_head, bsz, qlen, d_head), k_b.view(n_head, bsz, klen, d_head),
-                v_b.view(n_head, bsz, klen, d_head), attn_mask=bias.view(n_head, bsz, qlen, klen),
-                dropout_p=self.dropatt_p if self.training else 0.0, scale=1.0,
+                q_u.view(n_head, bsz, qlen, d_head),
+                k_b.view(n_head, bsz, klen, d_head),
+                v_b.view(n_head, bsz, klen, d_head),
+                attn_mask=bias.view(n_head, bsz, qlen, klen),
+                dropout_p=self.dropatt_p if self.training else 0.0,
+                scale=1.0,
             ).view(n_head * bsz, qlen, d_head)
         else:
             scores = torch.baddbmm(position, q_u, k_b.transpose(1, 2))  # (a)+(c) + (b)+(d): [H*B, qlen, klen]

@@ -101,9 +101,9 @@ class ModelConfig:
 
     def cluster_dims(self) -> list[int]:
         d_embed = self.d_embed_resolved
-        return [d_embed // (self.div_val ** i) for i in range(len(self.cutoffs) + 1)]
+        return [d_embed // (self.div_val**i) for i in range(len(self.cutoffs) + 1)]
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """Raise ValueError naming the field, the value given and what is allowed."""
 
         def fail(name: str, allowed: str) -> None:
@@ -151,7 +151,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "model") -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any], where: str = "model") -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -160,8 +160,20 @@ class ModelConfig:
 
     def architecture(self) -> dict[str, Any]:
         """The fields that fix the shapes and meaning of the weights (checked when weights are loaded)."""
-        keys = ("n_token", "n_layer", "n_head", "d_head", "d_model", "d_inner", "d_embed", "div_val", "cutoffs",
-                "tie_weight", "untie_r", "pre_lnorm")
+        keys = (
+            "n_token",
+            "n_layer",
+            "n_head",
+            "d_head",
+            "d_model",
+            "d_inner",
+            "d_embed",
+            "div_val",
+            "cutoffs",
+            "tie_weight",
+            "untie_r",
+            "pre_lnorm",
+        )
         arch = {k: getattr(self, k) for k in keys}
         arch["d_embed"] = self.d_embed_resolved
         arch["tie_projs"] = self.tie_projs_resolved
@@ -171,42 +183,128 @@ class ModelConfig:
 # lm1b settings follow the authors' One Billion Word scripts (base: 18 layers; large: 24 layers). Their train.py
 # ties no projection for lm1b (tie_projs = [False] * 4), unlike WikiText-103's [False, True, True, True].
 _LM1B_COMMON = dict(
-    n_token=793471, div_val=4, cutoffs=[60000, 100000, 640000], tie_weight=True, tie_projs=[False] * 4,
-    tgt_len=32, mem_len=32, clamp_len=-1, same_length=False, pre_lnorm=False,
+    n_token=793471,
+    div_val=4,
+    cutoffs=[60000, 100000, 640000],
+    tie_weight=True,
+    tie_projs=[False] * 4,
+    tgt_len=32,
+    mem_len=32,
+    clamp_len=-1,
+    same_length=False,
+    pre_lnorm=False,
 )
 
 # WikiText-103 follows the authors' run_wt103_base.sh / run_wt103_large.sh and their train.py's adaptive softmax
 # for wt103: cutoffs [20000, 40000, 200000], the head's projection untied and the tails' tied. n_token is the
 # vocabulary of the training file with <eos> (267,735).
 _WT103_COMMON = dict(
-    n_token=267735, cutoffs=[20000, 40000, 200000], tie_weight=True, tie_projs=[False, True, True, True],
-    clamp_len=-1, same_length=False, pre_lnorm=False,
+    n_token=267735,
+    cutoffs=[20000, 40000, 200000],
+    tie_weight=True,
+    tie_projs=[False, True, True, True],
+    clamp_len=-1,
+    same_length=False,
+    pre_lnorm=False,
 )
 # enwik8 and text8 follow run_enwik8_*.sh / run_text8_*.sh: a full softmax over the symbols (no --adaptive), the
 # output weight tied to the embedding. n_token: 256 byte values for enwik8 (the authors' symbols are the byte
 # values that occur, less the newline, which their data drops), 27 characters and the newline for text8.
-_CHAR_BASE = dict(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, dropout=0.1, dropatt=0.0,
-                  tgt_len=512, mem_len=512, div_val=1, cutoffs=[], tie_weight=True, clamp_len=-1,
-                  same_length=False, pre_lnorm=False)
-_CHAR_LARGE = dict(_CHAR_BASE, n_layer=24, d_model=1024, n_head=8, d_head=128, d_inner=3072, dropout=0.15,
-                   dropatt=0.15, tgt_len=768, mem_len=768)
+_CHAR_BASE = dict(
+    n_layer=12,
+    d_model=512,
+    n_head=8,
+    d_head=64,
+    d_inner=2048,
+    dropout=0.1,
+    dropatt=0.0,
+    tgt_len=512,
+    mem_len=512,
+    div_val=1,
+    cutoffs=[],
+    tie_weight=True,
+    clamp_len=-1,
+    same_length=False,
+    pre_lnorm=False,
+)
+_CHAR_LARGE = dict(
+    _CHAR_BASE,
+    n_layer=24,
+    d_model=1024,
+    n_head=8,
+    d_head=128,
+    d_inner=3072,
+    dropout=0.15,
+    dropatt=0.15,
+    tgt_len=768,
+    mem_len=768,
+)
 ENWIK8_TOKENS, TEXT8_TOKENS = 256, 28
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Small enough for unit tests and the 2-rank CPU launcher tests.
-    "tiny": dict(n_token=1000, n_layer=2, n_head=2, d_head=8, d_model=16, d_inner=32, d_embed=16, div_val=2,
-                 cutoffs=[200, 600], dropout=0.0, dropatt=0.0, tgt_len=8, mem_len=8),
+    "tiny": dict(
+        n_token=1000,
+        n_layer=2,
+        n_head=2,
+        d_head=8,
+        d_model=16,
+        d_inner=32,
+        d_embed=16,
+        div_val=2,
+        cutoffs=[200, 600],
+        dropout=0.0,
+        dropatt=0.0,
+        tgt_len=8,
+        mem_len=8,
+    ),
     # A small Transformer-XL for the Penn Treebank (10k words) that trains in minutes on CPUs.
-    "ptb_small": dict(n_token=10000, n_layer=4, n_head=4, d_head=32, d_model=128, d_inner=512, div_val=1,
-                      cutoffs=[2000, 4000], dropout=0.3, dropatt=0.1, tgt_len=32, mem_len=32),
-    "lm1b_base": dict(_LM1B_COMMON, n_layer=18, d_model=1024, n_head=8, d_head=128, d_inner=4096,
-                      dropout=0.0, dropatt=0.0),
-    "lm1b_large": dict(_LM1B_COMMON, n_layer=24, d_model=1280, n_head=16, d_head=80, d_inner=8192,
-                       dropout=0.05, dropatt=0.05),
-    "wt103_base": dict(_WT103_COMMON, n_layer=16, d_model=410, n_head=10, d_head=41, d_inner=2100, div_val=1,
-                       dropout=0.1, dropatt=0.0, tgt_len=150, mem_len=150),
-    "wt103_large": dict(_WT103_COMMON, n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096, div_val=4,
-                        dropout=0.2, dropatt=0.2, tgt_len=384, mem_len=384),
+    "ptb_small": dict(
+        n_token=10000,
+        n_layer=4,
+        n_head=4,
+        d_head=32,
+        d_model=128,
+        d_inner=512,
+        div_val=1,
+        cutoffs=[2000, 4000],
+        dropout=0.3,
+        dropatt=0.1,
+        tgt_len=32,
+        mem_len=32,
+    ),
+    "lm1b_base": dict(
+        _LM1B_COMMON, n_layer=18, d_model=1024, n_head=8, d_head=128, d_inner=4096, dropout=0.0, dropatt=0.0
+    ),
+    "lm1b_large": dict(
+        _LM1B_COMMON, n_layer=24, d_model=1280, n_head=16, d_head=80, d_inner=8192, dropout=0.05, dropatt=0.05
+    ),
+    "wt103_base": dict(
+        _WT103_COMMON,
+        n_layer=16,
+        d_model=410,
+        n_head=10,
+        d_head=41,
+        d_inner=2100,
+        div_val=1,
+        dropout=0.1,
+        dropatt=0.0,
+        tgt_len=150,
+        mem_len=150,
+    ),
+    "wt103_large": dict(
+        _WT103_COMMON,
+        n_layer=18,
+        d_model=1024,
+        n_head=16,
+        d_head=64,
+        d_inner=4096,
+        div_val=4,
+        dropout=0.2,
+        dropatt=0.2,
+        tgt_len=384,
+        mem_len=384,
+    ),
     "enwik8_base": dict(_CHAR_BASE, n_token=ENWIK8_TOKENS),
     "enwik8_large": dict(_CHAR_LARGE, n_token=ENWIK8_TOKENS),
     "text8_base": dict(_CHAR_BASE, n_token=TEXT8_TOKENS),

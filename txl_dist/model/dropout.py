@@ -22,7 +22,7 @@ from torch import nn
 def _keep_mask(like: torch.Tensor, p: float) -> torch.Tensor:
     """1.0 with probability 1 - p (p in steps of 1/65536), else 0.0; the shape and dtype of ``like``."""
     count = like.numel()
-    words = torch.randint(-2**63, 2**63 - 1, ((count + 3) // 4,), dtype=torch.int64)
+    words = torch.randint(-(2**63), 2**63 - 1, ((count + 3) // 4,), dtype=torch.int64)
     threshold = round(p * 65536) - 32768
     bits = words.view(torch.int16)[:count].view(like.shape)
     return torch.ge(bits, threshold, out=torch.empty(like.shape, dtype=like.dtype))

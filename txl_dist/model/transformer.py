@@ -37,8 +37,11 @@ class PositionwiseFF(nn.Module):
         # in place: in place on the (viewed) output of the first map, autograd would rebuild that output in the
         # backward pass (CopySlices), which costs more than the allocation it saves.
         self.CoreNet = nn.Sequential(
-            nn.Linear(d_model, d_inner), nn.ReLU(), Dropout(dropout),
-            nn.Linear(d_inner, d_model), Dropout(dropout),
+            nn.Linear(d_model, d_inner),
+            nn.ReLU(),
+            Dropout(dropout),
+            nn.Linear(d_inner, d_model),
+            Dropout(dropout),
         )
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
 
@@ -52,27 +55,46 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.dec_attn = RelPartialLearnableMultiHeadAttn(
-            config.n_head, config.d_model, config.d_head, config.dropout, config.dropatt, config.pre_lnorm,
-            config.layer_norm_eps, config.attn_impl, own_position_biases=config.untie_r,
+            config.n_head,
+            config.d_model,
+            config.d_head,
+            config.dropout,
+            config.dropatt,
+            config.pre_lnorm,
+            config.layer_norm_eps,
+            config.attn_impl,
+            own_position_biases=config.untie_r,
         )
-        self.pos_ff = PositionwiseFF(config.d_model, config.d_inner, config.dropout, config.pre_lnorm,
-                                     config.layer_norm_eps)
+        self.pos_ff = PositionwiseFF(
+            config.d_model, config.d_inner, config.dropout, config.pre_lnorm, config.layer_norm_eps
+        )
 
     def forward(self, x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=True):
         return self.pos_ff(self.dec_attn(x, pos_emb, mask, mem, r_w_bias, r_r_bias, may_mask_rows=may_mask_rows))
 
-    def step_weights(self, r_w_bias: torch.Tensor | None, r_r_bias: torch.Tensor | None) -> "StepWeights":
+    def step_weights(self, r_w_bias: torch.Tensor | None, r_r_bias: torch.Tensor | None) -> StepWeights:
         """The tensors and settings `decode_step` needs, gathered once per decoding (looking parameters up through
         the modules for every token would cost more than some of the operations). The position biases are the
         layer's own (untie_r) or the given shared ones."""
         attn, ff = self.dec_attn, self.pos_ff
         own = attn.r_w_bias is not None
         return StepWeights(
-            attn.r_w_bias if own else r_w_bias, attn.r_r_bias if own else r_r_bias,
-            attn.pre_lnorm, attn.n_head, attn.d_head, attn.scale, attn.layer_norm.normalized_shape,
-            (attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps), attn.qkv_net.weight,
-            attn.o_net.weight, ff.CoreNet[0].weight, ff.CoreNet[0].bias, ff.CoreNet[3].weight, ff.CoreNet[3].bias,
-            (ff.layer_norm.weight, ff.layer_norm.bias, ff.layer_norm.eps))
+            attn.r_w_bias if own else r_w_bias,
+            attn.r_r_bias if own else r_r_bias,
+            attn.pre_lnorm,
+            attn.n_head,
+            attn.d_head,
+            attn.scale,
+            attn.layer_norm.normalized_shape,
+            (attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps),
+            attn.qkv_net.weight,
+            attn.o_net.weight,
+            ff.CoreNet[0].weight,
+            ff.CoreNet[0].bias,
+            ff.CoreNet[3].weight,
+            ff.CoreNet[3].bias,
+            (ff.layer_norm.weight, ff.layer_norm.bias, ff.layer_norm.eps),
+        )
 
 
 class StepWeights(NamedTuple):
@@ -93,8 +115,16 @@ class StepWeights(NamedTuple):
     ff_norm: tuple[torch.Tensor, torch.Tensor, float]
 
 
-def decode_step(w: StepWeights, x: torch.Tensor, buffer: torch.Tensor, merged: tuple[torch.Tensor, torch.Tensor],
-                at: int, first: int, columns: torch.Tensor, query_bias: torch.Tensor) -> torch.Tensor:
+def decode_step(
+    w: StepWeights,
+    x: torch.Tensor,
+    buffer: torch.Tensor,
+    merged: tuple[torch.Tensor, torch.Tensor],
+    at: int,
+    first: int,
+    columns: torch.Tensor,
+    query_bias: torch.Tensor,
+) -> torch.Tensor:
     """A decoder layer (``w`` = its `DecoderLayer.step_weights`) for one new position per sequence, in inference
     (no dropout, no autograd): x [B, d_model] -> [B, d_model], equal to the layer's `forward` of that position
     with the memory.
@@ -111,8 +141,9 @@ def decode_step(w: StepWeights, x: torch.Tensor, buffer: torch.Tensor, merged: t
     buffer.select(3, at).copy_(qkv[:, 1:].permute(1, 2, 0, 3))
     q_uv = torch.add(query_bias, qkv[:, 0].transpose(0, 1), alpha=w.scale)  # [(q + u), (q + v)] / sqrt(D)
     position = torch.bmm(q_uv[1], columns).view(n_head * bsz, 1, klen)  # (b) + (d)
-    scores = torch.baddbmm(position, q_uv[0].reshape(n_head * bsz, 1, d_head),
-                           merged[0].narrow(1, first, klen).transpose(1, 2))  # + (a) + (c)
+    scores = torch.baddbmm(
+        position, q_uv[0].reshape(n_head * bsz, 1, d_head), merged[0].narrow(1, first, klen).transpose(1, 2)
+    )  # + (a) + (c)
     prob = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     attn_vec = torch.bmm(prob.to(x.dtype), merged[1].narrow(1, first, klen))
     out = F.linear(attn_vec.view(n_head, bsz, d_head).transpose(0, 1).reshape(bsz, n_head * d_head), w.out)
@@ -156,7 +187,7 @@ class KVCache:
     def values(self, layer: int) -> torch.Tensor:
         return self.buffers[layer][1]
 
-    def reserve(self, model: "TransformerXLLM", bsz: int, qlen: int, dtype: torch.dtype, device: torch.device) -> None:
+    def reserve(self, model: TransformerXLLM, bsz: int, qlen: int, dtype: torch.dtype, device: torch.device) -> None:
         """Room for qlen more positions after the memory."""
         c = model.config
         capacity = self.buffers[0].shape[3] if self.buffers else 0
@@ -169,7 +200,7 @@ class KVCache:
         for i in range(c.n_layer):
             fresh = torch.empty(shape, dtype=dtype, device=device)
             if i < len(self.buffers):
-                fresh[..., :self.mlen, :] = self.buffers[i][..., self.end - self.mlen:self.end, :]
+                fresh[..., : self.mlen, :] = self.buffers[i][..., self.end - self.mlen : self.end, :]
                 self.buffers[i] = fresh
             else:
                 self.buffers.append(fresh)
@@ -191,8 +222,9 @@ class KVCache:
         self.end += qlen
         self.mlen = min(mem_len, self.mlen + qlen)
 
-    def _positions(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _positions(
+        self, model: TransformerXLLM, klen: int, dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The per-layer position tables (see ``_position_table``), made once for at least klen distances."""
         c = model.config
         device = next(model.parameters()).device
@@ -200,45 +232,46 @@ class KVCache:
         table = self._position_table
         if table is None or table[0] != key or table[1][0].shape[0] < klen:
             longest = max(klen, c.mem_len + c.tgt_len)
-            pos_emb = sinusoid_encoding(relative_positions(longest, c.clamp_len, device), c.d_model,
-                                        dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+            pos_emb = sinusoid_encoding(
+                relative_positions(longest, c.clamp_len, device),
+                c.d_model,
+                dtype=torch.promote_types(dtype, torch.float32),
+            ).to(dtype)
             rows = [layer.dec_attn.project_positions(pos_emb)[1:] for layer in model.layers]
             table = self._position_table = (key, rows, [r.permute(1, 2, 0).contiguous() for r in rows])
         return table[1], table[2]
 
-    def position_heads(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    def position_heads(self, model: TransformerXLLM, klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Per layer [klen + 1, H, D]: a zero row, then r_net of the encodings of distances klen-1 .. 0."""
         if self._position_heads is not None and self._position_heads[0] == klen:
             return self._position_heads[1]
         rows, _ = self._positions(model, klen, dtype)
-        heads = [torch.cat([r.new_zeros(1, *r.shape[1:]), r[r.shape[0] - klen:]]) for r in rows]
+        heads = [torch.cat([r.new_zeros(1, *r.shape[1:]), r[r.shape[0] - klen :]]) for r in rows]
         self._position_heads = (klen, heads)
         return heads
 
-    def position_columns(self, model: "TransformerXLLM", klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    def position_columns(self, model: TransformerXLLM, klen: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Per layer [H, D, klen] (views): r_net of the encodings of distances klen-1 .. 0, which are the distances
         of keys 0 .. klen-1 from a single query after them, so a one-token step needs no relative shift."""
         _, columns = self._positions(model, klen, dtype)
-        return [t[..., t.shape[-1] - klen:] for t in columns]
+        return [t[..., t.shape[-1] - klen :] for t in columns]
 
-    def layer_weights(self, model: "TransformerXLLM") -> list["StepWeights"]:
+    def layer_weights(self, model: TransformerXLLM) -> list[StepWeights]:
         """Per layer `DecoderLayer.step_weights`, gathered on first use."""
         if self.step_weights is None:
             self.step_weights = [layer.step_weights(model.r_w_bias, model.r_r_bias) for layer in model.layers]
             self._biases = list({id(t): t for w in self.step_weights for t in (w.u, w.v)}.values())
         return self.step_weights
 
-    def query_biases(self, model: "TransformerXLLM", dtype: torch.dtype) -> list[torch.Tensor]:
+    def query_biases(self, model: TransformerXLLM, dtype: torch.dtype) -> list[torch.Tensor]:
         """Per layer [2, H, 1, D]: u and v scaled by 1/sqrt(d_head) in ``dtype``, remade whenever a bias changes
         in place (an optimizer step in between bumps its version counter; a write through ``.data`` does not, so
         make a new cache after one). Biases made under ``torch.inference_mode`` have no version counter: remade
         for every token then (two operations per layer)."""
         weights = self.layer_weights(model)
-        key = None if any(t.is_inference() for t in self._biases) else (
-            dtype, tuple(t._version for t in self._biases))
+        key = None if any(t.is_inference() for t in self._biases) else (dtype, tuple(t._version for t in self._biases))
         if key is None or self._query_biases is None or self._query_biases[0] != key:
-            self._query_biases = (key, [(torch.stack([w.u, w.v]) * w.scale).to(dtype)[:, :, None, :]
-                                        for w in weights])
+            self._query_biases = (key, [(torch.stack([w.u, w.v]) * w.scale).to(dtype)[:, :, None, :] for w in weights])
         return self._query_biases[1]
 
 
@@ -307,11 +340,15 @@ class TransformerXLLM(nn.Module):
         """Parameters counted once each (tied weights and projections are shared)."""
         return sum(p.numel() for p in self.parameters())
 
-    def reset_length(self, *, mem_len: int | None = None, clamp_len: int | None = None,
-                     same_length: bool | None = None) -> None:
+    def reset_length(
+        self, *, mem_len: int | None = None, clamp_len: int | None = None, same_length: bool | None = None
+    ) -> None:
         """Change the segment settings (e.g. for evaluation); the weights do not depend on them."""
-        changes = {k: v for k, v in (("mem_len", mem_len), ("clamp_len", clamp_len), ("same_length", same_length))
-                   if v is not None}
+        changes = {
+            k: v
+            for k, v in (("mem_len", mem_len), ("clamp_len", clamp_len), ("same_length", same_length))
+            if v is not None
+        }
         self.config = dataclasses.replace(self.config, **changes).validate()
 
     def _check_mems(self, mems: list[torch.Tensor], batch_size: int) -> int:
@@ -320,8 +357,9 @@ class TransformerXLLM(nn.Module):
         mlen = mems[0].shape[0]
         for i, mem in enumerate(mems):
             if mem.dim() != 3 or mem.shape != (mlen, batch_size, self.config.d_model):
-                raise ValueError(f"mems[{i}]: expected shape [{mlen}, {batch_size}, {self.config.d_model}], "
-                                 f"got {list(mem.shape)}")
+                raise ValueError(
+                    f"mems[{i}]: expected shape [{mlen}, {batch_size}, {self.config.d_model}], got {list(mem.shape)}"
+                )
         return mlen
 
     def compile_body(self, **options) -> None:
@@ -331,14 +369,16 @@ class TransformerXLLM(nn.Module):
         state-dict keys are unchanged."""
         self._compiled_hidden_states = torch.compile(self._hidden_states, **options)
 
-    def hidden_states(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None = None
-                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def hidden_states(
+        self, tokens: torch.Tensor, mems: list[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, L] -> (final hidden states [L, B, d_model], new mems)."""
         compiled = self.__dict__.get("_compiled_hidden_states")
         return (compiled or self._hidden_states)(tokens, mems)
 
-    def _hidden_states(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None
-                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _hidden_states(
+        self, tokens: torch.Tensor, mems: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected [batch, length], got shape {list(tokens.shape)}")
@@ -350,13 +390,17 @@ class TransformerXLLM(nn.Module):
         mask = build_mask(qlen, mlen, c.mem_len, c.same_length, inp.device)
         may_mask_rows = may_mask_whole_rows(c.mem_len, c.same_length)
         core_out = self.drop(word_emb)
-        pos_emb = sinusoid_encoding(relative_positions(mlen + qlen, c.clamp_len, inp.device), c.d_model,
-                                    dtype=torch.promote_types(core_out.dtype, torch.float32))
+        pos_emb = sinusoid_encoding(
+            relative_positions(mlen + qlen, c.clamp_len, inp.device),
+            c.d_model,
+            dtype=torch.promote_types(core_out.dtype, torch.float32),
+        )
         pos_emb = self.drop(pos_emb.to(core_out.dtype))
         hids = [core_out]
         for i, layer in enumerate(self.layers):
-            core_out = layer(core_out, pos_emb, mask, None if mems is None else mems[i], self.r_w_bias,
-                             self.r_r_bias, may_mask_rows)
+            core_out = layer(
+                core_out, pos_emb, mask, None if mems is None else mems[i], self.r_w_bias, self.r_r_bias, may_mask_rows
+            )
             hids.append(core_out)
         new_mems = self._update_mems(hids, mems, qlen)
         return self.drop(core_out), new_mems
@@ -364,8 +408,7 @@ class TransformerXLLM(nn.Module):
     # ---- incremental decoding with a key/value cache ------------------------------------------------------------
 
     @torch.no_grad()
-    def hidden_states_cached(self, tokens: torch.Tensor, cache: KVCache | None = None
-                             ) -> tuple[torch.Tensor, KVCache]:
+    def hidden_states_cached(self, tokens: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
         """Like `hidden_states`, for inference: tokens [B, L] after everything ``cache`` has seen -> (final hidden
         states [L, B, d_model], the cache, updated in place, for the next call).
 
@@ -385,8 +428,12 @@ class TransformerXLLM(nn.Module):
         cache.reserve(self, bsz, qlen, core_out.dtype, inp.device)
         mlen = cache.mlen
         store = _MEM_DTYPES.get(c.mem_dtype)
-        if (qlen == 1 and not self.training and (store is None or store == core_out.dtype)
-                and not may_mask_whole_rows(c.mem_len, c.same_length)):
+        if (
+            qlen == 1
+            and not self.training
+            and (store is None or store == core_out.dtype)
+            and not may_mask_whole_rows(c.mem_len, c.same_length)
+        ):
             # One new token (every step of generation): `decode_step`, a few operations per layer.
             # The query sees the whole memory, or with same_length the newest mem_len - 1 of it (and itself).
             first = cache.end - (min(mlen, c.mem_len - 1) if c.same_length else mlen)
@@ -422,7 +469,7 @@ class TransformerXLLM(nn.Module):
         new_mems = []
         for i, hid in enumerate(hids):
             if mems is None or mems[i].shape[0] == 0 or qlen >= mem_len:
-                new = hid[max(0, qlen - mem_len):]
+                new = hid[max(0, qlen - mem_len) :]
             else:
                 new = torch.cat([mems[i].to(hid.dtype), hid], dim=0)[-mem_len:]
             new_mems.append(new.detach().to(dtype or hid.dtype))
@@ -434,9 +481,13 @@ class TransformerXLLM(nn.Module):
         waiting for the device."""
         return self.crit.plan(targets.t().reshape(-1), device)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                mems: list[torch.Tensor] | None = None, target_plan: TargetPlan | None = None
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        mems: list[torch.Tensor] | None = None,
+        target_plan: TargetPlan | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [B, L] (and targets [B, L]) -> (per-token loss [B, L], new mems), or without targets
         (log-probabilities [B, L, n_token], new mems). Losses and log-probabilities are float32.
         ``target_plan`` = `plan_targets` of the targets, made on the host (optional)."""

@@ -41,7 +41,11 @@ import torch
 import torch.distributed as dist
 
 from txl_dist.fileio import (
-    CHECKSUM_NAME, FileChecksum, atomic_write_checksummed, atomic_write_text, file_checksum,
+    CHECKSUM_NAME,
+    FileChecksum,
+    atomic_write_checksummed,
+    atomic_write_text,
+    file_checksum,
 )
 from txl_dist.training import weights_only
 
@@ -60,20 +64,26 @@ _TAG_RE = re.compile(r"step(\d{8})")
 def refuse_fresh_start(directory: str | os.PathLike, newest: str) -> None:
     """checkpoint.resume=false where ``directory`` holds checkpoints (the newest is ``newest``): a fresh start
     would interleave its checkpoints with the old run's."""
-    raise ValueError(f"checkpoint.resume=false, but {directory} holds checkpoints (newest {newest}): choose another "
-                     f"train.output_dir, or remove them")
+    raise ValueError(
+        f"checkpoint.resume=false, but {directory} holds checkpoints (newest {newest}): choose another "
+        f"train.output_dir, or remove them"
+    )
 
 
-def refuse_another_architecture(directory: str | os.PathLike, tag: str, marker: dict[str, Any],
-                                architecture: dict[str, Any]) -> None:
+def refuse_another_architecture(
+    directory: str | os.PathLike, tag: str, marker: dict[str, Any], architecture: dict[str, Any]
+) -> None:
     """ValueError naming every key on which the architecture recorded in checkpoint ``tag``'s COMPLETE.json
     (``marker``) differs from ``architecture``. The command line checks the newest complete checkpoint before any
     process group starts; the trainer checks the one it resumes from after verifying it."""
     saved = marker.get("architecture")
     if not isinstance(saved, dict):
         raise CheckpointVerificationError(f"{Path(directory) / tag / COMPLETE}: no architecture recorded")
-    differences = [f"{key}: checkpoint {saved.get(key)!r}, config {architecture.get(key)!r}"
-                   for key in sorted(set(saved) | set(architecture)) if saved.get(key) != architecture.get(key)]
+    differences = [
+        f"{key}: checkpoint {saved.get(key)!r}, config {architecture.get(key)!r}"
+        for key in sorted(set(saved) | set(architecture))
+        if saved.get(key) != architecture.get(key)
+    ]
     if differences:
         raise ValueError(f"{Path(directory) / tag} was trained with another architecture: " + "; ".join(differences))
 
@@ -105,10 +115,12 @@ def refuse_another_zero_stage(directory: str | os.PathLike, tag: str, marker: di
     if any(family.get(stage, stage) == family.get(s, s) for s in saved):
         return
     written = " or ".join(str(s) for s in saved) if len(saved) < 3 else "0, 1 or 2"
-    raise ValueError(f"{Path(directory) / tag} was saved with ZeRO stage {written}, this run has zero.stage={stage}: "
-                     f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each "
-                     f"other's); resume with zero.stage={saved[-1]}, or take its weights without the optimizer state: "
-                     f"python launchers/convert.py zero-to-export {Path(directory) / tag} EXPORT")
+    raise ValueError(
+        f"{Path(directory) / tag} was saved with ZeRO stage {written}, this run has zero.stage={stage}: "
+        f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each "
+        f"other's); resume with zero.stage={saved[-1]}, or take its weights without the optimizer state: "
+        f"python launchers/convert.py zero-to-export {Path(directory) / tag} EXPORT"
+    )
 
 
 def tag_for_step(step: int) -> str:
@@ -120,8 +132,12 @@ def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -133,8 +149,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy_state = state["numpy"]
-    np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -176,7 +199,8 @@ def listed_files(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> dict[str
         raise CheckpointVerificationError(
             f"{Path(tag_dir) / COMPLETE} lists no file checksums (a checkpoint written before txl_dist verified "
             f"its checkpoints): to trust it anyway, resume with checkpoint.verify=false or convert/evaluate with "
-            f"--no-verify")
+            f"--no-verify"
+        )
     try:
         return {name: FileChecksum.from_json(entry) for name, entry in files.items()}
     except (KeyError, TypeError, ValueError) as error:
@@ -184,12 +208,14 @@ def listed_files(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> dict[str
 
 
 def _files_on_disk(tag_dir: Path) -> set[str]:
-    return {path.relative_to(tag_dir).as_posix() for path in tag_dir.rglob("*")
-            if path.is_file() and path.name != COMPLETE}
+    return {
+        path.relative_to(tag_dir).as_posix() for path in tag_dir.rglob("*") if path.is_file() and path.name != COMPLETE
+    }
 
 
-def check_files(tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], threads: int = 1,
-                marker: str = COMPLETE) -> list[str]:
+def check_files(
+    tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], threads: int = 1, marker: str = COMPLETE
+) -> list[str]:
     """The problems of the given files (each names the file): missing, another size, another CRC-32. Sizes are
     all checked before any file is read, so a truncation is found at once. ``marker`` names the file that
     records the checksums (a checkpoint's COMPLETE.json, an export's checksums.json) in the messages."""
@@ -232,7 +258,9 @@ def check_listing(tag_dir: str | os.PathLike, marker: dict[str, Any], expected: 
     """The problems that are not a file's bytes: files COMPLETE.json does not list, and a step that is not the
     folder's."""
     tag_dir = Path(tag_dir)
-    problems = [f"{tag_dir / name}: not listed in {COMPLETE}" for name in sorted(_files_on_disk(tag_dir) - set(expected))]
+    problems = [
+        f"{tag_dir / name}: not listed in {COMPLETE}" for name in sorted(_files_on_disk(tag_dir) - set(expected))
+    ]
     match = _TAG_RE.fullmatch(tag_dir.name)
     if match and marker.get("step") != int(match.group(1)):
         problems.append(f"{tag_dir / COMPLETE}: records step {marker.get('step')}, the folder is {tag_dir.name}")
@@ -266,7 +294,8 @@ class _RecordingCheckpointEngine:
     def save(self, state_dict: Any, path: str) -> None:
         zip_format = getattr(self._inner, "zipfile_serialization", True)
         self.written[os.path.abspath(path)] = atomic_write_checksummed(
-            path, lambda handle: torch.save(state_dict, handle, _use_new_zipfile_serialization=zip_format))
+            path, lambda handle: torch.save(state_dict, handle, _use_new_zipfile_serialization=zip_format)
+        )
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return weights_only.load(path, map_location=map_location)
@@ -316,8 +345,9 @@ class CheckpointManager:
             tag = latest.read_text(encoding="utf-8").strip()
             if (self.directory / tag / COMPLETE).is_file():
                 return tag
-            log.warning("%s names %s, which is not a complete checkpoint; looking for the newest complete one",
-                        latest, tag)
+            log.warning(
+                "%s names %s, which is not a complete checkpoint; looking for the newest complete one", latest, tag
+            )
         tags = self.complete_tags()
         return tags[-1] if tags else None
 
@@ -341,8 +371,11 @@ class CheckpointManager:
             return None
         if not verify:
             if self.rank == 0:
-                log.warning("checkpoint.verify=false: resuming from %s without checking its files against %s",
-                            self.directory / candidates[0], COMPLETE)
+                log.warning(
+                    "checkpoint.verify=false: resuming from %s without checking its files against %s",
+                    self.directory / candidates[0],
+                    COMPLETE,
+                )
             return candidates[0]
         for tag in candidates:
             problems = self._verify_collectively(tag)
@@ -351,11 +384,13 @@ class CheckpointManager:
                 return tag
             self.damaged.add(tag)
             if self.rank == 0:
-                log.warning("skipping checkpoint %s, which fails verification: %s", self.directory / tag,
-                            "; ".join(problems))
+                log.warning(
+                    "skipping checkpoint %s, which fails verification: %s", self.directory / tag, "; ".join(problems)
+                )
         raise CheckpointVerificationError(
             f"none of the {len(candidates)} complete checkpoints in {self.directory} verifies (see the warnings "
-            f"above): move them aside to start afresh, or resume with checkpoint.verify=false to trust one")
+            f"above): move them aside to start afresh, or resume with checkpoint.verify=false to trust one"
+        )
 
     def _verify_collectively(self, tag: str) -> list[str]:
         tag_dir = self.directory / tag
@@ -384,8 +419,15 @@ class CheckpointManager:
         if not isinstance(engine.checkpoint_engine, _RecordingCheckpointEngine):
             engine.checkpoint_engine = _RecordingCheckpointEngine(engine.checkpoint_engine)
 
-    def save(self, engine, step: int, client_state: dict[str, Any], rank_state: RankState,
-             architecture: dict[str, Any], best_tag: str | None = None) -> str:
+    def save(
+        self,
+        engine,
+        step: int,
+        client_state: dict[str, Any],
+        rank_state: RankState,
+        architecture: dict[str, Any],
+        best_tag: str | None = None,
+    ) -> str:
         """Collective: every rank calls it at the same step. ``architecture`` goes into COMPLETE.json, where a
         resuming run checks it before building anything."""
         self.install(engine)
@@ -402,16 +444,27 @@ class CheckpointManager:
         engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
         states_dir = tag_dir / RANK_STATES
         states_dir.mkdir(parents=True, exist_ok=True)
-        state = {"stream_ids": torch.tensor(rank_state.stream_ids, dtype=torch.long), "mems": rank_state.mems,
-                 "rng": rank_state.rng, "world_size": rank_state.world_size, "rank": rank_state.rank}
+        state = {
+            "stream_ids": torch.tensor(rank_state.stream_ids, dtype=torch.long),
+            "mems": rank_state.mems,
+            "rng": rank_state.rng,
+            "world_size": rank_state.world_size,
+            "rank": rank_state.rank,
+        }
         state_path = states_dir / f"rank{self.rank:05d}.pt"
         written = {path: checksum for path, checksum in recorder.written.items()}
-        written[os.path.abspath(state_path)] = atomic_write_checksummed(state_path,
-                                                                        lambda handle: torch.save(state, handle))
-        mine = {Path(path).relative_to(tag_dir.absolute()).as_posix(): checksum for path, checksum in written.items()
-                if Path(path).is_relative_to(tag_dir.absolute())}
+        written[os.path.abspath(state_path)] = atomic_write_checksummed(
+            state_path, lambda handle: torch.save(state, handle)
+        )
+        mine = {
+            Path(path).relative_to(tag_dir.absolute()).as_posix(): checksum
+            for path, checksum in written.items()
+            if Path(path).is_relative_to(tag_dir.absolute())
+        }
         # Gathering the checksums is also the barrier: every rank has written before the checkpoint is complete.
-        gathered: list[dict[str, FileChecksum]] | None = [{} for _ in range(self.world_size)] if self.rank == 0 else None
+        gathered: list[dict[str, FileChecksum]] | None = (
+            [{} for _ in range(self.world_size)] if self.rank == 0 else None
+        )
         dist.gather_object(mine, gathered, dst=0)
         if self.rank == 0:
             files: dict[str, FileChecksum] = {}
@@ -422,11 +475,16 @@ class CheckpointManager:
                 log.info("checksumming %s, written outside DeepSpeed's checkpoint engine", tag_dir / name)
                 files[name] = file_checksum(tag_dir / name)
             # Rank r owns streams [r * n, (r + 1) * n): a resuming rank opens only the files of its streams.
-            marker = {"step": step, "world_size": self.world_size, "streams_per_rank": len(rank_state.stream_ids),
-                      "rank_states": sorted(p.name for p in states_dir.glob("rank*.pt")),
-                      "architecture": architecture, "zero_stage": engine.zero_optimization_stage(),
-                      "checksum": CHECKSUM_NAME,
-                      FILES_KEY: {name: files[name].to_json() for name in sorted(files)}}
+            marker = {
+                "step": step,
+                "world_size": self.world_size,
+                "streams_per_rank": len(rank_state.stream_ids),
+                "rank_states": sorted(p.name for p in states_dir.glob("rank*.pt")),
+                "architecture": architecture,
+                "zero_stage": engine.zero_optimization_stage(),
+                "checksum": CHECKSUM_NAME,
+                FILES_KEY: {name: files[name].to_json() for name in sorted(files)},
+            }
             atomic_write_text(tag_dir / COMPLETE, json.dumps(marker, indent=1) + "\n")
             atomic_write_text(self.directory / LATEST, tag + "\n")
             # DeepSpeed writes this pointer when the run resumed through a universal checkpoint; ours is `latest`.
@@ -451,7 +509,7 @@ class CheckpointManager:
         # Damaged checkpoints are left where they are (for a look), but they neither count as one of the last
         # `keep_last` nor push a good one out.
         usable = [tag for tag in self.complete_tags() if tag not in self.damaged]
-        keep = keep | set(usable[-self.keep_last:]) | {self.newest_verified} - {None}
+        keep = keep | set(usable[-self.keep_last :]) | {self.newest_verified} - {None}
         for tag in usable:
             if tag not in keep:
                 shutil.rmtree(self.directory / tag, ignore_errors=True)
@@ -483,13 +541,24 @@ class CheckpointManager:
 
             target = self.directory / universal
             shutil.rmtree(target, ignore_errors=True)
-            log.info("converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
-                     self.directory / tag, self.saved_world_size(tag), self.world_size)
+            log.info(
+                "converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
+                self.directory / tag,
+                self.saved_world_size(tag),
+                self.world_size,
+            )
             with weights_only.deepspeed_loads_weights_only():
-                ds_to_universal.main(argparse.Namespace(
-                    input_folder=str(self.directory / tag), output_folder=str(target), num_extract_workers=1,
-                    num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
-                ))
+                ds_to_universal.main(
+                    argparse.Namespace(
+                        input_folder=str(self.directory / tag),
+                        output_folder=str(target),
+                        num_extract_workers=1,
+                        num_merge_workers=1,
+                        keep_temp_folder=False,
+                        strict=True,
+                        inject_missing_state=True,
+                    )
+                )
         dist.barrier()
         return universal
 

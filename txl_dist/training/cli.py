@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import deepspeed
 
@@ -37,14 +37,31 @@ def build_arg_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", action="append", default=[], metavar="PATH",
-                        help="YAML run config; repeat to layer files left to right (e.g. a configs/variants/ file)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="override one config value, read as YAML (train.max_steps=100, model.d_embed=null)")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML, and its memory plan per rank as comments, and exit")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                        help="passed by DeepSpeed's launcher; ignored (the LOCAL_RANK environment variable is used)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="YAML run config; repeat to layer files left to right (e.g. a configs/variants/ file)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="override one config value, read as YAML (train.max_steps=100, model.d_embed=null)",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as YAML, and its memory plan per rank as comments, and exit",
+    )
+    parser.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        help="passed by DeepSpeed's launcher; ignored (the LOCAL_RANK environment variable is used)",
+    )
     # --deepspeed is accepted for DeepSpeedExamples-style command lines (training always uses DeepSpeed);
     # --deepspeed_config names a JSON overlay for build_deepspeed_config.
     deepspeed.add_config_arguments(parser)
@@ -58,8 +75,9 @@ def detect_device() -> str:
     return get_accelerator().device_name()
 
 
-def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None = None,
-                   device: str | None = None) -> tuple[RunConfig, argparse.Namespace]:
+def parse_run_args(
+    argv: Sequence[str] | None = None, *, world_size: int | None = None, device: str | None = None
+) -> tuple[RunConfig, argparse.Namespace]:
     """Parse the command line into a validated RunConfig (and the parsed flags).
 
     Checks the whole tree, the batch layout for ``world_size`` ranks (default: the launcher's world, else 1) on
@@ -80,11 +98,20 @@ def parse_run_args(argv: Sequence[str] | None = None, *, world_size: int | None 
             raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
         cfg = load_config(args.config, args.overrides)
         if cfg.data.shards is not None and Path(cfg.data.shards, MANIFEST_NAME).is_file():
-            cfg = with_manifest_vocab(cfg, read_manifest(cfg.data.shards).tokenizer.vocab_size,
-                                      f"the manifest of data.shards={cfg.data.shards}")
-        build_deepspeed_config(train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
-                               world_size=world_size, device=device or detect_device(),
-                               overlay_path=args.deepspeed_config)
+            cfg = with_manifest_vocab(
+                cfg,
+                read_manifest(cfg.data.shards).tokenizer.vocab_size,
+                f"the manifest of data.shards={cfg.data.shards}",
+            )
+        build_deepspeed_config(
+            train=cfg.train,
+            optim=cfg.optim,
+            precision=cfg.precision,
+            zero=cfg.zero,
+            world_size=world_size,
+            device=device or detect_device(),
+            overlay_path=args.deepspeed_config,
+        )
         if args.print_config:
             device = device or detect_device()
             sys.stdout.write(cfg.dump_yaml() + plan_comment(cfg, world_size, device, device_memory_of(device)))
@@ -127,8 +154,9 @@ def _launch():
 def _require_run_paths(cfg: RunConfig) -> None:
     """The keys a config file may leave to the command line but a run cannot do without."""
     if cfg.data.shards is None:
-        raise ValueError("data.shards is not set: give the shard directory written by data_tools.build_shards, "
-                         "e.g. data.shards=DIR")
+        raise ValueError(
+            "data.shards is not set: give the shard directory written by data_tools.build_shards, e.g. data.shards=DIR"
+        )
     if cfg.train.output_dir is None:
         raise ValueError("train.output_dir is not set: give the run's directory, e.g. train.output_dir=runs/NAME")
     output_dir = Path(cfg.train.output_dir)
@@ -136,14 +164,18 @@ def _require_run_paths(cfg: RunConfig) -> None:
         raise ValueError(f"train.output_dir={cfg.train.output_dir!r}: a file, not a directory")
     shards = cfg.data.shards
     if not Path(shards, MANIFEST_NAME).is_file():
-        raise ValueError(f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
-                         f"finished data_tools.build_shards output; its shard paths may be pipe: URLs)")
+        raise ValueError(
+            f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
+            f"finished data_tools.build_shards output; its shard paths may be pipe: URLs)"
+        )
     splits = read_manifest(shards).splits
     # The evaluation split is read at the first evaluation and at the end of training: hours into a run.
     for key, split in (("data.train_split", cfg.data.train_split), ("eval.split", cfg.eval.split)):
         if split not in splits:
-            raise ValueError(f"{key}={split!r}: {Path(shards, MANIFEST_NAME)} has no such split (it has "
-                             f"{sorted(splits)}); build it (data_tools.build_shards --split or --holdout) or set {key}")
+            raise ValueError(
+                f"{key}={split!r}: {Path(shards, MANIFEST_NAME)} has no such split (it has "
+                f"{sorted(splits)}); build it (data_tools.build_shards --split or --holdout) or set {key}"
+            )
     _require_writable_directory(output_dir)
 
 
@@ -164,8 +196,9 @@ def _require_writable_directory(output_dir: Path) -> None:
         os.close(handle)
         os.unlink(probe)
     except OSError as error:
-        raise ValueError(f"train.output_dir={str(output_dir)!r}: cannot write in "
-                         f"{describe_os_error(error, existing)}") from None
+        raise ValueError(
+            f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, existing)}"
+        ) from None
 
 
 def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:
@@ -183,20 +216,26 @@ def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_mem
         advice = f"train.micro_batch={fit.micro_batch} ({fit.grad_accum} accumulation steps) fits"
     else:
         advice = "no micro-batch fits: use a higher ZeRO stage, optimizer offload or more ranks"
-    raise ValueError(f"micro-batch {plan.micro_batch}: the memory plan needs {plan.needed() / GiB:.2f} GiB per "
-                     f"rank, the {device} device has {device_memory / GiB:.2f} GiB; {advice} (python -m txl_dist.plan "
-                     f"shows the plan; train.memory_check=false starts anyway)")
+    raise ValueError(
+        f"micro-batch {plan.micro_batch}: the memory plan needs {plan.needed() / GiB:.2f} GiB per "
+        f"rank, the {device} device has {device_memory / GiB:.2f} GiB; {advice} (python -m txl_dist.plan "
+        f"shows the plan; train.memory_check=false starts anyway)"
+    )
 
 
 def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     """What the trainer would refuse only after every rank has started, found here from the files alone: a
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
-    checkpoint.resume=false, and a newest complete checkpoint of another architecture or ZeRO stage. (The trainer checks again
-    on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
+    checkpoint.resume=false, and a newest complete checkpoint of another architecture or ZeRO stage. (The trainer
+    checks again on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
     from txl_dist.tokenizer import load_tokenizer
     from txl_dist.training.checkpoint import (
-        CheckpointManager, CheckpointVerificationError, read_marker, refuse_another_architecture,
-        refuse_another_zero_stage, refuse_fresh_start,
+        CheckpointManager,
+        CheckpointVerificationError,
+        read_marker,
+        refuse_another_architecture,
+        refuse_another_zero_stage,
+        refuse_fresh_start,
     )
 
     if cfg.data.tokenizer is not None:
@@ -206,9 +245,11 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
         except ValueError as error:
             raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: {error}") from error
         if found != expected:
-            raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: its fingerprint {found} differs from "
-                             f"{Path(cfg.data.shards, MANIFEST_NAME)}'s {expected}: the shards were built with another "
-                             f"tokenizer")
+            raise ValueError(
+                f"data.tokenizer={cfg.data.tokenizer!r}: its fingerprint {found} differs from "
+                f"{Path(cfg.data.shards, MANIFEST_NAME)}'s {expected}: the shards were built with another "
+                f"tokenizer"
+            )
     directory = Path(cfg.train.output_dir) / "checkpoints"
     tags = CheckpointManager(directory, rank=0, world_size=1, keep_last=0).complete_tags()
     if not tags:

@@ -18,8 +18,11 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 # Settings the typed config owns: an overlay that set them would silently disagree with what the trainer does
 # (its schedule, its autocast dtype).
 OWNED_KEYS = {
-    **{key: "batch sizes are stated once, in train.global_batch and train.micro_batch (gradient accumulation "
-            "follows from them and the world size)" for key in BATCH_KEYS},
+    **{
+        key: "batch sizes are stated once, in train.global_batch and train.micro_batch (gradient accumulation "
+        "follows from them and the world size)"
+        for key in BATCH_KEYS
+    },
     "scheduler": "the learning-rate schedule is the schedule section (schedule.kind, warmup_steps, ...)",
     "amp": "the precision is precision.dtype",
     "optimizer": "the optimizer is the optim section (optim.name, lr, betas, eps, weight_decay, implementation)",
@@ -31,9 +34,17 @@ BUCKET_ALIGNMENT = 512
 STEPS_PER_PRINT = 2**31 - 1
 
 
-def build_deepspeed_config(*, train: TrainConfig, optim: OptimConfig, precision: PrecisionConfig, zero: ZeroConfig,
-                           world_size: int, device: str, overlay_path: str | None = None,
-                           num_parameters: int | None = None) -> dict[str, Any]:
+def build_deepspeed_config(
+    *,
+    train: TrainConfig,
+    optim: OptimConfig,
+    precision: PrecisionConfig,
+    zero: ZeroConfig,
+    world_size: int,
+    device: str,
+    overlay_path: str | None = None,
+    num_parameters: int | None = None,
+) -> dict[str, Any]:
     """DeepSpeed's config for ``world_size`` ranks on ``device`` ("cpu" or an accelerator such as "cuda").
 
     With ``optim.implementation="torch"`` (and no offload) the dict has no optimizer section: the trainer builds
@@ -46,8 +57,9 @@ def build_deepspeed_config(*, train: TrainConfig, optim: OptimConfig, precision:
     layout = train.batch_layout(world_size)
     on_cpu = device == "cpu"
     if on_cpu and precision.dtype == "fp16":
-        raise ValueError("precision.dtype='fp16' is not allowed on device cpu: 'bf16' or 'fp32' "
-                         "(fp16 training needs a CUDA device)")
+        raise ValueError(
+            "precision.dtype='fp16' is not allowed on device cpu: 'bf16' or 'fp32' (fp16 training needs a CUDA device)"
+        )
     config: dict[str, Any] = {
         "train_batch_size": train.global_batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
@@ -77,8 +89,12 @@ def build_deepspeed_config(*, train: TrainConfig, optim: OptimConfig, precision:
 
 
 def _optimizer_section(optim: OptimConfig, offloaded: bool, on_cpu: bool) -> dict[str, Any]:
-    params: dict[str, Any] = {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps,
-                              "weight_decay": optim.weight_decay}
+    params: dict[str, Any] = {
+        "lr": optim.lr,
+        "betas": list(optim.betas),
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+    }
     if optim.name == "adam":
         # DeepSpeed turns "Adam" into AdamW unless told otherwise.
         params["adam_w_mode"] = False
@@ -97,8 +113,9 @@ def build_torch_optimizer(optim: OptimConfig, parameters):
     import torch
 
     kind = torch.optim.AdamW if optim.name == "adamw" else torch.optim.Adam
-    return kind(parameters, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
-                fused=True)
+    return kind(
+        parameters, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay, fused=True
+    )
 
 
 def bucket_elements(zero: ZeroConfig, num_parameters: int | None) -> int:
@@ -156,7 +173,8 @@ def _apply_overlay(config: dict[str, Any], path: str, dtype: str) -> dict[str, A
     for name in ("bf16", "fp16"):
         enabled = merged.get(name, {}).get("enabled", False)
         if bool(enabled) != (dtype == name):
-            raise ValueError(f"--deepspeed_config {path} sets {name}.enabled={str(enabled).lower()}, which "
-                             f"disagrees with precision.dtype={dtype!r}: choose the precision with precision.dtype")
+            raise ValueError(
+                f"--deepspeed_config {path} sets {name}.enabled={str(enabled).lower()}, which "
+                f"disagrees with precision.dtype={dtype!r}: choose the precision with precision.dtype"
+            )
     return merged
-

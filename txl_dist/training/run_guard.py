@@ -46,7 +46,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 log = logging.getLogger("txl_dist.training")
 
@@ -142,7 +143,11 @@ def _launcher_chain() -> list[tuple[int, float, str]]:
         chain = [(parent[0], parent[1], "DeepSpeed's per-node launcher")]
         starter = _process_identity(_parent_of(parent[0]))
         if starter is not None and starter[0] > 1:
-            what = "the deepspeed runner" if any("deepspeed" in part for part in starter[2]) else "the process that started this node's launcher"
+            what = (
+                "the deepspeed runner"
+                if any("deepspeed" in part for part in starter[2])
+                else "the process that started this node's launcher"
+            )
             chain.append((starter[0], starter[1], what))
         return chain
     if "torchrun" in command or "torch.distributed.run" in command or "torch.distributed.launch" in command:
@@ -253,11 +258,16 @@ class RunGuard:
         import torch.distributed as dist
 
         try:
-            self._store = dist.TCPStore(address, int(port), is_master=False, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=30))
+            self._store = dist.TCPStore(
+                address, int(port), is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+            )
         except (RuntimeError, ValueError, OSError) as error:
-            log.warning("rank %d: no failure channel (%s): a failure on another rank may end this one only "
-                        "through the launcher", rank, error)
+            log.warning(
+                "rank %d: no failure channel (%s): a failure on another rank may end this one only "
+                "through the launcher",
+                rank,
+                error,
+            )
             return
         import psutil
 
@@ -298,8 +308,10 @@ class RunGuard:
 
     def _since_checkpoint(self) -> str:
         since = f"step {self.last_checkpoint}" if self.last_checkpoint is not None else "the start of this run"
-        return (f"the job's progress since its last checkpoint ({since}) is lost; run the same command again to "
-                "resume from it")
+        return (
+            f"the job's progress since its last checkpoint ({since}) is lost; run the same command again to "
+            "resume from it"
+        )
 
     def _check_heartbeats(self, now: float) -> int | None:
         """The first watched rank whose heartbeat has not moved for stall_timeout seconds."""
@@ -319,9 +331,11 @@ class RunGuard:
         return None
 
     def _stalled(self, rank: int, seconds: float) -> NoReturn:
-        message = (f"train.py: error: {self._who(rank)} has made no progress for {seconds:.0f} s "
-                   f"(train.stall_timeout={self.stall_timeout:g}), at step {self._peer_step(rank)}: its process is "
-                   f"stopped or its host or network is down; ending the job; {self._since_checkpoint()}")
+        message = (
+            f"train.py: error: {self._who(rank)} has made no progress for {seconds:.0f} s "
+            f"(train.stall_timeout={self.stall_timeout:g}), at step {self._peer_step(rank)}: its process is "
+            f"stopped or its host or network is down; ending the job; {self._since_checkpoint()}"
+        )
         self._closed.set()
         if self._report(message):
             _print(message)
@@ -370,8 +384,10 @@ class RunGuard:
         rank, how = dead[0]
         how = how or ("killed by a signal it cannot catch (SIGKILL, as the kernel's OOM killer sends) or crashed")
         more = f" (and {len(dead) - 1} more ranks)" if len(dead) > 1 else ""
-        return (f"{self._who(rank)} died{more} without reporting an error: {how}; this rank was at step "
-                f"{self.step}; {self._since_checkpoint()}")
+        return (
+            f"{self._who(rank)} died{more} without reporting an error: {how}; this rank was at step "
+            f"{self.step}; {self._since_checkpoint()}"
+        )
 
     def on_abort(self, cleanup: Callable[[], None]) -> None:
         """Run ``cleanup`` (once) if the run fails, on whichever thread ends the process."""
@@ -509,9 +525,11 @@ class RunGuard:
                 # Rank 0 is gone with the store. A normal end can race with this look, hence the delay.
                 self._store_errors_since = self._store_errors_since or now
                 if now - self._store_errors_since > 10.0:
-                    _print(f"train.py: error on rank {self.rank} ({socket.gethostname()}): lost contact with "
-                           f"{self._who(0)} at step {self._peer_step(0)} (gone, stopped, or its network is down); "
-                           f"stopping; {self._since_checkpoint()}")
+                    _print(
+                        f"train.py: error on rank {self.rank} ({socket.gethostname()}): lost contact with "
+                        f"{self._who(0)} at step {self._peer_step(0)} (gone, stopped, or its network is down); "
+                        f"stopping; {self._since_checkpoint()}"
+                    )
                     self.run_cleanups()
                     self._exit(1)
                 return

@@ -30,9 +30,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from txl_dist.fileio import atomic_write_text, ensure_directory
 
@@ -82,10 +82,17 @@ class LockHolder:
         return f"host {self.host}, PID {self.pid}, started {self.started}"
 
     @classmethod
-    def of_this_process(cls) -> "LockHolder":
-        return cls(host=socket.gethostname(), pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                   token=secrets.token_hex(16), boot_id=_boot_id(), pid_start=_process_start(os.getpid()),
-                   heartbeat_unix=time.time(), command=" ".join(sys.argv)[:500])
+    def of_this_process(cls) -> LockHolder:
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            token=secrets.token_hex(16),
+            boot_id=_boot_id(),
+            pid_start=_process_start(os.getpid()),
+            heartbeat_unix=time.time(),
+            command=" ".join(sys.argv)[:500],
+        )
 
 
 def read_holder(path: str | os.PathLike) -> LockHolder | None:
@@ -99,14 +106,22 @@ def read_holder(path: str | os.PathLike) -> LockHolder | None:
         data = json.loads(text)
         return LockHolder(**{key: data[key] for key in LockHolder.__dataclass_fields__ if key in data})
     except (json.JSONDecodeError, TypeError) as error:
-        raise ValueError(f"{path}: not a txl_dist run lock ({error}); if no run uses this directory, remove it")
+        raise ValueError(
+            f"{path}: not a txl_dist run lock ({error}); if no run uses this directory, remove it"
+        ) from None
 
 
 class RunLock:
     """The lock of one output directory, held by one process (rank 0) from `acquire` to `release`."""
 
-    def __init__(self, directory: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S,
-                 stale_after_s: float = STALE_AFTER_S, on_lost: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        heartbeat_s: float = HEARTBEAT_S,
+        stale_after_s: float = STALE_AFTER_S,
+        on_lost: Callable[[str], None] | None = None,
+    ):
         self.directory = Path(directory)
         self.path = self.directory / LOCK_NAME
         self.holder = LockHolder.of_this_process()
@@ -123,7 +138,7 @@ class RunLock:
 
     # ---- taking it ---------------------------------------------------------------------------------------------
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock, taking over a stale one; raise `RunDirectoryBusy` when a live run holds it."""
         ensure_directory(self.directory)
         watched: LockHolder | None = None
@@ -144,13 +159,21 @@ class RunLock:
             # Another host: alive if its heartbeat moves.
             if watched is None or watched.token != holder.token:
                 watched, watched_since = holder, time.monotonic()
-                log.info("%s is held on another host (%s); watching its heartbeat for up to %.0f s",
-                         self.path, holder.describe(), self.stale_after_s)
+                log.info(
+                    "%s is held on another host (%s); watching its heartbeat for up to %.0f s",
+                    self.path,
+                    holder.describe(),
+                    self.stale_after_s,
+                )
             elif holder.heartbeat != watched.heartbeat:
                 raise self._busy(holder)
             elif time.monotonic() - watched_since > self.stale_after_s:
-                log.warning("taking over %s from a run that is gone (%s): its heartbeat has not moved for %.0f s",
-                            self.path, holder.describe(), self.stale_after_s)
+                log.warning(
+                    "taking over %s from a run that is gone (%s): its heartbeat has not moved for %.0f s",
+                    self.path,
+                    holder.describe(),
+                    self.stale_after_s,
+                )
                 self._break(holder)
                 watched = None
                 continue
@@ -163,10 +186,11 @@ class RunLock:
     def _busy(self, holder: LockHolder) -> RunDirectoryBusy:
         return RunDirectoryBusy(
             f"{self.directory} is in use by another run ({holder.describe()}; lock {self.path}): one run per "
-            f"train.output_dir. Wait for it to finish or stop it, or choose another train.output_dir")
+            f"train.output_dir. Wait for it to finish or stop it, or choose another train.output_dir"
+        )
 
     def _liveness(self, holder: LockHolder) -> str | None:
-        """"alive"; the reason the holder is gone; or None when that cannot be told from here (another host)."""
+        """ "alive"; the reason the holder is gone; or None when that cannot be told from here (another host)."""
         if holder.host != socket.gethostname():
             age = time.time() - holder.heartbeat_unix
             if holder.heartbeat_unix and age > self.stale_after_s * 2:  # twice: room for clocks that differ
@@ -236,8 +260,9 @@ class RunLock:
                     current = None
                 if current is None or current.token != self.token:
                     self._held = False
-                    lost = (f"lost the run lock {self.path}: " +
-                            (f"taken over by {current.describe()}" if current else "the file was removed"))
+                    lost = f"lost the run lock {self.path}: " + (
+                        f"taken over by {current.describe()}" if current else "the file was removed"
+                    )
                 else:
                     self.holder.heartbeat += 1
                     self.holder.heartbeat_unix = time.time()

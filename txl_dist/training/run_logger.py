@@ -36,8 +36,9 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"),
-                                         purge_step=resume_step + 1 if resume_step else None)
+            self._writer = SummaryWriter(
+                log_dir=str(self.output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
 
     @staticmethod
     def _truncate_after(path: Path, step: int) -> None:

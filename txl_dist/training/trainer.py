@@ -45,7 +45,7 @@ from txl_dist.evaluation import EvalResult, evaluate, segment_settings, to_devic
 from txl_dist.model import TransformerXLLM
 from txl_dist.plan import describe, device_memory_of
 from txl_dist.tokenizer import CHARACTER_KINDS
-from txl_dist.training import weights_only
+from txl_dist.training import weights_only, world
 from txl_dist.training.checkpoint import (
     CLIENT_KEY,
     CheckpointManager,
@@ -58,7 +58,6 @@ from txl_dist.training.checkpoint import (
     tag_for_step,
 )
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
-from txl_dist.training import world
 from txl_dist.training.run_guard import RunFailure, RunGuard
 from txl_dist.training.run_lock import LOCK_NAME, RunLock, read_holder
 from txl_dist.training.run_logger import RunLogger
@@ -93,7 +92,9 @@ def _as_float(value: Any) -> float | None:
 def _loss_scale(optimizer: Any) -> float | None:
     """The dynamic loss scale of DeepSpeed's fp16 optimizers (ZeRO 0 keeps it in loss_scale_config)."""
     config = getattr(optimizer, "loss_scale_config", None)
-    return _as_float(getattr(config, "cur_scale", None) if config is not None else getattr(optimizer, "cur_scale", None))
+    return _as_float(
+        getattr(config, "cur_scale", None) if config is not None else getattr(optimizer, "cur_scale", None)
+    )
 
 
 def _tokenizer_fingerprint(directory: str | None) -> str | None:
@@ -147,8 +148,11 @@ class Trainer:
         self.rank, self.world_size, self.rank_environments = world.start(self.device_type)
         self.guard.connect(self.rank, self.world_size, cfg.train.stall_timeout)
         if self.rank == 0:
-            log.info("ranks' environment: %s on %s", world.describe_environment(self.rank_environments[0]),
-                     ", ".join(sorted({record["host"] for record in self.rank_environments})))
+            log.info(
+                "ranks' environment: %s on %s",
+                world.describe_environment(self.rank_environments[0]),
+                ", ".join(sorted({record["host"] for record in self.rank_environments})),
+            )
         # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
         # does not wait for the device to finish the step's kernels.
         self._flag_group = dist.new_group(backend="gloo") if self.device_type != "cpu" else None
@@ -162,8 +166,9 @@ class Trainer:
         self.layout = cfg.train.batch_layout(self.world_size)
         self.output_dir = Path(cfg.train.output_dir)
         self.lock = self._take_output_dir()
-        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", self.rank, self.world_size,
-                                             cfg.checkpoint.keep_last)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints", self.rank, self.world_size, cfg.checkpoint.keep_last
+        )
         self.guard.on_abort(self.checkpoints.remove_unfinished_save)
         self.checkpoints.remove_incomplete()
         if self.rank == 0:
@@ -179,8 +184,13 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
 
         ds_config = build_deepspeed_config(
-            train=cfg.train, optim=cfg.optim, precision=cfg.precision, zero=cfg.zero,
-            world_size=self.world_size, device=self.device_type, overlay_path=deepspeed_overlay,
+            train=cfg.train,
+            optim=cfg.optim,
+            precision=cfg.precision,
+            zero=cfg.zero,
+            world_size=self.world_size,
+            device=self.device_type,
+            overlay_path=deepspeed_overlay,
             num_parameters=self.num_parameters,
         )
         self.resume_tag = self._resume_tag()
@@ -191,16 +201,25 @@ class Trainer:
         # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
         optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), optimizer=optimizer, config=ds_config,
+            model=model,
+            model_parameters=model.parameters(),
+            optimizer=optimizer,
+            config=ds_config,
             lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
         )
         self.checkpoints.install(self.engine)
         self.fingerprint = _tokenizer_fingerprint(cfg.data.tokenizer) or manifest.tokenizer.fingerprint
         self.streams = TrainStreams(
-            cfg.data.shards, cfg.data.train_split, tgt_len=cfg.model.tgt_len,
-            micro_batch=self.layout.micro_batch, grad_accum=self.layout.grad_accum,
-            world_size=self.world_size, rank=self.rank, seed=cfg.train.seed,
-            shuffle_blocks=cfg.data.shuffle_blocks, expected_fingerprint=self.fingerprint,
+            cfg.data.shards,
+            cfg.data.train_split,
+            tgt_len=cfg.model.tgt_len,
+            micro_batch=self.layout.micro_batch,
+            grad_accum=self.layout.grad_accum,
+            world_size=self.world_size,
+            rank=self.rank,
+            seed=cfg.train.seed,
+            shuffle_blocks=cfg.data.shuffle_blocks,
+            expected_fingerprint=self.fingerprint,
             verify_sha256=cfg.data.verify_sha256,
         )
         self.step = 0
@@ -209,8 +228,9 @@ class Trainer:
         self.mems: list[list[torch.Tensor] | None] = [None] * self.layout.grad_accum
         self._mems_resets = torch.zeros((), dtype=torch.int64, device=self.device)
         self.resumed_from = self._resume()
-        self.logger = RunLogger(self.output_dir, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
-                                resume_step=self.step)
+        self.logger = RunLogger(
+            self.output_dir, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, resume_step=self.step
+        )
 
     def _take_output_dir(self) -> RunLock | None:
         """Collective: rank 0 takes the run lock (refused while another run holds it); then every rank must read
@@ -222,7 +242,8 @@ class Trainer:
             lock.acquire()
             self.guard.on_abort(lock.release)
         token, rank0_dir, rank0_host = _broadcast(
-            (lock.token, str(self.output_dir.absolute()), socket.gethostname()) if lock else None)
+            (lock.token, str(self.output_dir.absolute()), socket.gethostname()) if lock else None
+        )
         problem = None
         if self.rank != 0:
             path = self.output_dir / LOCK_NAME
@@ -236,9 +257,11 @@ class Trainer:
                     break
                 if time.monotonic() > deadline:
                     found = "finds no" if holder is None else "finds another run's"
-                    problem = (f"train.output_dir must be on a filesystem shared by all nodes: rank {self.rank} on "
-                               f"{socket.gethostname()} {found} {LOCK_NAME} in {path.parent.absolute()}, where rank 0 "
-                               f"on {rank0_host} wrote this run's in {rank0_dir}")
+                    problem = (
+                        f"train.output_dir must be on a filesystem shared by all nodes: rank {self.rank} on "
+                        f"{socket.gethostname()} {found} {LOCK_NAME} in {path.parent.absolute()}, where rank 0 "
+                        f"on {rank0_host} wrote this run's in {rank0_dir}"
+                    )
                     break
                 time.sleep(0.5)
         problems: list[str | None] = [None] * self.world_size
@@ -322,22 +345,38 @@ class Trainer:
         else:
             torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.rank + 7919 * self.step)
             if self.rank == 0:
-                log.info("the checkpoint's ranks (%d) and streams do not map onto these %d ranks one to one: "
-                         "dropout RNG reseeded from (seed, step, rank)", saved["world_size"], self.world_size)
+                log.info(
+                    "the checkpoint's ranks (%d) and streams do not map onto these %d ranks one to one: "
+                    "dropout RNG reseeded from (seed, step, rank)",
+                    saved["world_size"],
+                    self.world_size,
+                )
         if self.rank == 0:
-            log.info("resumed from %s at step %d (%s, %d tokens seen)", self.checkpoints.directory / tag,
-                     self.step, kind.value, self.tokens_seen)
+            log.info(
+                "resumed from %s at step %d (%s, %d tokens seen)",
+                self.checkpoints.directory / tag,
+                self.step,
+                kind.value,
+                self.tokens_seen,
+            )
         return tag
 
     # ---- checkpoint --------------------------------------------------------------------------------------------
 
     def _client_state(self) -> dict[str, Any]:
-        return {CLIENT_KEY: {
-            "step": self.step, "tokens_seen": self.tokens_seen, "data": self.streams.state_dict(),
-            "config": self.cfg.to_dict(), "architecture": self.cfg.model.architecture(),
-            "tokenizer": dataclasses.asdict(self.manifest.tokenizer), "best": self.best,
-            "world_size": self.world_size, "layout": self.layout._asdict(),
-        }}
+        return {
+            CLIENT_KEY: {
+                "step": self.step,
+                "tokens_seen": self.tokens_seen,
+                "data": self.streams.state_dict(),
+                "config": self.cfg.to_dict(),
+                "architecture": self.cfg.model.architecture(),
+                "tokenizer": dataclasses.asdict(self.manifest.tokenizer),
+                "best": self.best,
+                "world_size": self.world_size,
+                "layout": self.layout._asdict(),
+            }
+        }
 
     def save(self) -> str:
         stream_ids, columns = [], []
@@ -347,13 +386,21 @@ class Trainer:
         if any(m is None for m in columns):
             mems = None
         else:
-            mems = _finite_mems([torch.cat([slot_mems[layer] for slot_mems in columns], dim=1)
-                                 for layer in range(len(columns[0]))], self._mems_resets)
+            mems = _finite_mems(
+                [torch.cat([slot_mems[layer] for slot_mems in columns], dim=1) for layer in range(len(columns[0]))],
+                self._mems_resets,
+            )
             mems = [layer.cpu() for layer in mems]
         state = RankState(stream_ids=stream_ids, mems=mems, rng=rng_state(), world_size=self.world_size, rank=self.rank)
         best_tag = tag_for_step(self.best["step"]) if self.best else None
-        tag = self.checkpoints.save(self.engine, self.step, self._client_state(), state,
-                                    architecture=self.cfg.model.architecture(), best_tag=best_tag)
+        tag = self.checkpoints.save(
+            self.engine,
+            self.step,
+            self._client_state(),
+            state,
+            architecture=self.cfg.model.architecture(),
+            best_tag=best_tag,
+        )
         self.logger.info("checkpoint %s written", self.checkpoints.directory / tag)
         self.guard.checkpointed(self.step)
         return tag
@@ -365,10 +412,18 @@ class Trainer:
         module: TransformerXLLM = self.engine.module
         # eval.batch_size counts streams over all ranks.
         per_rank = max(1, math.ceil(e.batch_size / self.world_size))
-        with EvalStreams(self.cfg.data.shards, e.split, tgt_len=e.tgt_len,
-                         batch_size=per_rank, world_size=self.world_size, rank=self.rank,
-                         expected_fingerprint=self.fingerprint) as streams, \
-                segment_settings(module, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length):
+        with (
+            EvalStreams(
+                self.cfg.data.shards,
+                e.split,
+                tgt_len=e.tgt_len,
+                batch_size=per_rank,
+                world_size=self.world_size,
+                rank=self.rank,
+                expected_fingerprint=self.fingerprint,
+            ) as streams,
+            segment_settings(module, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length),
+        ):
             return evaluate(module, streams, self.device, max_batches=max_batches)
 
     def _validate_and_track(self, max_batches: int) -> EvalResult:
@@ -377,9 +432,14 @@ class Trainer:
         if self.character_level:
             values["bpc"] = result.loss / math.log(2)
         self.logger.record(self.step, "eval", values)
-        self.logger.info("step %d | eval loss %.4f | eval ppl %.2f%s | %d targets", self.step, result.loss,
-                         result.ppl, f" | eval bpc {values['bpc']:.4f}" if self.character_level else "",
-                         result.targets)
+        self.logger.info(
+            "step %d | eval loss %.4f | eval ppl %.2f%s | %d targets",
+            self.step,
+            result.loss,
+            result.ppl,
+            f" | eval bpc {values['bpc']:.4f}" if self.character_level else "",
+            result.targets,
+        )
         # Only full passes are compared: a sampled evaluation (eval.max_batches) scores other tokens.
         if max_batches == 0 and (self.best is None or result.loss < self.best["loss"]):
             self.best = {"step": self.step, "loss": result.loss, "ppl": result.ppl, "targets": result.targets}
@@ -392,8 +452,9 @@ class Trainer:
         pinned host memory with non_blocking, and the adaptive softmax's target plan (which rows go to which
         cluster, the only data-dependent shapes of the step) is made from the host copy of the targets."""
         plan = self.engine.module.plan_targets(batch.targets, self.device)
-        return self.engine(to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems,
-                           target_plan=plan)
+        return self.engine(
+            to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems, target_plan=plan
+        )
 
     def _stop_agreed(self, stop: RunGuard) -> bool:
         flag = torch.tensor([1.0 if stop.requested else 0.0])
@@ -408,9 +469,16 @@ class Trainer:
         self.logger.info(
             "training %s (%d parameters) on %d rank(s): global batch %d = %d ranks x micro-batch %d x %d "
             "accumulation, %d tokens/step, from step %d to %d",
-            cfg.model_preset or "model", self.num_parameters, self.world_size,
-            cfg.train.global_batch, self.world_size, self.layout.micro_batch, self.layout.grad_accum,
-            tokens_per_step, self.step, cfg.train.max_steps,
+            cfg.model_preset or "model",
+            self.num_parameters,
+            self.world_size,
+            cfg.train.global_batch,
+            self.world_size,
+            self.layout.micro_batch,
+            self.layout.grad_accum,
+            tokens_per_step,
+            self.step,
+            cfg.train.max_steps,
         )
         plan_device = "cpu" if self.device_type == "cpu" else self.device_type
         self.logger.info("%s", describe(cfg, self.world_size, plan_device, device_memory_of(plan_device)))
@@ -475,15 +543,24 @@ class Trainer:
             self.streams.close()
         elapsed = time.perf_counter() - run_start
         summary = {
-            "steps": self.step, "steps_this_run": self.step - start_step, "tokens_seen": self.tokens_seen,
-            "seconds": elapsed, "tokens_per_s": (self.step - start_step) * tokens_per_step / max(elapsed, 1e-9),
+            "steps": self.step,
+            "steps_this_run": self.step - start_step,
+            "tokens_seen": self.tokens_seen,
+            "seconds": elapsed,
+            "tokens_per_s": (self.step - start_step) * tokens_per_step / max(elapsed, 1e-9),
             "stopped_by": stopped_by or f"max_steps={cfg.train.max_steps}",
-            "eval_loss": last_eval.loss if last_eval else None, "eval_ppl": last_eval.ppl if last_eval else None,
-            "best": self.best, "output_dir": str(self.output_dir),
+            "eval_loss": last_eval.loss if last_eval else None,
+            "eval_ppl": last_eval.ppl if last_eval else None,
+            "best": self.best,
+            "output_dir": str(self.output_dir),
         }
         self.logger.info(
             "done: %d steps (%d this run) in %.1f s, %.0f tokens/s, stopped by %s%s",
-            summary["steps"], summary["steps_this_run"], elapsed, summary["tokens_per_s"], summary["stopped_by"],
+            summary["steps"],
+            summary["steps_this_run"],
+            elapsed,
+            summary["tokens_per_s"],
+            summary["stopped_by"],
             f", valid ppl {last_eval.ppl:.2f}" if last_eval else "",
         )
         self.logger.close()
@@ -503,7 +580,8 @@ class Trainer:
             raise RunFailure(
                 f"the training loss is {loss} at step {self.step}, the first step after resuming from "
                 f"{self.checkpoints.directory / self.resumed_from}: the checkpoint's weights or optimizer state are "
-                f"not finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before")
+                f"not finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before"
+            )
 
     def _mems_reset_total(self) -> int:
         """Streams whose memory was reset since this process started, over all ranks (on logging steps only)."""
@@ -511,8 +589,14 @@ class Trainer:
         dist.all_reduce(total)
         return int(total.item())
 
-    def _log_train(self, window_loss: torch.Tensor, window_checksum: torch.Tensor, window_steps: int,
-                   window_start: float, tokens_per_step: int) -> None:
+    def _log_train(
+        self,
+        window_loss: torch.Tensor,
+        window_checksum: torch.Tensor,
+        window_steps: int,
+        window_start: float,
+        tokens_per_step: int,
+    ) -> None:
         totals = torch.stack([window_loss, window_checksum.to(window_loss.device, torch.float64)])
         dist.all_reduce(totals)
         loss = totals[0].item() / (window_steps * self.world_size)
@@ -525,21 +609,29 @@ class Trainer:
             self.accelerator.reset_peak_memory_stats()
         fp16 = self.cfg.precision.dtype == "fp16"
         values = {
-            "loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": self.engine.get_lr()[0],
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+            "lr": self.engine.get_lr()[0],
             "grad_norm": _as_float(self.engine.get_global_grad_norm()),
             "loss_scale": _loss_scale(self.engine.optimizer) if fp16 else None,
             "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
-            "tokens": self.tokens_seen, "tokens_per_s": window_steps * tokens_per_step / max(seconds, 1e-9),
-            "step_time_s": seconds / window_steps, "data_checksum": int(totals[1].item()),
-            "mems_reset": self._mems_reset_total(), **memory,
+            "tokens": self.tokens_seen,
+            "tokens_per_s": window_steps * tokens_per_step / max(seconds, 1e-9),
+            "step_time_s": seconds / window_steps,
+            "data_checksum": int(totals[1].item()),
+            "mems_reset": self._mems_reset_total(),
+            **memory,
         }
         if self.character_level:
             values["bpc"] = loss / math.log(2)
         self.logger.record(self.step, "train", values)
         self.logger.info(
             "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s | %s",
-            self.step, loss, f"bpc {values['bpc']:.4f}" if self.character_level else f"ppl {values['ppl']:.2f}",
+            self.step,
+            loss,
+            f"bpc {values['bpc']:.4f}" if self.character_level else f"ppl {values['ppl']:.2f}",
             values["lr"],
-            "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}", values["tokens_per_s"],
+            "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}",
+            values["tokens_per_s"],
             " | ".join(f"{k} {v:.0f}" for k, v in memory.items()),
         )

@@ -16,7 +16,8 @@ import os
 import pickle
 import re
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class UnsafeCheckpointError(ValueError):
 def allowed_classes() -> list[type]:
     """The DeepSpeed classes found in its checkpoint files (ZeRO 0-3, fp32/bf16/fp16, universal checkpoints):
     loss scalers (fp16 state), the ZeRO stage enum, and the fragment addresses of ZeRO 1/2 partitions."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaler, LossScaleProfile
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleProfile, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
@@ -84,7 +85,8 @@ def deepspeed_loads_weights_only() -> Iterator[None]:
                 torch.load = _ORIGINAL_LOAD
 
 
-def _load_any_signature(f: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: Any = None,
-                        **kwargs: Any) -> Any:
+def _load_any_signature(
+    f: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: Any = None, **kwargs: Any
+) -> Any:
     # pickle_module and weights_only are what callers pass to ask for a full unpickler: both are overruled.
     return load(f, map_location=map_location, **kwargs)

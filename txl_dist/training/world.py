@@ -25,9 +25,9 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from txl_dist import launch_env
 
@@ -51,8 +51,11 @@ def prepare_extension_cache(environ: dict[str, str] | None = None) -> Path:
 
         # One folder per Python, accelerator build and torch release: a torch reinstalled in the environment
         # (a CUDA build over the CPU one) never loads an op compiled against the other.
-        accelerator = ("cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}") \
-            if getattr(torch.version, "hip", None) is None else f"rocm{torch.version.hip.replace('.', '')}"
+        accelerator = (
+            ("cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}")
+            if getattr(torch.version, "hip", None) is None
+            else f"rocm{torch.version.hip.replace('.', '')}"
+        )
         python = f"py{sys.version_info.major}{sys.version_info.minor}"
         folder = f"{python}_{accelerator}_torch{torch.__version__.split('+')[0]}"
         environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions" / folder)
@@ -78,8 +81,12 @@ def build_lock(cache: Path, name: str = SHM_OP_NAME) -> Iterator[None]:
         try:
             stale = _build_directory(cache, name) / "lock"
             if stale.exists():
-                log.warning("removing %s, left by a build of DeepSpeed's %s op that was killed (it would make this "
-                            "launch wait forever)", stale, name)
+                log.warning(
+                    "removing %s, left by a build of DeepSpeed's %s op that was killed (it would make this "
+                    "launch wait forever)",
+                    stale,
+                    name,
+                )
                 stale.unlink(missing_ok=True)
             yield
         finally:
@@ -93,10 +100,10 @@ def load_shm_op() -> object | None:
 
     if get_accelerator().device_name() != "cpu":
         return None
-    from deepspeed.comm.torch import build_shm_op
-
     import contextlib
     import io
+
+    from deepspeed.comm.torch import build_shm_op
 
     # DeepSpeed prints "built successfully" at every load; its own start-up loads the op again and says so once.
     with build_lock(prepare_extension_cache()), contextlib.redirect_stdout(io.StringIO()):
@@ -121,6 +128,7 @@ def environment_record() -> dict[str, object]:
 
 def environment_disagreement(records: list[dict]) -> str | None:
     """One line naming the first difference between the ranks' records, or None when they agree."""
+
     def value(record: dict, key: str):
         return record["variables"].get(key) if key in launch_env.COMPARED_VARIABLES else record[key]
 
@@ -134,11 +142,16 @@ def environment_disagreement(records: list[dict]) -> str | None:
                 return "unset" if v is None else repr(v)
 
             more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
-            advice = ("set it for every rank: with `deepspeed --hostfile`, in .deepspeed_env "
-                      "(python -m txl_dist.launch_env --write-deepspeed-env)" if key in launch_env.COMPARED_VARIABLES
-                      else "install the same software on every node")
-            return (f"the ranks disagree on {key}: {shown(value(first, key))} on rank 0 ({first['host']}) but "
-                    f"{shown(value(other, key))} on rank {differing[0]} ({other['host']}){more}; {advice}")
+            advice = (
+                "set it for every rank: with `deepspeed --hostfile`, in .deepspeed_env "
+                "(python -m txl_dist.launch_env --write-deepspeed-env)"
+                if key in launch_env.COMPARED_VARIABLES
+                else "install the same software on every node"
+            )
+            return (
+                f"the ranks disagree on {key}: {shown(value(first, key))} on rank 0 ({first['host']}) but "
+                f"{shown(value(other, key))} on rank {differing[0]} ({other['host']}){more}; {advice}"
+            )
     return None
 
 
@@ -176,20 +189,32 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
         records = [environment_record()]
     else:
         store = _rendezvous(launch)
-        records = agree_on_environment(store, launch.rank, launch.world_size) if launch.world_size > 1 \
+        records = (
+            agree_on_environment(store, launch.rank, launch.world_size)
+            if launch.world_size > 1
             else [environment_record()]
+        )
         from deepspeed.constants import default_pg_timeout
 
-        dist.init_process_group(get_accelerator().communication_backend_name(), store=store, rank=launch.rank,
-                                world_size=launch.world_size, timeout=default_pg_timeout)
+        dist.init_process_group(
+            get_accelerator().communication_backend_name(),
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=default_pg_timeout,
+        )
     deepspeed.init_distributed()
     # pdsh's ranks have only what .deepspeed_env (wherever DS_ENV_FILE put it) or a login shell gave them.
     forwarded = any(os.environ.get(key) for key in launch_env.RUN_VARIABLES if key != "TORCH_EXTENSIONS_DIR") or any(
-        (Path(directory) / ".deepspeed_env").is_file() for directory in (os.path.expanduser("~"), os.getcwd()))
+        (Path(directory) / ".deepspeed_env").is_file() for directory in (os.path.expanduser("~"), os.getcwd())
+    )
     if launch.rank == 0 and not forwarded and _started_over_ssh():
-        log.warning("started over ssh (deepspeed --hostfile) without a .deepspeed_env: the variables set where "
-                    "deepspeed was typed (%s) reached no rank unless a login shell sets them; write one with "
-                    "`python -m txl_dist.launch_env --write-deepspeed-env`", ", ".join(launch_env.RUN_VARIABLES[:3]))
+        log.warning(
+            "started over ssh (deepspeed --hostfile) without a .deepspeed_env: the variables set where "
+            "deepspeed was typed (%s) reached no rank unless a login shell sets them; write one with "
+            "`python -m txl_dist.launch_env --write-deepspeed-env`",
+            ", ".join(launch_env.RUN_VARIABLES[:3]),
+        )
     return dist.get_rank(), dist.get_world_size(), records
 
 
@@ -215,8 +240,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cache = prepare_extension_cache()
     op = load_shm_op()
-    print(f"DeepSpeed's {SHM_OP_NAME} op: {'ready' if op is not None else 'not used by this accelerator'} "
-          f"(cache {cache})")
+    print(
+        f"DeepSpeed's {SHM_OP_NAME} op: {'ready' if op is not None else 'not used by this accelerator'} (cache {cache})"
+    )
     return 0
 
 

@@ -81,7 +81,8 @@ class TransformerXLConfig(PreTrainedConfig):
         if not isinstance(self.mem_len, int) or self.mem_len < 0:
             problems.append(f"mem_len={self.mem_len!r} must be an integer >= 0")
         if any(b <= a for a, b in zip(self.cutoffs, self.cutoffs[1:])) or (
-                self.cutoffs and not 0 < self.cutoffs[0] <= self.cutoffs[-1] < self.n_token):
+            self.cutoffs and not 0 < self.cutoffs[0] <= self.cutoffs[-1] < self.n_token
+        ):
             problems.append(f"cutoffs={self.cutoffs} must increase strictly within (0, n_token={self.n_token})")
         if len(self.tie_projs) != clusters:
             problems.append(f"tie_projs={self.tie_projs} needs one entry per cluster ({clusters})")

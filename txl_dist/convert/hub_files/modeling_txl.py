@@ -61,8 +61,14 @@ class TransformerXLMemory:
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, hidden: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
-                 attended: torch.Tensor, seen: int):
+    def __init__(
+        self,
+        hidden: list[torch.Tensor],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        attended: torch.Tensor,
+        seen: int,
+    ):
         self.hidden, self.keys, self.values, self.attended, self.seen = hidden, keys, values, attended, seen
 
     @property
@@ -86,6 +92,7 @@ class TransformerXLMemory:
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep/duplicate batch rows (beam search)."""
+
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(0, beam_idx.to(t.device))
 
@@ -179,8 +186,11 @@ class PositionwiseFF(nn.Module):
         self.pre_lnorm = config.pre_lnorm
         # Indices 0 and 3 are the two linear maps, as in the authors' code.
         self.CoreNet = nn.Sequential(
-            nn.Linear(config.d_model, config.d_inner), nn.ReLU(inplace=True), nn.Dropout(config.dropout),
-            nn.Linear(config.d_inner, config.d_model), nn.Dropout(config.dropout),
+            nn.Linear(config.d_model, config.d_inner),
+            nn.ReLU(inplace=True),
+            nn.Dropout(config.dropout),
+            nn.Linear(config.d_inner, config.d_model),
+            nn.Dropout(config.dropout),
         )
         self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
@@ -410,8 +420,13 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         c = self.config
         nothing = torch.zeros(batch_size, 0, c.d_model, device=device, dtype=dtype)
         heads = torch.zeros(batch_size, 0, c.n_head, c.d_head, device=device, dtype=dtype)
-        return TransformerXLMemory([nothing] * (c.n_layer + 1), [heads] * c.n_layer, [heads] * c.n_layer,
-                                   torch.zeros(batch_size, 0, dtype=torch.bool, device=device), 0)
+        return TransformerXLMemory(
+            [nothing] * (c.n_layer + 1),
+            [heads] * c.n_layer,
+            [heads] * c.n_layer,
+            torch.zeros(batch_size, 0, dtype=torch.bool, device=device),
+            0,
+        )
 
     def _attended(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """[B, L] bool: the positions of this call that may be attended to."""
@@ -419,24 +434,39 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         if attention_mask is None:
             return torch.ones(batch, length, dtype=torch.bool, device=input_ids.device)
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length:
-            raise ValueError(f"attention_mask: expected [batch, positions read so far + {length}] with batch={batch}, "
-                             f"got shape {list(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask: expected [batch, positions read so far + {length}] with batch={batch}, "
+                f"got shape {list(attention_mask.shape)}"
+            )
         return attention_mask[:, -length:].to(device=input_ids.device, dtype=torch.bool)
 
-    def forward(self, input_ids: torch.LongTensor | None = None, cache: TransformerXLMemory | None = None,
-                attention_mask: torch.Tensor | None = None, use_cache: bool | None = None,
-                output_hidden_states: bool | None = None, return_dict: bool | None = None,
-                past_key_values: TransformerXLMemory | None = None, **kwargs) -> TransformerXLModelOutput:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        cache: TransformerXLMemory | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: TransformerXLMemory | None = None,
+        **kwargs,
+    ) -> TransformerXLModelOutput:
         c = self.config
         if kwargs.get("inputs_embeds") is not None:
-            raise ValueError("inputs_embeds is not supported: Transformer-XL embeds token ids with its adaptive "
-                             "embedding; pass input_ids")
+            raise ValueError(
+                "inputs_embeds is not supported: Transformer-XL embeds token ids with its adaptive "
+                "embedding; pass input_ids"
+            )
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids: expected a [batch, length >= 1] tensor of token ids, got "
-                             f"{None if input_ids is None else list(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids: expected a [batch, length >= 1] tensor of token ids, got "
+                f"{None if input_ids is None else list(input_ids.shape)}"
+            )
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, TransformerXLMemory):
-            raise TypeError(f"cache: expected the TransformerXLMemory a previous call returned, got {type(cache).__name__}")
+            raise TypeError(
+                f"cache: expected the TransformerXLMemory a previous call returned, got {type(cache).__name__}"
+            )
         use_cache = c.use_cache if use_cache is None else use_cache
         output_hidden_states = c.output_hidden_states if output_hidden_states is None else output_hidden_states
         batch, length = input_ids.shape
@@ -474,8 +504,11 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
             if c.same_length:
                 lowest = torch.maximum(lowest, query_pos[None, :] - c.mem_len + 1)
             key_attended = torch.cat([mem_attended, attended[:, start:end]], dim=1)  # [B, k]
-            visible = ((key_pos[None, None, :] >= lowest[:, :, None]) & (key_pos[None, None, :] <= query_pos[None, :, None])
-                       & key_attended[:, None, :])
+            visible = (
+                (key_pos[None, None, :] >= lowest[:, :, None])
+                & (key_pos[None, None, :] <= query_pos[None, :, None])
+                & key_attended[:, None, :]
+            )
             distances = torch.arange(mlen + qlen - 1, -1, -1, device=device, dtype=torch.float32)
             if c.clamp_len > 0:
                 distances = distances.clamp(max=c.clamp_len)
@@ -495,8 +528,12 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
                     values[i] = torch.cat([values[i], value.detach()], dim=1)[:, -keep:]
                 hidden[i] = new_hidden
             layer_inputs_out[c.n_layer].append(x)
-            hidden[c.n_layer] = torch.cat([hidden[c.n_layer], x.detach()], dim=1)[:, -keep:] if keep else hidden[c.n_layer][:, :0]
-            mem_attended = torch.cat([mem_attended, attended[:, start:end]], dim=1)[:, -keep:] if keep else mem_attended[:, :0]
+            hidden[c.n_layer] = (
+                torch.cat([hidden[c.n_layer], x.detach()], dim=1)[:, -keep:] if keep else hidden[c.n_layer][:, :0]
+            )
+            mem_attended = (
+                torch.cat([mem_attended, attended[:, start:end]], dim=1)[:, -keep:] if keep else mem_attended[:, :0]
+            )
 
         outputs = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in layer_inputs_out if parts]
         last = self.drop(outputs[-1])
@@ -504,12 +541,15 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         if use_cache:
             trim = c.mem_len
             new_memory = TransformerXLMemory(
-                [h[:, h.shape[1] - min(trim, h.shape[1]):] for h in hidden],
-                [k[:, k.shape[1] - min(trim, k.shape[1]):] for k in keys],
-                [v[:, v.shape[1] - min(trim, v.shape[1]):] for v in values],
-                mem_attended[:, mem_attended.shape[1] - min(trim, mem_attended.shape[1]):], memory.seen + length)
-        return TransformerXLModelOutput(last_hidden_state=last, cache=new_memory,
-                                        hidden_states=tuple(outputs) if output_hidden_states else None)
+                [h[:, h.shape[1] - min(trim, h.shape[1]) :] for h in hidden],
+                [k[:, k.shape[1] - min(trim, k.shape[1]) :] for k in keys],
+                [v[:, v.shape[1] - min(trim, v.shape[1]) :] for v in values],
+                mem_attended[:, mem_attended.shape[1] - min(trim, mem_attended.shape[1]) :],
+                memory.seen + length,
+            )
+        return TransformerXLModelOutput(
+            last_hidden_state=last, cache=new_memory, hidden_states=tuple(outputs) if output_hidden_states else None
+        )
 
 
 class TransformerXLForCausalLM(TransformerXLPreTrainedModel, GenerationMixin):
@@ -540,23 +580,37 @@ class TransformerXLForCausalLM(TransformerXLPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Module:
         return self.transformer.word_emb
 
-    def forward(self, input_ids: torch.LongTensor | None = None, cache: TransformerXLMemory | None = None,
-                attention_mask: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int = 0, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None, past_key_values: TransformerXLMemory | None = None,
-                **kwargs) -> TransformerXLCausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        cache: TransformerXLMemory | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: TransformerXLMemory | None = None,
+        **kwargs,
+    ) -> TransformerXLCausalLMOutput:
         """input_ids [B, L] (and labels [B, L], shifted inside) -> log-probabilities, loss, the next memory.
         ``logits_to_keep`` > 0 computes the log-probabilities of the last positions only."""
-        out = self.transformer(input_ids, cache=cache if cache is not None else past_key_values,
-                               attention_mask=attention_mask, use_cache=use_cache,
-                               output_hidden_states=output_hidden_states, **kwargs)
+        out = self.transformer(
+            input_ids,
+            cache=cache if cache is not None else past_key_values,
+            attention_mask=attention_mask,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
         hidden = out.last_hidden_state
         batch, length, d_model = hidden.shape
         loss = losses = None
         if labels is not None:
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels: expected the shape of input_ids {list(input_ids.shape)}, "
-                                 f"got {list(labels.shape)}")
+                raise ValueError(
+                    f"labels: expected the shape of input_ids {list(input_ids.shape)}, got {list(labels.shape)}"
+                )
             targets = labels[:, 1:].to(hidden.device)
             scored = targets != -100
             bad = targets[scored]
@@ -568,8 +622,9 @@ class TransformerXLForCausalLM(TransformerXLPreTrainedModel, GenerationMixin):
             loss = losses.sum() / scored.sum().clamp(min=1)
         kept = hidden if not logits_to_keep else hidden[:, -logits_to_keep:]
         logits = self.crit.log_prob(kept.reshape(-1, d_model)).view(batch, kept.shape[1], -1)
-        return TransformerXLCausalLMOutput(loss=loss, logits=logits, losses=losses, cache=out.cache,
-                                           hidden_states=out.hidden_states)
+        return TransformerXLCausalLMOutput(
+            loss=loss, logits=logits, losses=losses, cache=out.cache, hidden_states=out.hidden_states
+        )
 
 
 __all__ = ["TransformerXLForCausalLM", "TransformerXLMemory", "TransformerXLModel", "TransformerXLPreTrainedModel"]
