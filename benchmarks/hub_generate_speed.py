@@ -76,7 +76,7 @@ def _random_export(directory: Path) -> Path:
     return write_export(model, model.config, directory / "export")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--export", type=Path, help="an export folder (default: ptb_small with random weights)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -90,11 +90,54 @@ def main(argv: list[str] | None = None) -> dict:
     args.hf_python = Path(os.path.abspath(args.hf_python))  # not resolved: the venv's python is a link into it
     if not args.hf_python.is_file():
         parser.error(f"--hf-python {args.hf_python}: missing (make hf-venv creates .venv-hf)")
+    return args
+
+
+def _time_both_sides(args: argparse.Namespace, model, prompt: list[int], hub: Path, scratch: Path) -> dict:
+    """Seconds per generate() call on each side, and whether the last calls gave the same tokens."""
+    from txl_dist.inference import generate_ids
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
+    worker = subprocess.Popen(
+        [str(args.hf_python), "-I", "-c", HF_TIMER, str(hub), str(args.threads)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=scratch,
+    )
+    timings = {"txl": [], "hf": [], "loop": []}
+    try:
+        if worker.stdout.readline().strip() != "ready":
+            raise SystemExit("the transformers side did not start (see its error above)")
+        job = json.dumps({"prompt": prompt, "new_tokens": args.new_tokens}) + "\n"
+        # Alternate the two sides, one call each per round, so that a busy machine slows both alike; the
+        # first round warms up.
+        for round_index in range(args.repeats + 1):
+            start = time.perf_counter()
+            txl_tokens = generate_ids(model, prompt, args.new_tokens, greedy=True)
+            elapsed = time.perf_counter() - start
+            worker.stdin.write(job)
+            worker.stdin.flush()
+            hf = json.loads(worker.stdout.readline())
+            if round_index:
+                timings["txl"].append(elapsed)
+                timings["hf"].append(hf["seconds"])
+                timings["loop"].append(hf["loop_seconds"])
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=60)
+    timings["same_tokens"] = hf["tokens"] == txl_tokens
+    return timings
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from txl_dist.convert.hub import write_hub_folder
     from txl_dist.export import load_model
-    from txl_dist.inference import generate_ids
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -102,41 +145,11 @@ def main(argv: list[str] | None = None) -> dict:
         hub = write_hub_folder(export, scratch / "hub")
         model = load_model(export)
         prompt = _prompt(export, args.prompt_tokens, model.config.n_token)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
-        worker = subprocess.Popen(
-            [str(args.hf_python), "-I", "-c", HF_TIMER, str(hub), str(args.threads)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=scratch,
-        )
-        try:
-            if worker.stdout.readline().strip() != "ready":
-                raise SystemExit("the transformers side did not start (see its error above)")
-            job = json.dumps({"prompt": prompt, "new_tokens": args.new_tokens}) + "\n"
-            txl_seconds, hf_seconds, loop_seconds = [], [], []
-            # Alternate the two sides, one call each per round, so that a busy machine slows both alike; the
-            # first round warms up.
-            for round_index in range(args.repeats + 1):
-                start = time.perf_counter()
-                txl_tokens = generate_ids(model, prompt, args.new_tokens, greedy=True)
-                elapsed = time.perf_counter() - start
-                worker.stdin.write(job)
-                worker.stdin.flush()
-                hf = json.loads(worker.stdout.readline())
-                if round_index:
-                    txl_seconds.append(elapsed)
-                    hf_seconds.append(hf["seconds"])
-                    loop_seconds.append(hf["loop_seconds"])
-        finally:
-            worker.stdin.close()
-            worker.wait(timeout=60)
+        timings = _time_both_sides(args, model, prompt, hub, scratch)
 
-    txl_rate = args.new_tokens / statistics.median(txl_seconds)
-    hf_rate = args.new_tokens / statistics.median(hf_seconds)
-    ratios = [t / h for t, h in zip(txl_seconds, hf_seconds)]
+    txl_rate = args.new_tokens / statistics.median(timings["txl"])
+    hf_rate = args.new_tokens / statistics.median(timings["hf"])
+    ratios = [t / h for t, h in zip(timings["txl"], timings["hf"])]
     summary = {
         "benchmark": "hub_generate_speed",
         "model": str(args.export) if args.export else "ptb_small (random weights)",
@@ -149,11 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "threads": args.threads,
-        "same_tokens": hf["tokens"] == txl_tokens,
+        "same_tokens": timings["same_tokens"],
         "txl_dist_tokens_per_s": round(txl_rate, 1),
         "transformers_tokens_per_s": round(hf_rate, 1),
         "transformers_over_txl_dist_median_ratio": round(statistics.median(ratios), 3),
-        "modeling_file_forward_loop_tokens_per_s": round(args.new_tokens / statistics.median(loop_seconds), 1),
+        "modeling_file_forward_loop_tokens_per_s": round(args.new_tokens / statistics.median(timings["loop"]), 1),
     }
     print(
         f"txl_dist.generate: {txl_rate:.1f} tokens/s, transformers generate(): {hf_rate:.1f} tokens/s (medians of "

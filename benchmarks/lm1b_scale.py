@@ -365,7 +365,7 @@ def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
     return figures
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0, help="1.0: One Billion Word's size")
     parser.add_argument("--seed", type=int, default=0)
@@ -395,6 +395,32 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clean", action="store_true", help="remove the work dir's corpus and outputs at the end")
     args = parser.parse_args(argv)
     args.repo = args.repo.resolve()
+    return args
+
+
+def _all_stages(args: argparse.Namespace, work: Path, results: dict) -> None:
+    root, results["corpus"] = corpus_stage(args, work)
+    megabytes = (results["corpus"]["train_bytes"]) / 1e6
+    print(f"corpus: {json.dumps(results['corpus'])}", flush=True)
+    tokenizer, results["vocabulary"] = vocabulary_stage(args, root, work, megabytes)
+    print(f"vocabulary: {json.dumps(results['vocabulary'])}", flush=True)
+    # The shard builder reads the heldout files too (valid and test): its MB/s counts them.
+    heldout = sum(
+        p.stat().st_size
+        for p in (root / "heldout-monolingual.tokenized.shuffled").iterdir()
+        if p.name.endswith(("00000-of-00050", "00001-of-00050"))
+    )
+    shards, results["shards"] = shards_stage(args, root, tokenizer, work, megabytes + heldout / 1e6)
+    print(f"shards: {json.dumps(results['shards'])}", flush=True)
+    results["streams"] = stream_stage(args, shards)
+    print(f"streams: {json.dumps(results['streams'])}", flush=True)
+    if not args.skip_training:
+        results["training"] = training_stage(args, shards, work)
+        print(f"training: {json.dumps(results['training'])}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
     temporary = args.work_dir is None
     work = Path(tempfile.mkdtemp(prefix="lm1b_scale.")) if temporary else args.work_dir
     work.mkdir(parents=True, exist_ok=True)
@@ -410,24 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(results))
         return results
     try:
-        root, results["corpus"] = corpus_stage(args, work)
-        megabytes = (results["corpus"]["train_bytes"]) / 1e6
-        print(f"corpus: {json.dumps(results['corpus'])}", flush=True)
-        tokenizer, results["vocabulary"] = vocabulary_stage(args, root, work, megabytes)
-        print(f"vocabulary: {json.dumps(results['vocabulary'])}", flush=True)
-        # The shard builder reads the heldout files too (valid and test): its MB/s counts them.
-        heldout = sum(
-            p.stat().st_size
-            for p in (root / "heldout-monolingual.tokenized.shuffled").iterdir()
-            if p.name.endswith(("00000-of-00050", "00001-of-00050"))
-        )
-        shards, results["shards"] = shards_stage(args, root, tokenizer, work, megabytes + heldout / 1e6)
-        print(f"shards: {json.dumps(results['shards'])}", flush=True)
-        results["streams"] = stream_stage(args, shards)
-        print(f"streams: {json.dumps(results['streams'])}", flush=True)
-        if not args.skip_training:
-            results["training"] = training_stage(args, shards, work)
-            print(f"training: {json.dumps(results['training'])}", flush=True)
+        _all_stages(args, work, results)
     finally:
         if temporary or args.clean:
             for name in ("corpus", "tokenizer", "train", *(p.name for p in work.glob("shards_*"))):
