@@ -21,7 +21,7 @@ finite value, so no row turns into NaN; a query that may attend to nothing gets 
 
 Only the current segment is projected to queries; keys and values cover [memory ; segment]. The steps are
 separate methods (`project`, `attend`, `residual`) so that incremental decoding
-(`TransformerXLLM.hidden_states_cached`) can take the memory's keys and values from a cache instead of
+(`txl_dist.model.decoding.KVCache`) can take the memory's keys and values from a cache instead of
 projecting the memory again.
 """
 
