@@ -1,4 +1,4 @@
-"""Generation and scoring on token ids, reusing Transformer-XL's memory.
+"""Generation and scoring with a trained model, on token ids and on text, reusing Transformer-XL's memory.
 
 Generation feeds the prompt in segments of ``tgt_len`` tokens and then one forward of one token per new token.
 Each layer keeps the keys and values of its memory (at most ``mem_len`` positions) in a cache, so a new token
