@@ -131,7 +131,7 @@ def generation_speed(model: TransformerXLLM, prompt: list[int], new_tokens: int)
     return figures
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="ptb_small", help="model preset (its layers and vocabulary)")
     parser.add_argument("--lengths", default="128,256,640", help="attention lengths L, each a multiple of 4")
@@ -147,6 +147,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--threads", type=int, default=1, help="CPU threads (1: steadier figures on a shared machine; GPUs ignore it)"
     )
     parser.add_argument("--attn-impl", default="auto", choices=["auto", "fused", "reference"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -185,7 +190,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"{generation['memory_only'][-1]:8.1f}   recompute {generation['recompute'][-1]:8.1f} tokens/s",
             flush=True,
         )
+    return _summary(args, model, lengths, runs, generation)
 
+
+def _summary(
+    args: argparse.Namespace, model: TransformerXLLM, lengths: list[int], runs: dict, generation: dict
+) -> dict:
+    """Print the medians over the repeats and return them (the JSON object of the last line)."""
+    device = torch.device(args.device)
     figures: dict = {
         "preset": args.preset,
         "device": str(device),
