@@ -78,8 +78,8 @@ class TransformerXLLM(nn.Module):
         super().__init__()
         self.config = dataclasses.replace(config).validate()
         c = self.config
+        # The settings of training; evaluation and decoding may pass others in (the config stays as built).
         self.segment = SegmentSettings.of(c)
-        """The segment settings of training; evaluation and decoding may pass others to `forward`."""
         d_embed = c.d_embed_resolved
         self.word_emb = AdaptiveEmbedding(c.n_token, d_embed, c.d_model, c.cutoffs, c.div_val)
         self.drop = Dropout(c.dropout)
