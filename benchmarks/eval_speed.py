@@ -23,14 +23,16 @@ The last line of output is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
 import torch
 
-from txl_dist.inference import generate_ids, generate_ids_recompute
+from txl_dist.inference import generate_ids
 from txl_dist.model import TransformerXLLM, preset
+from txl_dist.model.recurrence import SegmentSettings
 
 
 def _sync(device: torch.device) -> None:
@@ -43,9 +45,12 @@ def _clock(device: torch.device):
 
 
 @torch.no_grad()
-def eval_with_memory(model: TransformerXLLM, data: torch.Tensor, segment: int, warmup: int) -> float:
-    """Tokens scored per second: segments of ``segment`` tokens, each with the memory of the previous ones.
-    ``data`` [B, n] holds warmup + timed segments (+1 for the last target)."""
+def eval_with_memory(
+    model: TransformerXLLM, data: torch.Tensor, segment: int, warmup: int, settings: SegmentSettings | None = None
+) -> float:
+    """Tokens scored per second: segments of ``segment`` tokens, each with the memory of the previous ones (of
+    ``settings.mem_len`` positions; the model's own settings unless given). ``data`` [B, n] holds warmup + timed
+    segments (+1 for the last target)."""
     n_segments = (data.shape[1] - 1) // segment
     clock = _clock(data.device)
     mems = None
@@ -54,14 +59,19 @@ def eval_with_memory(model: TransformerXLLM, data: torch.Tensor, segment: int, w
             _sync(data.device)
             start = clock()
         window = slice(index * segment, (index + 1) * segment)
-        loss, mems = model(data[:, window], data[:, window.start + 1 : window.stop + 1], mems)
+        loss, mems = model(data[:, window], data[:, window.start + 1 : window.stop + 1], mems, segment=settings)
     _sync(data.device)
     return data.shape[0] * segment * (n_segments - warmup) / (clock() - start)
 
 
 @torch.no_grad()
 def eval_sliding_window(
-    model: TransformerXLLM, data: torch.Tensor, length: int, predictions: int, warmup: int
+    model: TransformerXLLM,
+    data: torch.Tensor,
+    length: int,
+    predictions: int,
+    warmup: int,
+    settings: SegmentSettings | None = None,
 ) -> float:
     """Tokens scored per second by a vanilla Transformer: for each predicted token, one forward over the window
     of the ``length`` tokens before it, scoring only the window's last position."""
@@ -71,16 +81,36 @@ def eval_sliding_window(
             _sync(data.device)
             start = clock()
         window = data[:, index : index + length]
-        hidden, _ = model.hidden_states(window)  # [length, B, d_model], no memory
+        hidden, _ = model.hidden_states(window, None, settings)  # [length, B, d_model], no memory
         model.crit(hidden[-1], data[:, index + length].contiguous())
     _sync(data.device)
     return data.shape[0] * predictions / (clock() - start)
 
 
+@torch.inference_mode()
+def generate_recompute(model: TransformerXLLM, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding as a vanilla Transformer does it: every new token runs the whole prefix again, in one
+    segment without memory."""
+    device = next(model.parameters()).device
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        hidden, _ = model.hidden_states(torch.tensor([ids], dtype=torch.long, device=device))
+        ids.append(int(model.crit.argmax(hidden[-1])[0]))
+    return ids[len(prompt) :]
+
+
+def with_mem_len(model: TransformerXLLM, mem_len: int) -> TransformerXLLM:
+    """The same weights with another memory length, for `generate_ids` (which decodes with the model's own
+    segment settings)."""
+    variant = TransformerXLLM(dataclasses.replace(model.config, mem_len=mem_len))
+    variant.load_state_dict(model.state_dict())
+    return variant.to(next(model.parameters()).device).eval()
+
+
 GENERATORS = {
     "kv_cache": lambda model, prompt, n: generate_ids(model, prompt, n, greedy=True),
     "memory_only": lambda model, prompt, n: generate_ids(model, prompt, n, greedy=True, kv_cache=False),
-    "recompute": lambda model, prompt, n: generate_ids_recompute(model, prompt, n, greedy=True),
+    "recompute": generate_recompute,
 }
 
 
@@ -101,7 +131,7 @@ def generation_speed(model: TransformerXLLM, prompt: list[int], new_tokens: int)
     return figures
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="ptb_small", help="model preset (its layers and vocabulary)")
     parser.add_argument("--lengths", default="128,256,640", help="attention lengths L, each a multiple of 4")
@@ -117,6 +147,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--threads", type=int, default=1, help="CPU threads (1: steadier figures on a shared machine; GPUs ignore it)"
     )
     parser.add_argument("--attn-impl", default="auto", choices=["auto", "fused", "reference"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -129,31 +164,40 @@ def main(argv: list[str] | None = None) -> dict:
     model = TransformerXLLM(base).to(device).eval()
     generator = torch.Generator().manual_seed(0)
 
+    generating = with_mem_len(model, args.prompt_tokens + args.new_tokens)
     runs: dict[int, dict[str, list[float]]] = {length: {"memory": [], "sliding": []} for length in lengths}
     generation: dict[str, list[float]] = {name: [] for name in GENERATORS}
     for repeat in range(args.repeats):
         for length in lengths:
             segment = length // 4
-            model.reset_length(mem_len=3 * length // 4)
             n_tokens = max((args.warmup + args.segments) * segment, length + args.warmup + args.predictions) + 1
             data = torch.randint(0, base.n_token, (args.batch, n_tokens), generator=generator).to(device)
-            runs[length]["memory"].append(eval_with_memory(model, data, segment, args.warmup))
-            runs[length]["sliding"].append(eval_sliding_window(model, data, length, args.predictions, args.warmup))
+            settings = dataclasses.replace(model.segment, mem_len=3 * length // 4)
+            runs[length]["memory"].append(eval_with_memory(model, data, segment, args.warmup, settings))
+            runs[length]["sliding"].append(
+                eval_sliding_window(model, data, length, args.predictions, args.warmup, settings)
+            )
             print(
                 f"repeat {repeat + 1}/{args.repeats} L={length:5d}  memory {runs[length]['memory'][-1]:10.1f} "
                 f"tokens/s   sliding window {runs[length]['sliding'][-1]:8.1f} tokens/s",
                 flush=True,
             )
-        model.reset_length(mem_len=args.prompt_tokens + args.new_tokens)
         prompt = torch.randint(0, base.n_token, (args.prompt_tokens,), generator=generator).tolist()
-        for name, value in generation_speed(model, prompt, args.new_tokens).items():
+        for name, value in generation_speed(generating, prompt, args.new_tokens).items():
             generation[name].append(value)
         print(
             f"repeat {repeat + 1}/{args.repeats} generation  kv cache {generation['kv_cache'][-1]:8.1f}   memory only "
             f"{generation['memory_only'][-1]:8.1f}   recompute {generation['recompute'][-1]:8.1f} tokens/s",
             flush=True,
         )
+    return _summary(args, model, lengths, runs, generation)
 
+
+def _summary(
+    args: argparse.Namespace, model: TransformerXLLM, lengths: list[int], runs: dict, generation: dict
+) -> dict:
+    """Print the medians over the repeats and return them (the JSON object of the last line)."""
+    device = torch.device(args.device)
     figures: dict = {
         "preset": args.preset,
         "device": str(device),

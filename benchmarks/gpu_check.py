@@ -217,10 +217,10 @@ def section_host_syncs(args: argparse.Namespace) -> dict:
         def step(model=model, optimizer=optimizer, data=data, state=state, dtype=dtype):
             i = state["i"]
             window = data[:, i * config.tgt_len : (i + 1) * config.tgt_len + 1]
-            plan = model.plan_targets(window[:, 1:], device)
+            rows = model.cluster_rows(window[:, 1:], device)
             inputs, targets = to_device(window[:, :-1], device), to_device(window[:, 1:], device)
             with torch.autocast("cuda", dtype=dtype):
-                loss, state["mems"] = model(inputs, targets, state["mems"], target_plan=plan)
+                loss, state["mems"] = model(inputs, targets, state["mems"], cluster_rows=rows)
             loss.float().mean().backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25, foreach=True)
             optimizer.step()
@@ -275,9 +275,9 @@ def _engine_syncs() -> dict:
     def step():  # Trainer._forward's recipe, then DeepSpeed's backward and step
         i = state["i"]
         window = data[:, i * config.tgt_len : (i + 1) * config.tgt_len + 1]
-        plan = engine.module.plan_targets(window[:, 1:], device)
+        rows = engine.module.cluster_rows(window[:, 1:], device)
         loss, state["mems"] = engine(
-            to_device(window[:, :-1], device), to_device(window[:, 1:], device), state["mems"], target_plan=plan
+            to_device(window[:, :-1], device), to_device(window[:, 1:], device), state["mems"], cluster_rows=rows
         )
         engine.backward(loss.mean())
         engine.step()

@@ -58,9 +58,9 @@ def measure(config_name: str, impl: str, batch: int, steps: int, warmup: int, de
             start = clock()
         window = slice(step * config.tgt_len, (step + 1) * config.tgt_len)
         inputs, targets = data[:, window], data[:, window.start + 1 : window.stop + 1]
-        plan = model.plan_targets(data_host[:, window.start + 1 : window.stop + 1], device)
+        rows = model.cluster_rows(data_host[:, window.start + 1 : window.stop + 1], device)
         with torch.autocast(device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss, mems = model(inputs, targets, mems, target_plan=plan)
+            loss, mems = model(inputs, targets, mems, cluster_rows=rows)
         loss.mean().backward()
         model.zero_grad(set_to_none=True)
     if device == "cuda":

@@ -21,7 +21,7 @@ import math
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launchers/generate.py",
         description=__doc__.split("\n\n")[0],
@@ -44,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-verify", action="store_true", help="read the export without checking its files against its checksums.json"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     from txl_dist.export import load_pretrained
-    from txl_dist.inference import iter_generate, score
 
     overrides = {"mem_len": args.mem_len} if args.mem_len is not None else {}
     if args.no_verify:
@@ -66,46 +69,55 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt is not None:
             _warn_unknown_prompt(tokenizer, args.prompt)
         if args.score:
-            for text, result in zip(args.score, score(model, tokenizer, args.score)):
-                if getattr(tokenizer, "character_level", False):  # bits per character (per byte for bytes)
-                    bpc = -result["logprob"] / math.log(2) / result["tokens"]
-                    print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} characters  {bpc:7.4f} bpc  {text}")
-                    continue
-                print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} tokens  ppl {result['ppl']:9.2f}  {text}")
-                if result["unknown"]:
-                    print(
-                        f"generate.py: warning: {result['unknown']} of the {result['tokens'] - 1} tokens of {text!r} "
-                        f"are the unknown token: its perplexity is not comparable with that of known text",
-                        file=sys.stderr,
-                    )
-            return 0
-        for sample in range(args.num_samples):
-            seed = None if args.seed is None else args.seed + sample
-            print(args.prompt, end="", flush=True)
-            pieces = iter_generate(
-                model,
-                tokenizer,
-                args.prompt,
-                args.max_new_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                seed=seed,
-                greedy=args.greedy,
-            )
-            for index, piece in enumerate(pieces):
-                if (
-                    index == 0
-                    and not piece.startswith((" ", "\n"))
-                    and not getattr(tokenizer, "character_level", False)
-                ):
-                    piece = " " + piece
-                print(piece, end="", flush=True)
-            print(flush=True)
+            _print_scores(model, tokenizer, args.score)
+        else:
+            _print_samples(model, tokenizer, args)
     except (ValueError, FileNotFoundError) as error:
         print(f"generate.py: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _print_scores(model, tokenizer, texts: list[str]) -> None:
+    from txl_dist.inference import score
+
+    for text, result in zip(texts, score(model, tokenizer, texts)):
+        if getattr(tokenizer, "character_level", False):  # bits per character (per byte for bytes)
+            bpc = -result["logprob"] / math.log(2) / result["tokens"]
+            print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} characters  {bpc:7.4f} bpc  {text}")
+            continue
+        print(f"{result['logprob']:10.3f} nats  {result['tokens']:4d} tokens  ppl {result['ppl']:9.2f}  {text}")
+        if result["unknown"]:
+            print(
+                f"generate.py: warning: {result['unknown']} of the {result['tokens'] - 1} tokens of {text!r} "
+                f"are the unknown token: its perplexity is not comparable with that of known text",
+                file=sys.stderr,
+            )
+
+
+def _print_samples(model, tokenizer, args: argparse.Namespace) -> None:
+    """--num-samples continuations of the prompt, printed as they are generated."""
+    from txl_dist.inference import iter_generate
+
+    for sample in range(args.num_samples):
+        seed = None if args.seed is None else args.seed + sample
+        print(args.prompt, end="", flush=True)
+        pieces = iter_generate(
+            model,
+            tokenizer,
+            args.prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=seed,
+            greedy=args.greedy,
+        )
+        for index, piece in enumerate(pieces):
+            if index == 0 and not piece.startswith((" ", "\n")) and not getattr(tokenizer, "character_level", False):
+                piece = " " + piece
+            print(piece, end="", flush=True)
+        print(flush=True)
 
 
 def _require_device(name: str) -> None:

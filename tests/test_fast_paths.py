@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from txl_dist.inference import IncrementalDecoder, generate_ids, generate_ids_recompute
+from tests.recompute import generate_ids_recompute
+from txl_dist.inference import IncrementalDecoder, generate_ids
 from txl_dist.model import TransformerXLLM, preset
 from txl_dist.model.dropout import Dropout, dropout
 
@@ -161,7 +162,7 @@ def test_compiled_body_gives_eager_losses_and_gradients():
     mems_e = mems_c = None
     for inputs, targets in _segments(config):
         loss_e, mems_e = eager(inputs, targets, mems_e)
-        loss_c, mems_c = compiled(inputs, targets, mems_c, target_plan=compiled.plan_targets(targets))
+        loss_c, mems_c = compiled(inputs, targets, mems_c, cluster_rows=compiled.cluster_rows(targets))
         assert torch.allclose(loss_c, loss_e, atol=1e-5)
         loss_e.mean().backward()
         loss_c.mean().backward()

@@ -7,16 +7,18 @@ import math
 import pytest
 import torch
 
+from tests.recompute import generate_ids_recompute
 from txl_dist.inference import (
     IncrementalDecoder,
     TokenSampler,
     generate_ids,
-    generate_ids_recompute,
     iter_generate_ids,
     nucleus_mask,
     score_ids,
 )
-from txl_dist.model import TransformerXLLM, preset, transformer
+from txl_dist.model import TransformerXLLM, decoding, preset
+from txl_dist.model.decoding import KVCache
+from txl_dist.model.recurrence import SegmentSettings
 
 PROMPT = [5, 17, 230, 999, 42, 640, 3, 3, 77, 501, 12, 800, 9]  # 13 tokens: two segments of tgt_len 8
 
@@ -58,11 +60,12 @@ def test_one_token_steps_after_mem_len_is_lowered_see_what_the_masked_path_sees(
     model = _model(mem_len=12, same_length=True)
     tokens = torch.randint(0, 1000, (2, 20), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
-        _, cache = model.hidden_states_cached(tokens[:, :16])
+        cache = KVCache(model)
+        cache.hidden_states(tokens[:, :16])
         _, mems = model.hidden_states(tokens[:, :16])
-        model.reset_length(mem_len=5)
-        step, _ = model.hidden_states_cached(tokens[:, 16:17], cache)
-        expected, _ = model.hidden_states(tokens[:, 16:17], mems)
+        lowered = SegmentSettings(tgt_len=8, mem_len=5, clamp_len=model.segment.clamp_len, same_length=True)
+        step = cache.hidden_states(tokens[:, 16:17], lowered)
+        expected, _ = model.hidden_states(tokens[:, 16:17], mems, lowered)
     assert (step - expected).abs().max().item() <= 1e-5
 
 
@@ -105,21 +108,22 @@ def test_one_forward_of_one_token_per_new_token():
     ids=["default", "pre_lnorm", "untie_r", "same_length", "clamp_len", "mem_len_0", "bf16"],
 )
 def test_one_token_steps_with_the_cache_equal_the_memory_path(overrides, monkeypatch):
-    """Every one-token step of `hidden_states_cached` (`decode_step`: no mask, no shift, no module calls)
+    """Every one-token step of `KVCache.hidden_states` (`decode_step`: no mask, no shift, no module calls)
     gives the hidden states of `hidden_states` with the memory, for a batch of 3, past several moves of the
     cache's buffer, in every attention variant."""
     overrides = dict(overrides)
     dtype = overrides.pop("dtype", torch.float32)
     model = _model(**{"mem_len": 6, **overrides}).to(dtype)
     steps = []
-    original = transformer.decode_step
-    monkeypatch.setattr(transformer, "decode_step", lambda *args: steps.append(1) or original(*args))
+    original = decoding.decode_step
+    monkeypatch.setattr(decoding, "decode_step", lambda *args: steps.append(1) or original(*args))
     tokens = torch.randint(0, 1000, (3, 48), generator=torch.Generator().manual_seed(5))
-    hidden, cache = model.hidden_states_cached(tokens[:, :8])
+    cache = KVCache(model)
+    hidden = cache.hidden_states(tokens[:, :8])
     expected, mems = model.hidden_states(tokens[:, :8])
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for t in range(8, tokens.shape[1]):
-        hidden, cache = model.hidden_states_cached(tokens[:, t : t + 1], cache)
+        hidden = cache.hidden_states(tokens[:, t : t + 1])
         expected, mems = model.hidden_states(tokens[:, t : t + 1], mems)
         assert hidden.shape == expected.shape == (1, 3, model.config.d_model)
         scale = 1.0 if dtype == torch.float32 else expected.abs().max().item()

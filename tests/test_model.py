@@ -365,7 +365,7 @@ def test_bf16_tail_rows_padded_on_cpu_give_the_unpadded_losses_and_gradients(aut
     monkeypatch.undo()
     assert adaptive._pads_rows(hidden.to(torch.bfloat16)) and not adaptive._pads_rows(hidden.float())
     padded, unpadded = run(True), run(False)
-    assert adaptive._padded(crit.plan(target).rows[1]).shape[0] > crit.plan(target).rows[1].shape[0]
+    assert adaptive._padded(crit.cluster_rows(target).rows[1]).shape[0] > crit.cluster_rows(target).rows[1].shape[0]
     for a, b in zip(padded, unpadded):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 

@@ -97,13 +97,13 @@ def _config():
 
 def _step(model, optimizer, inputs, targets, mems, *, plan: bool):
     """One training step as the trainer runs it: the plan is made from the host batch before the copy."""
-    target_plan = model.plan_targets(targets, torch.device("cpu")) if plan else None
+    rows = model.cluster_rows(targets, torch.device("cpu")) if plan else None
     with SyncRecorder() as recorder:
         loss, mems = model(
             to_device(inputs, torch.device("cpu")),
             to_device(targets, torch.device("cpu")),
             mems,
-            target_plan=target_plan,
+            cluster_rows=rows,
         )
         loss.mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25, foreach=True)
@@ -151,7 +151,7 @@ def test_the_plan_gives_the_same_losses_as_planning_on_the_fly():
     data = torch.randint(0, config.n_token, (3, config.tgt_len + 1))
     inputs, targets = data[:, :-1], data[:, 1:]
     with torch.no_grad():
-        planned, _ = model(inputs, targets, target_plan=model.plan_targets(targets))
+        planned, _ = model(inputs, targets, cluster_rows=model.cluster_rows(targets))
         unplanned, _ = model(inputs, targets)
         log_probs, _ = model(inputs)
     assert torch.equal(planned, unplanned)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +10,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from txl_dist.model import TransformerXLLM
+from txl_dist.model.recurrence import SegmentSettings
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -38,24 +37,18 @@ class EvalResult:
         return math.exp(self.loss)
 
 
-@contextlib.contextmanager
-def segment_settings(
-    model: TransformerXLLM, *, mem_len: int | None = None, clamp_len: int | None = None, same_length: bool | None = None
-) -> Iterator[None]:
-    """Evaluate with other memory settings, then put the training ones back."""
-    saved = (model.config.mem_len, model.config.clamp_len, model.config.same_length)
-    model.reset_length(mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
-    try:
-        yield
-    finally:
-        model.reset_length(mem_len=saved[0], clamp_len=saved[1], same_length=saved[2])
-
-
 @torch.no_grad()
 def evaluate(
-    model: TransformerXLLM, streams, device: torch.device, *, max_batches: int = 0, progress: bool = False
+    model: TransformerXLLM,
+    streams,
+    device: torch.device,
+    *,
+    max_batches: int = 0,
+    progress: bool = False,
+    segment: SegmentSettings | None = None,
 ) -> EvalResult:
-    """Score `EvalStreams` with ``model`` in eval mode (the module itself; under DeepSpeed, ``engine.module``).
+    """Score `EvalStreams` with ``model`` in eval mode (the module itself; under DeepSpeed, ``engine.module``),
+    with the segment settings ``segment`` (the model's own unless given).
 
     Every rank must call this with its own streams: all ranks run the same number of forwards (ZeRO-3 gathers
     parameters collectively), and the sums are all-reduced when a process group exists.
@@ -72,9 +65,13 @@ def evaluate(
                 break
             if batch.reset_mems:
                 mems = None
-            plan = model.plan_targets(batch.targets, device)  # on the host: no wait for the device
+            rows = model.cluster_rows(batch.targets, device)  # on the host: no wait for the device
             loss, mems = model(
-                to_device(batch.inputs, device), to_device(batch.targets, device), mems, target_plan=plan
+                to_device(batch.inputs, device),
+                to_device(batch.targets, device),
+                mems,
+                cluster_rows=rows,
+                segment=segment,
             )
             mask = to_device(batch.mask, device)
             nll_sum += torch.where(mask, loss.double(), 0.0).sum()

@@ -1,11 +1,11 @@
-"""Generation and scoring on token ids, reusing Transformer-XL's memory.
+"""Generation and scoring with a trained model, on token ids and on text, reusing Transformer-XL's memory.
 
 Generation feeds the prompt in segments of ``tgt_len`` tokens and then one forward of one token per new token.
 Each layer keeps the keys and values of its memory (at most ``mem_len`` positions) in a cache, so a new token
 projects only itself; the context is never recomputed nor projected again. ``kv_cache=False`` keeps the memory
 of hidden states instead (the paper's fast evaluation applied to decoding: every step projects the whole memory
-again); both give the same tokens. `generate_ids_recompute` is the slow reference that runs the whole prefix
-again for every new token; with a memory that covers the whole context all three give the same tokens.
+again); both give the same tokens, and with a memory that covers the whole context, the tokens of a vanilla
+Transformer that runs the whole prefix again for every new token.
 
 Sampling uses its own ``torch.Generator`` (seeded by ``seed``), never the global random state.
 """
@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import math
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from txl_dist.model import TransformerXLLM
+from txl_dist.model.decoding import KVCache
 
 
 @contextlib.contextmanager
@@ -104,16 +106,6 @@ class TokenSampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def _prepare(model: TransformerXLLM, prompt_ids: Sequence[int], max_new_tokens: int, **sampling: Any) -> TokenSampler:
-    """Check the prompt and the length; the sampler for these settings."""
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty: give at least one token (e.g. the end-of-sentence id)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    _check_ids(model, prompt_ids, "prompt_ids")
-    return TokenSampler(_device(model), **sampling)
-
-
 class IncrementalDecoder:
     """Feeds tokens to a model one call at a time, keeping the key/value cache (or, with ``kv_cache=False``,
     the memory of hidden states) between calls.
@@ -125,8 +117,7 @@ class IncrementalDecoder:
     def __init__(self, model: TransformerXLLM, kv_cache: bool = True):
         self.model = model
         self.device = _device(model)
-        self.kv_cache = kv_cache
-        self.cache = None
+        self.cache = KVCache(model) if kv_cache else None
         self.mems: list[torch.Tensor] | None = None
 
     def feed(self, ids: Sequence[int]) -> torch.Tensor:
@@ -141,10 +132,10 @@ class IncrementalDecoder:
             raise ValueError("feed: no token ids given")
         _check_ids(self.model, ids, "ids")
         tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        segment = self.model.config.tgt_len
+        segment = self.model.segment.tgt_len
         for start in range(0, tokens.shape[1], segment):
-            if self.kv_cache:
-                hidden, self.cache = self.model.hidden_states_cached(tokens[:, start : start + segment], self.cache)
+            if self.cache is not None:
+                hidden = self.cache.hidden_states(tokens[:, start : start + segment])
             else:
                 hidden, self.mems = self.model.hidden_states(tokens[:, start : start + segment], self.mems)
         return hidden[-1]  # hidden [L, 1, d_model]: the newest position
@@ -165,17 +156,20 @@ def iter_generate_ids(
 ) -> Iterator[int]:
     """The new tokens (not the prompt) after ``prompt_ids``, one at a time as they are decoded (see
     `generate_ids`)."""
-    choose = _prepare(
-        model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy
-    )
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: give at least one token (e.g. the end-of-sentence id)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    _check_ids(model, prompt_ids, "prompt_ids")
+    choose = TokenSampler(_device(model), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy)
     if max_new_tokens == 0:
         return
     with _inference(model):
         decoder = IncrementalDecoder(model, kv_cache=kv_cache)
         ids = list(prompt_ids)
         for count in range(1, max_new_tokens + 1):
-            # Inference mode (no version counting: some 15% of decoding a small model) around the work only, not
-            # around the yield, where tensors the caller makes would become inference tensors.
+            # Inference mode (no version counting, a noticeable share of decoding a small model) around the work
+            # only, not around the yield, where tensors the caller makes would become inference tensors.
             with torch.inference_mode():
                 token = choose.from_hidden(model, decoder.feed_hidden(ids))
             yield token
@@ -199,7 +193,7 @@ def generate_ids(
 ) -> list[int]:
     """The new tokens (not the prompt) after ``prompt_ids``, decoded incrementally.
 
-    The prompt goes in segments of ``model.config.tgt_len``; each new token then costs one forward of one token,
+    The prompt goes in segments of ``model.segment.tgt_len``; each new token then costs one forward of one token,
     with the key/value cache (``kv_cache=False``: with the memory of hidden states, which projects it again at
     every step; same tokens, slower). The model sees at most ``mem_len`` earlier positions (plus the current one)
     at every layer. Generation stops after ``max_new_tokens`` tokens or after emitting one of ``stop_ids`` (which
@@ -221,40 +215,6 @@ def generate_ids(
     )
 
 
-def generate_ids_recompute(
-    model: TransformerXLLM,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    *,
-    max_context: int | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    greedy: bool = False,
-    stop_ids: Collection[int] = (),
-) -> list[int]:
-    """Like `generate_ids`, but every new token recomputes the whole prefix (its last ``max_context`` tokens when
-    given) in one segment without memory: the vanilla Transformer's decoding, the reference for tests and
-    benchmarks."""
-    choose = _prepare(
-        model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy
-    )
-    device = _device(model)
-    ids = list(prompt_ids)
-    new_ids: list[int] = []
-    with _inference(model), torch.inference_mode():
-        while len(new_ids) < max_new_tokens:
-            context = ids if max_context is None else ids[-max_context:]
-            hidden, _ = model.hidden_states(torch.tensor([context], dtype=torch.long, device=device))
-            token = choose.from_hidden(model, hidden[-1])
-            new_ids.append(token)
-            ids.append(token)
-            if token in stop_ids:
-                break
-    return new_ids
-
-
 def score_ids(
     model: TransformerXLLM, ids_list: Sequence[Sequence[int]], context_id: int, *, batch_size: int = 16
 ) -> list[tuple[float, int]]:
@@ -272,7 +232,7 @@ def score_ids(
     for index, ids in enumerate(ids_list):
         _check_ids(model, ids, f"ids_list[{index}]")
     device = _device(model)
-    segment = model.config.tgt_len
+    segment = model.segment.tgt_len
     results: list[tuple[float, int]] = [(0.0, 0)] * len(ids_list)
     by_length = sorted(range(len(ids_list)), key=lambda index: len(ids_list[index]))
     with _inference(model):
@@ -419,8 +379,6 @@ def score(
     (how many were scored), ``ppl`` = exp(-logprob / tokens) and ``unknown``: how many of its tokens are the
     unknown token. Text the vocabulary does not know scores as the unknown token, which a model usually finds
     likely: such perplexities are not comparable with those of known text. See `score_ids`."""
-    import math
-
     encoded = [tokenizer.encode(text) for text in texts]
     scored = score_ids(model, encoded, tokenizer.eod_id, batch_size=batch_size)
     unk = getattr(tokenizer, "unk_id", None)

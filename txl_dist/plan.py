@@ -56,6 +56,7 @@ from collections.abc import Sequence
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.model.config import ModelConfig
+from txl_dist.model.recurrence import MEM_DTYPES
 from txl_dist.training.deepspeed_config import BUCKET_ALIGNMENT, bucket_elements
 
 GiB = 1 << 30
@@ -409,7 +410,7 @@ def plan_memory(
         "backward",
         "logits and their gradients, once",
     )
-    mem_bytes = b if model.mem_dtype == "compute" else {"float32": 4, "bfloat16": 2, "float16": 2}[model.mem_dtype]
+    mem_bytes = b if model.mem_dtype == "compute" else MEM_DTYPES[model.mem_dtype].itemsize
     add(
         "mems",
         grad_accum * (model.n_layer + 1) * model.mem_len * micro_batch * model.d_model * mem_bytes,

@@ -22,7 +22,7 @@ from torch import nn
 
 
 @dataclasses.dataclass
-class TargetPlan:
+class ClusterRows:
     """For `ProjectedAdaptiveLogSoftmax.forward`: the positions of the targets in each tail cluster, as index
     tensors on the device of the hidden states (their lengths known on the host)."""
 
@@ -31,8 +31,8 @@ class TargetPlan:
 
 def _pads_rows(hidden: torch.Tensor) -> bool:
     """Whether the tail clusters' row counts are rounded up (`_padded`): for bf16/fp16 matmuls on CPU, where
-    oneDNN compiles a kernel for every new matrix shape (5-10 ms each, measured for [~300, 6000] x [6000, 128],
-    against 0.9 ms to run it) and a tail cluster's row count changes with every batch: three new shapes per
+    oneDNN compiles a kernel for every new matrix shape (several times longer than running it) and a tail
+    cluster's row count changes with every batch: three new shapes per
     cluster per step, forward and backward, would cost more than the step. Rounding keeps a few shapes per
     octave, and the kernels are compiled once."""
     if hidden.device.type != "cpu":
@@ -56,8 +56,8 @@ class _PickedNLL(torch.autograd.Function):
 
     The gradient of the logits is ``g * (softmax - onehot)``, written into one buffer: the exponential of the saved
     log-probabilities, a product and a scatter, in place. Composed, autograd would fill an [N, V] zero gradient,
-    scatter into it and run log-softmax's backward over it (two more passes over the largest tensors of a small
-    model's step: 1.5x-2.3x faster for [512, 2002] and [320, 6000] in fp32 on one CPU thread). The forward and
+    scatter into it and run log-softmax's backward over it: two more passes over the largest tensors of a small
+    model's step. The forward and
     what it saves (the float32 log-probabilities) are the composed version's."""
 
     @staticmethod
@@ -136,7 +136,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         self.bounds = _bounds(n_token, cutoffs)
         self.shortlist_size = self.bounds[0][1]
         self.n_clusters = len(cutoffs)
-        # The cluster boundaries as tensors: on the host for planning, and as a (non-persistent) buffer that
+        # The cluster boundaries as tensors: on the host for `cluster_rows`, and as a (non-persistent) buffer that
         # follows the module to its device, since building one there per step would wait for the device.
         self._cutoffs_host = torch.tensor(list(cutoffs), dtype=torch.long)
         self.register_buffer("cutoff_ends", self._cutoffs_host.clone(), persistent=False)
@@ -189,11 +189,11 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         )
 
     @torch.compiler.disable  # host work on data-dependent sizes: never traced into a compiled graph
-    def plan(self, target: torch.Tensor, device: torch.device | None = None) -> TargetPlan:
+    def cluster_rows(self, target: torch.Tensor, device: torch.device | None = None) -> ClusterRows:
         """Which positions of ``target`` [N] fall in each tail cluster, for `forward`.
 
-        The row counts must be known on the host. Computed from targets on the host (the trainer plans each
-        batch before copying it) this costs no device synchronisation; the row indices then travel to ``device``
+        The row counts must be known on the host. Computed from targets on the host (the trainer does this for
+        each batch before copying it) this costs no device synchronisation; the row indices then travel to ``device``
         in one asynchronous copy. From targets on an accelerator it waits once for the counts."""
         cluster = torch.bucketize(target, self._cutoffs_on(target.device), right=True)  # 0 = head, i = tail i
         counts = torch.bincount(cluster, minlength=self.n_clusters + 1).tolist()
@@ -202,25 +202,28 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             if torch.device(device).type == "cuda" and order.device.type == "cpu":
                 order = order.pin_memory()
             order = order.to(device, non_blocking=True)
-        return TargetPlan(rows=list(order.split(counts))[1:])
+        return ClusterRows(rows=list(order.split(counts))[1:])
 
     def _cutoffs_on(self, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":
             return self._cutoffs_host
         return self.cutoff_ends if self.cutoff_ends.device == device else self.cutoff_ends.to(device)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor, plan: TargetPlan | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, cluster_rows: ClusterRows | None = None
+    ) -> torch.Tensor:
         """hidden [N, d_proj], target [N] -> nll [N] (float32, in the order of the inputs).
 
-        ``plan`` (`plan` of these targets) says which rows go to which tail cluster; without it the plan is made
-        here, which on an accelerator waits for the device once. Every tail cluster runs, also on zero rows: every
-        parameter then gets a gradient, zeros included, on every rank, which data-parallel reduction relies on."""
+        ``cluster_rows`` (`cluster_rows` of these targets) says which rows go to which tail cluster; without it
+        they are found here, which on an accelerator waits for the device once. Every tail cluster runs, also on
+        zero rows: every parameter then gets a gradient, zeros included, on every rank, which data-parallel
+        reduction relies on."""
         weights = self._cluster_weights()
         head_logits = self._cluster_logits(hidden, 0, *weights[0])
         if self.n_clusters == 0:
             return picked_nll(head_logits, target)
-        if plan is None:
-            plan = self.plan(target)
+        if cluster_rows is None:
+            cluster_rows = self.cluster_rows(target)
         # One gather from the head for every row: the target's log-probability for head words, its cluster's
         # for tail words (a single gradient scatter into the head's [N, head] log-probabilities).
         cluster_column = self.shortlist_size - 1 + torch.bucketize(target, self._cutoffs_on(target.device), right=True)
@@ -228,7 +231,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         nll = picked_nll(head_logits, head_column)
         pad = _pads_rows(hidden)
         for i in range(1, self.n_clusters + 1):
-            rows = plan.rows[i - 1]
+            rows = cluster_rows.rows[i - 1]
             selected = _padded(rows) if pad else rows
             local = target.index_select(0, selected) - self.bounds[i][0]
             tail_nll = picked_nll(self._cluster_logits(hidden.index_select(0, selected), i, *weights[i]), local)

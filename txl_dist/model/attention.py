@@ -21,7 +21,7 @@ finite value, so no row turns into NaN; a query that may attend to nothing gets 
 
 Only the current segment is projected to queries; keys and values cover [memory ; segment]. The steps are
 separate methods (`project`, `attend`, `residual`) so that incremental decoding
-(`TransformerXLLM.hidden_states_cached`) can take the memory's keys and values from a cache instead of
+(`txl_dist.model.decoding.KVCache`) can take the memory's keys and values from a cache instead of
 projecting the memory again.
 """
 
@@ -258,29 +258,42 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             mask_bias = (
                 torch.zeros((), dtype=dtype, device=q.device).expand(qlen, klen).masked_fill(mask, mask_value(dtype))
             )
-
-        impl = self.attn_impl
-        if impl == "auto":
-            impl = "fused" if q.is_cuda else "reference"
-        if impl == "fused":
-            bias = position if mask_bias is None else position + mask_bias
-            out = F.scaled_dot_product_attention(
-                q_u.view(n_head, bsz, qlen, d_head),
-                k_b.view(n_head, bsz, klen, d_head),
-                v_b.view(n_head, bsz, klen, d_head),
-                attn_mask=bias.view(n_head, bsz, qlen, klen),
-                dropout_p=self.dropatt_p if self.training else 0.0,
-                scale=1.0,
-            ).view(n_head * bsz, qlen, d_head)
-        else:
-            scores = torch.baddbmm(position, q_u, k_b.transpose(1, 2))  # (a)+(c) + (b)+(d): [H*B, qlen, klen]
-            if mask_bias is not None:
-                scores = scores.add_(mask_bias)
-            prob = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-            out = torch.bmm(self.dropatt(prob).to(dtype), v_b)
+        out = self._weigh_values(q_u, k_b, v_b, position, mask_bias, n_head)
         # [H*B, qlen, D] -> [qlen, B, H*D]
         attn_vec = out.view(n_head, bsz, qlen, d_head).permute(2, 1, 0, 3)
         if may_mask_rows and mask is not None:
             # A query that may attend to no key at all gets a zero vector instead of an average of masked values.
             attn_vec = attn_vec * (~mask.all(dim=-1)).to(dtype)[:, None, None, None]
         return attn_vec.reshape(qlen, bsz, n_head * d_head)
+
+    def _weigh_values(
+        self,
+        q_u: torch.Tensor,
+        k_b: torch.Tensor,
+        v_b: torch.Tensor,
+        position: torch.Tensor,
+        mask_bias: torch.Tensor | None,
+        n_head: int,
+    ) -> torch.Tensor:
+        """(q + u) k^T plus the shifted position term and the mask bias, softmax, attention dropout, times the
+        values: q_u [H*B, qlen, D], k_b and v_b [H*B, klen, D], position [H*B, qlen, klen] -> [H*B, qlen, D]."""
+        impl = self.attn_impl
+        if impl == "auto":
+            impl = "fused" if q_u.is_cuda else "reference"
+        if impl == "fused":
+            (heads_batch, qlen, d_head), klen = q_u.shape, k_b.shape[1]
+            bsz = heads_batch // n_head
+            bias = position if mask_bias is None else position + mask_bias
+            return F.scaled_dot_product_attention(
+                q_u.view(n_head, bsz, qlen, d_head),
+                k_b.view(n_head, bsz, klen, d_head),
+                v_b.view(n_head, bsz, klen, d_head),
+                attn_mask=bias.view(n_head, bsz, qlen, klen),
+                dropout_p=self.dropatt_p if self.training else 0.0,
+                scale=1.0,
+            ).view(heads_batch, qlen, d_head)
+        scores = torch.baddbmm(position, q_u, k_b.transpose(1, 2))  # (a)+(c) + (b)+(d): [H*B, qlen, klen]
+        if mask_bias is not None:
+            scores = scores.add_(mask_bias)
+        prob = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        return torch.bmm(self.dropatt(prob).to(q_u.dtype), v_b)

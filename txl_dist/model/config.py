@@ -10,8 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from txl_dist.model.recurrence import MEM_DTYPES
+
 ATTN_IMPLS = ("auto", "fused", "reference")
-MEM_DTYPES = ("compute", "float32", "bfloat16", "float16")
 
 
 @dataclass

@@ -41,8 +41,9 @@ import torch.distributed as dist
 from txl_dist.config import RunConfig, with_manifest_vocab
 from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
 from txl_dist.data.format import read_manifest
-from txl_dist.evaluation import EvalResult, evaluate, segment_settings, to_device
+from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
+from txl_dist.model.recurrence import SegmentSettings
 from txl_dist.plan import describe, device_memory_of
 from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.training import weights_only, world
@@ -412,19 +413,17 @@ class Trainer:
         module: TransformerXLLM = self.engine.module
         # eval.batch_size counts streams over all ranks.
         per_rank = max(1, math.ceil(e.batch_size / self.world_size))
-        with (
-            EvalStreams(
-                self.cfg.data.shards,
-                e.split,
-                tgt_len=e.tgt_len,
-                batch_size=per_rank,
-                world_size=self.world_size,
-                rank=self.rank,
-                expected_fingerprint=self.fingerprint,
-            ) as streams,
-            segment_settings(module, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length),
-        ):
-            return evaluate(module, streams, self.device, max_batches=max_batches)
+        segment = SegmentSettings(e.tgt_len, e.mem_len, e.clamp_len, e.same_length)
+        with EvalStreams(
+            self.cfg.data.shards,
+            e.split,
+            tgt_len=e.tgt_len,
+            batch_size=per_rank,
+            world_size=self.world_size,
+            rank=self.rank,
+            expected_fingerprint=self.fingerprint,
+        ) as streams:
+            return evaluate(module, streams, self.device, max_batches=max_batches, segment=segment)
 
     def _validate_and_track(self, max_batches: int) -> EvalResult:
         result = self.validate(max_batches)
@@ -449,11 +448,11 @@ class Trainer:
 
     def _forward(self, batch, mems: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One micro-batch through the engine, queued without waiting for the device: the batch is copied from
-        pinned host memory with non_blocking, and the adaptive softmax's target plan (which rows go to which
-        cluster, the only data-dependent shapes of the step) is made from the host copy of the targets."""
-        plan = self.engine.module.plan_targets(batch.targets, self.device)
+        pinned host memory with non_blocking, and the adaptive softmax's cluster rows (which rows go to which
+        cluster, the only data-dependent shapes of the step) are found from the host copy of the targets."""
+        rows = self.engine.module.cluster_rows(batch.targets, self.device)
         return self.engine(
-            to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems, target_plan=plan
+            to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems, cluster_rows=rows
         )
 
     def _stop_agreed(self, stop: RunGuard) -> bool:

@@ -1,0 +1,48 @@
+"""The settings of segment-level recurrence: segment and memory lengths, attention span, the memory's dtype.
+
+`SegmentSettings` is what training, evaluation and decoding may choose differently for the same weights: a model
+takes its own from its config, and evaluation or decoding pass other settings in (the config is never changed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from txl_dist.model.config import ModelConfig
+
+MEM_DTYPES: dict[str, torch.dtype | None] = {
+    "compute": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""``model.mem_dtype`` -> the dtype the memory is stored in; None: that of the hidden states."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentSettings:
+    """How a model reads a stream: in segments of ``tgt_len`` tokens, each attending to a memory of the newest
+    ``mem_len`` positions before it; relative distances beyond ``clamp_len`` (when > 0) share one encoding; with
+    ``same_length`` every query sees the same number of keys."""
+
+    tgt_len: int
+    mem_len: int
+    clamp_len: int
+    same_length: bool
+
+    def __post_init__(self) -> None:
+        if self.tgt_len < 1:
+            raise ValueError(f"tgt_len={self.tgt_len} is not allowed: a positive integer")
+        if self.mem_len < 0:
+            raise ValueError(f"mem_len={self.mem_len} is not allowed: an integer >= 0")
+        if self.same_length and self.mem_len == 0:
+            raise ValueError("same_length=True is not allowed when mem_len is 0 (every query would see no key)")
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> SegmentSettings:
+        """The settings a model's config trains with."""
+        return cls(config.tgt_len, config.mem_len, config.clamp_len, config.same_length)
