@@ -18,10 +18,11 @@ import time
 
 from txl_dist.training.processes import how_it_ended, process_start
 
-# torchrun's agent keeps its store across the restarts of a job's workers: the keys are per attempt.
-_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-HEARTBEAT_KEY = f"txl_dist/{_ATTEMPT}/heartbeat/{{rank}}"
-IDENTITY_KEY = f"txl_dist/{_ATTEMPT}/identity/{{rank}}"
+STORE_PREFIX = f"txl_dist/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+"""Of this run's keys in the rendezvous store. torchrun's agent keeps its store across the restarts of a job's
+workers: the keys are per attempt."""
+HEARTBEAT_KEY = STORE_PREFIX + "heartbeat/{rank}"
+IDENTITY_KEY = STORE_PREFIX + "identity/{rank}"
 
 
 class Heartbeats:

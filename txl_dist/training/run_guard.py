@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from txl_dist.training.heartbeats import Heartbeats
+from txl_dist.training.heartbeats import STORE_PREFIX, Heartbeats
 from txl_dist.training.launcher_watch import LauncherWatch
 
 log = logging.getLogger("txl_dist.training")
@@ -46,10 +46,8 @@ STORE_EVERY = 4
 """Look at the failure store every this many watch periods (one second)."""
 GRACE_S = 3.0
 """After another rank's failure: how long this rank's own code may take to exit before the watchdog ends it."""
-# torchrun's agent keeps its store across the restarts of a job's workers: the keys are per attempt.
-_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-FAILURE_KEY = f"txl_dist/{_ATTEMPT}/failure"
-SEEN_KEY = f"txl_dist/{_ATTEMPT}/failure_seen"
+FAILURE_KEY = STORE_PREFIX + "failure"
+SEEN_KEY = STORE_PREFIX + "failure_seen"
 
 HEARTBEAT_EVERY = 4
 """Write this rank's heartbeat every this many watch periods (one second)."""
