@@ -3,17 +3,9 @@
 **Stop requests.** SIGTERM, SIGINT and SIGHUP (unless ignored, as under ``nohup``) only set a reason; the training
 loop agrees on it at the next step boundary, writes a checkpoint and exits 0.
 
-**No orphaned ranks.** The process that started a job can go without the ranks hearing of it. With DeepSpeed the
-chain on a node is ``deepspeed`` (the runner) -> ``python -m deepspeed.launcher.launch`` -> the ranks. On one node
-the runner has no signal handler: SIGTERM or SIGINT to its PID ends it, ``launch`` is adopted by PID 1 and the
-ranks train on. Under ``--hostfile`` the runner starts ``pdsh``, which starts ``launch`` on every node over ssh
-(the chain on a node is sshd -> a shell -> launch -> ranks, and the ranks write into the ssh connection); with
-``--no_ssh`` under Slurm (launchers/slurm.sbatch) it is srun's slurmstepd -> the runner -> launch -> ranks. So
-each rank watches, every `WATCH_S` seconds, (1) its parent (launch, or torchrun's agent), (2) when the parent is
-DeepSpeed's launch, the process that started it (the runner, or the remote shell), and (3) when its output is a
-pipe or a socket, whether the reading end is still there (a dead ssh connection or runner). When any is gone it
-asks for a stop exactly like SIGTERM; the stop-flag all-reduce tells the other ranks, including those on nodes
-that noticed nothing. (A parent-death signal is no use: the ranks' parent, launch, survives.)
+**No orphaned ranks.** Each rank watches the processes that started it and the reader of its output
+(`txl_dist.training.launcher_watch`); when any is gone it asks for a stop exactly like SIGTERM, and the stop-flag
+all-reduce tells the other ranks, including those on nodes that noticed nothing.
 
 **One failure, one message.** A rank that fails (a bad file, a full disk, a damaged shard) reports its one-line
 message through the rendezvous store of torch.distributed (``MASTER_ADDR:MASTER_PORT``); the first report is
@@ -22,15 +14,11 @@ status 1, even when it is blocked in a collective that would otherwise wait for 
 gloo "Connection closed by peer". Rank 0's cleanups (releasing the run lock, removing a checkpoint it was writing)
 run on every exit path.
 
-**Liveness.** Every rank's watch thread writes a heartbeat (a counter and the step it is on) into the same store
-every second. Rank 0 follows every rank's, the others follow rank 0's (and rank 0's store answering at all). A rank
-whose heartbeat has not moved for ``stall_timeout`` seconds is frozen or cut off (SIGSTOP, a hung host, a dead
-network link): it is named in one line (rank, host, PID, step) and the job ends with status 1 so that the scheduler
-can requeue it. That bound is meant to be well under the collective timeout (``DEEPSPEED_TIMEOUT``, 10 minutes by
-default, after which gloo or NCCL would raise): a rank that is alive but blocked inside one collective or kernel
-(its heartbeat moving) is left to that timeout. A rank that dies without a word (SIGKILL, as the kernel's OOM
-killer sends, or a crash) makes the collectives of the others fail: they name it, with its signal where it can be
-read, instead of printing the communication library's traceback.
+**Liveness.** Every rank's heartbeat goes into the same store (`txl_dist.training.heartbeats`). A rank whose
+heartbeat has not moved for ``stall_timeout`` seconds is named in one line (rank, host, PID, step) and the job ends
+with status 1 so that the scheduler can requeue it. When a rank dies without a word, the collectives of the others
+fail: they name it, with its signal where it can be read, instead of printing the communication library's
+traceback.
 """
 
 from __future__ import annotations
@@ -38,16 +26,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import select
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+from txl_dist.training.heartbeats import STORE_PREFIX, Heartbeats
+from txl_dist.training.launcher_watch import LauncherWatch
 
 log = logging.getLogger("txl_dist.training")
 
@@ -57,18 +46,14 @@ STORE_EVERY = 4
 """Look at the failure store every this many watch periods (one second)."""
 GRACE_S = 3.0
 """After another rank's failure: how long this rank's own code may take to exit before the watchdog ends it."""
-# torchrun's agent keeps its store across the restarts of a job's workers: the keys are per attempt.
-_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-FAILURE_KEY = f"txl_dist/{_ATTEMPT}/failure"
-SEEN_KEY = f"txl_dist/{_ATTEMPT}/failure_seen"
+FAILURE_KEY = STORE_PREFIX + "failure"
+SEEN_KEY = STORE_PREFIX + "failure_seen"
 
 HEARTBEAT_EVERY = 4
 """Write this rank's heartbeat every this many watch periods (one second)."""
 STALL_CHECK_EVERY = 8
 """Look at the other ranks' heartbeats every this many watch periods (two seconds)."""
 DEFAULT_STALL_TIMEOUT_S = 120.0
-HEARTBEAT_KEY = f"txl_dist/{_ATTEMPT}/heartbeat/{{rank}}"
-IDENTITY_KEY = f"txl_dist/{_ATTEMPT}/identity/{{rank}}"
 
 # Errors whose message says everything: printed as one line, without a traceback. Anything else is a bug (ours or
 # a library's) and keeps its traceback.
@@ -84,7 +69,8 @@ class ReportedByRankZero(Exception):
     with status 1 without a word."""
 
 
-def _describe(error: BaseException) -> str:
+def _error_text(error: BaseException) -> str:
+    """The one-line text of ``error``: an OSError with its file, ``interrupted`` for Ctrl-C, else its message."""
     from txl_dist.fileio import describe_os_error
 
     if isinstance(error, OSError):
@@ -101,82 +87,6 @@ def _print(message: str) -> None:
         pass
 
 
-def _process_identity(pid: int) -> tuple[int, float, list[str]] | None:
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        return pid, process.create_time(), process.cmdline()
-    except (psutil.Error, OSError):
-        return None
-
-
-def _alive(pid: int, create_time: float) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time() == create_time
-    except (psutil.Error, OSError):
-        return False
-
-
-def _exit_signal(pid: int) -> str:
-    """How a dead process on this host ended, while it is still a zombie (its parent has not yet collected it)."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        status = int(fields[-1])  # exit_code, in waitpid's form
-    except (OSError, ValueError, IndexError):
-        return ""
-    if status & 0x7F:
-        return f"killed by {signal.Signals(status & 0x7F).name}"
-    return f"exited with status {status >> 8}"
-
-
-def _launcher_chain() -> list[tuple[int, float, str]]:
-    """(pid, create time, what it is) of the processes whose exit means the job is gone; empty for a process
-    started by hand (its parent is a shell or a job manager, which may exit under nohup)."""
-    parent = _process_identity(os.getppid())
-    if parent is None:
-        return []
-    command = " ".join(parent[2])
-    if "deepspeed.launcher.launch" in command:
-        chain = [(parent[0], parent[1], "DeepSpeed's per-node launcher")]
-        starter = _process_identity(_parent_of(parent[0]))
-        if starter is not None and starter[0] > 1:
-            what = (
-                "the deepspeed runner"
-                if any("deepspeed" in part for part in starter[2])
-                else "the process that started this node's launcher"
-            )
-            chain.append((starter[0], starter[1], what))
-        return chain
-    if "torchrun" in command or "torch.distributed.run" in command or "torch.distributed.launch" in command:
-        return [(parent[0], parent[1], "torchrun")]
-    return []
-
-
-def _parent_of(pid: int) -> int:
-    import psutil
-
-    try:
-        return psutil.Process(pid).ppid()
-    except (psutil.Error, OSError):
-        return 0
-
-
-def _output_pipes() -> list[int]:
-    """stdout/stderr when they are pipes or sockets (a terminal or a file cannot tell that its reader left)."""
-    fds = []
-    for fd in (1, 2):
-        try:
-            mode = os.fstat(fd).st_mode
-        except OSError:
-            continue
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            fds.append(fd)
-    return fds
-
-
 class RunGuard:
     """One per rank, created as early as possible (before the heavy imports); `connect` after the process group
     exists. ``reason`` is the stop request, None while there is none."""
@@ -190,10 +100,9 @@ class RunGuard:
                 if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
                     continue  # nohup: the user asked to survive the terminal
                 self._previous[signum] = signal.signal(signum, self._on_signal)
-        self._chain = _launcher_chain() if watch_launcher else []
-        self._parent = os.getppid()
-        self._pipes = _output_pipes() if self._chain else []
+        self._launcher = LauncherWatch(enabled=watch_launcher)
         self._store = None
+        self._heartbeats: Heartbeats | None = None
         self._store_errors_since: float | None = None
         self._failure_seen_at: float | None = None
         self._reported = False
@@ -204,9 +113,6 @@ class RunGuard:
         self.step = 0
         self.last_checkpoint: int | None = None
         self.stall_timeout = DEFAULT_STALL_TIMEOUT_S
-        self._beats = 0
-        self._identities: dict[int, tuple[str, int, float]] = {}
-        self._peer_beats: dict[int, tuple[bytes | None, float]] = {}
         self._thread = threading.Thread(target=self._watch, name="txl_dist-guard", daemon=True)
         self._thread.start()
 
@@ -222,20 +128,6 @@ class RunGuard:
 
     def _on_signal(self, signum, frame) -> None:
         self.request_stop(signal.Signals(signum).name)
-
-    def _launcher_gone(self) -> str | None:
-        if self._chain and os.getppid() != self._parent:
-            return f"{self._chain[0][2]} (PID {self._parent}) exited"
-        for pid, create_time, what in self._chain:
-            if not _alive(pid, create_time):
-                return f"{what} (PID {pid}) exited"
-        if self._pipes:
-            poller = select.poll()
-            for fd in self._pipes:
-                poller.register(fd, 0)  # POLLERR/POLLHUP are always reported
-            if any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
-                return "the reader of its output (the launcher or its ssh connection) is gone"
-        return None
 
     # ---- failures ----------------------------------------------------------------------------------------------
 
@@ -258,7 +150,7 @@ class RunGuard:
         import torch.distributed as dist
 
         try:
-            self._store = dist.TCPStore(
+            store = dist.TCPStore(
                 address, int(port), is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
             )
         except (RuntimeError, ValueError, OSError) as error:
@@ -269,42 +161,17 @@ class RunGuard:
                 error,
             )
             return
-        import psutil
-
-        identity = f"{socket.gethostname()} {os.getpid()} {psutil.Process().create_time()!r}"
+        self._heartbeats = Heartbeats(store, rank, world_size)  # before the store: the watch thread tests that
+        self._store = store
         try:
-            self._store.set(IDENTITY_KEY.format(rank=rank), identity)
-            self._beat()
+            self._heartbeats.join(self.step)
         except Exception:
             pass
 
     # ---- liveness ----------------------------------------------------------------------------------------------
 
-    def _beat(self) -> None:
-        self._beats += 1
-        self._store.set(HEARTBEAT_KEY.format(rank=self.rank), f"{self._beats} {self.step}")
-
-    def _watched_ranks(self) -> list[int]:
-        return [r for r in range(self.world_size) if r != self.rank] if self.rank == 0 else [0]
-
-    def _identity(self, rank: int) -> tuple[str, int, float] | None:
-        """(host, PID, create time) of ``rank``, read once from the store and kept (rank 0's store may go)."""
-        if rank not in self._identities and self._store is not None:
-            try:
-                if self._store.check([IDENTITY_KEY.format(rank=rank)]):
-                    host, pid, created = self._store.get(IDENTITY_KEY.format(rank=rank)).decode().split(" ")
-                    self._identities[rank] = (host, int(pid), float(created))
-            except Exception:
-                return None
-        return self._identities.get(rank)
-
     def _who(self, rank: int) -> str:
-        identity = self._identity(rank)
-        return f"rank {rank} ({identity[0]}, PID {identity[1]})" if identity else f"rank {rank}"
-
-    def _peer_step(self, rank: int) -> str:
-        beat = self._peer_beats.get(rank, (None, 0.0))[0]
-        return beat.decode().split(" ")[1] if beat else "?"
+        return self._heartbeats.who(rank) if self._heartbeats is not None else f"rank {rank}"
 
     def _since_checkpoint(self) -> str:
         since = f"step {self.last_checkpoint}" if self.last_checkpoint is not None else "the start of this run"
@@ -313,28 +180,11 @@ class RunGuard:
             "resume from it"
         )
 
-    def _check_heartbeats(self, now: float) -> int | None:
-        """The first watched rank whose heartbeat has not moved for stall_timeout seconds."""
-        ranks = self._watched_ranks()
-        keys = [HEARTBEAT_KEY.format(rank=r) for r in ranks]
-        if len(self._peer_beats) < len(ranks) and not self._store.check(keys):
-            return None  # not every rank has joined yet (a get would wait for the missing one)
-        for rank in ranks:
-            self._identity(rank)
-        values = self._store.multi_get(keys)
-        for rank, value in zip(ranks, values):
-            previous = self._peer_beats.get(rank)
-            if previous is None or previous[0] != value:
-                self._peer_beats[rank] = (value, now)
-            elif now - previous[1] > self.stall_timeout:
-                return rank
-        return None
-
     def _stalled(self, rank: int, seconds: float) -> NoReturn:
         message = (
             f"train.py: error: {self._who(rank)} has made no progress for {seconds:.0f} s "
-            f"(train.stall_timeout={self.stall_timeout:g}), at step {self._peer_step(rank)}: its process is "
-            f"stopped or its host or network is down; ending the job; {self._since_checkpoint()}"
+            f"(train.stall_timeout={self.stall_timeout:g}), at step {self._heartbeats.step_of(rank)}: its process "
+            f"is stopped or its host or network is down; ending the job; {self._since_checkpoint()}"
         )
         self._closed.set()
         if self._report(message):
@@ -346,39 +196,7 @@ class RunGuard:
     def dead_peers(self, wait_s: float = 3.0) -> list[tuple[int, str]]:
         """Ranks that are gone, with how they went where it can be read: peers on this host by their process,
         the others by a heartbeat that stops moving within ``wait_s``."""
-        import psutil
-
-        dead: list[tuple[int, str]] = []
-        here = socket.gethostname()
-        remote = []
-        for rank in range(self.world_size):
-            if rank == self.rank:
-                continue
-            identity = self._identity(rank)
-            if identity and identity[0] == here:
-                try:
-                    process = psutil.Process(identity[1])
-                    alive = process.create_time() == identity[2] and process.status() != psutil.STATUS_ZOMBIE
-                except (psutil.Error, OSError):
-                    alive = False
-                if not alive:
-                    dead.append((rank, _exit_signal(identity[1])))
-            else:
-                remote.append(rank)
-        if remote and self._store is not None and not dead:
-            deadline = time.monotonic() + wait_s
-            try:
-                first = dict(zip(remote, self._store.multi_get([HEARTBEAT_KEY.format(rank=r) for r in remote])))
-                moved: set[int] = set()
-                while time.monotonic() < deadline and len(moved) < len(remote):
-                    time.sleep(0.5)
-                    now = self._store.multi_get([HEARTBEAT_KEY.format(rank=r) for r in remote])
-                    moved |= {r for r, value in zip(remote, now) if value != first[r]}
-                dead += [(r, "") for r in remote if r not in moved]
-            except Exception:  # rank 0, and its store, are gone
-                if self.rank != 0:
-                    dead.append((0, ""))
-        return dead
+        return self._heartbeats.dead_peers(wait_s) if self._heartbeats is not None else []
 
     def death_message(self, dead: list[tuple[int, str]]) -> str:
         rank, how = dead[0]
@@ -430,7 +248,7 @@ class RunGuard:
         if not caused_elsewhere:
             one_line = isinstance(error, ONE_LINE_ERRORS + (RunFailure,))
             where = f" on rank {self.rank} ({socket.gethostname()})" if self.world_size > 1 else ""
-            message = f"train.py: error{where}: {_describe(error)}"
+            message = f"train.py: error{where}: {_error_text(error)}"
             dead = self.dead_peers() if not one_line and self.world_size > 1 else []
             if dead:  # the communication library's error is only the echo of a rank that died
                 one_line, message = True, f"train.py: error: {self.death_message(dead)}"
@@ -497,7 +315,7 @@ class RunGuard:
         while not self._closed.wait(WATCH_S):
             tick += 1
             if self.reason is None:
-                gone = self._launcher_gone()
+                gone = self._launcher.gone()
                 if gone:
                     log.warning("rank %d: %s; stopping with a checkpoint as on SIGTERM", self.rank, gone)
                     self.request_stop(gone)
@@ -506,12 +324,11 @@ class RunGuard:
             if self._store is not None and self.world_size > 1:
                 try:
                     if tick % HEARTBEAT_EVERY == 0:
-                        self._beat()
+                        self._heartbeats.beat(self.step)
                     if tick % STALL_CHECK_EVERY == 0:
-                        now = time.monotonic()
-                        stalled = self._check_heartbeats(now)
+                        stalled = self._heartbeats.stalled(time.monotonic(), self.stall_timeout)
                         if stalled is not None and self._failure_seen_at is None and not self._reported:
-                            self._stalled(stalled, now - self._peer_beats[stalled][1])
+                            self._stalled(*stalled)
                 except Exception:  # the store went with rank 0: _watch_failures says so
                     pass
 
@@ -527,8 +344,8 @@ class RunGuard:
                 if now - self._store_errors_since > 10.0:
                     _print(
                         f"train.py: error on rank {self.rank} ({socket.gethostname()}): lost contact with "
-                        f"{self._who(0)} at step {self._peer_step(0)} (gone, stopped, or its network is down); "
-                        f"stopping; {self._since_checkpoint()}"
+                        f"{self._who(0)} at step {self._heartbeats.step_of(0)} (gone, stopped, or its network is "
+                        f"down); stopping; {self._since_checkpoint()}"
                     )
                     self.run_cleanups()
                     self._exit(1)

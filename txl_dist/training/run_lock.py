@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from txl_dist.fileio import atomic_write_text, ensure_directory
+from txl_dist.training.processes import process_start
 
 log = logging.getLogger("txl_dist.training")
 
@@ -56,15 +57,6 @@ def _boot_id() -> str | None:
         return None
 
 
-def _process_start(pid: int) -> int | None:
-    """The start time of a process in clock ticks since boot (/proc/PID/stat field 22); None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # the command name, in parentheses, may hold spaces
-
-
 @dataclass
 class LockHolder:
     host: str
@@ -74,6 +66,7 @@ class LockHolder:
     token: str
     boot_id: str | None = None
     pid_start: int | None = None
+    """The PID's start time, in clock ticks since boot (`txl_dist.training.processes.process_start`)."""
     heartbeat: int = 0
     heartbeat_unix: float = 0.0
     command: str = ""
@@ -89,7 +82,7 @@ class LockHolder:
             started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             token=secrets.token_hex(16),
             boot_id=_boot_id(),
-            pid_start=_process_start(os.getpid()),
+            pid_start=process_start(os.getpid()),
             heartbeat_unix=time.time(),
             command=" ".join(sys.argv)[:500],
         )
@@ -198,7 +191,7 @@ class RunLock:
             return None
         if holder.boot_id and _boot_id() and holder.boot_id != _boot_id():
             return "the host has restarted since"
-        start = _process_start(holder.pid)
+        start = process_start(holder.pid)
         if start is None:
             return f"PID {holder.pid} is no longer running"
         if holder.pid_start is not None and start != holder.pid_start:
