@@ -1,8 +1,6 @@
 """How an epoch's token order is cut into streams: the spans a layout concatenates, its windows, and what is left.
 
-A fresh epoch's layout is one span, the whole split, cut into S streams of floor(N / S) tokens; after a resume with
-another S it is the spans the old streams had not yet used, concatenated in epoch order and cut the same way (see
-`txl_dist.data.streams` for the rule).
+The partition and the resume rule it serves are described in `txl_dist.data.streams`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ def describe(
     """The plan as text: the table for the configured (or given) micro-batch and, with ``device_memory``, the
     largest micro-batch that fits and its layout. A layout the trainer would refuse (the global batch does not
     split among the ranks) raises its ValueError."""
-
     return describe_with_fit(cfg, world_size, device, device_memory, micro_batch)[0]
 
 
