@@ -10,7 +10,7 @@ import torch
 
 from tests.synthetic_shards import write_position_shards
 from txl_dist.data import EvalStreams
-from txl_dist.data.streams import _BUFFER_TOKENS
+from txl_dist.data.stream_rows import BUFFER_TOKENS as _BUFFER_TOKENS
 
 # "long" gives every stream more tokens than a row buffer holds (_BUFFER_TOKENS, about 16k), so rows are refilled
 # several times, the last time in part.

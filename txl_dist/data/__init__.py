@@ -14,27 +14,22 @@ _HOMES = {
     "ManifestError": "txl_dist.data.format",
     "read_manifest": "txl_dist.data.format",
     "ShardError": "txl_dist.data.reader",
-    "EvalBatch": "txl_dist.data.streams",
-    "EvalStreams": "txl_dist.data.streams",
+    "EvalBatch": "txl_dist.data.eval_streams",
+    "EvalStreams": "txl_dist.data.eval_streams",
     "MicroBatch": "txl_dist.data.streams",
-    "ResumeKind": "txl_dist.data.streams",
-    "StreamStateError": "txl_dist.data.streams",
+    "ResumeKind": "txl_dist.data.stream_state",
+    "StreamStateError": "txl_dist.data.stream_state",
     "TrainStreams": "txl_dist.data.streams",
 }
 
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
+    from txl_dist.data.eval_streams import EvalBatch, EvalStreams  # noqa: F401
     from txl_dist.data.format import ManifestError, read_manifest  # noqa: F401
     from txl_dist.data.reader import ShardError  # noqa: F401
-    from txl_dist.data.streams import (  # noqa: F401
-        EvalBatch,
-        EvalStreams,
-        MicroBatch,
-        ResumeKind,
-        StreamStateError,
-        TrainStreams,
-    )
+    from txl_dist.data.stream_state import ResumeKind, StreamStateError  # noqa: F401
+    from txl_dist.data.streams import MicroBatch, TrainStreams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

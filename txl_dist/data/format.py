@@ -162,18 +162,18 @@ class Manifest:
             raise ManifestError(
                 f"{where}: key 'version' is {data.get('version')!r}; this reader understands version {FORMAT_VERSION}"
             )
-        tokenizer = _build(TokenizerIdentity, _get(data, "tokenizer", dict, where), f"{where}: tokenizer")
+        tokenizer = _entry_from_dict(TokenizerIdentity, _get(data, "tokenizer", dict, where), f"{where}: tokenizer")
         splits = {}
         for name, split in _get(data, "splits", dict, where).items():
             split_where = f"{where}: splits.{name}"
             if not isinstance(split, dict):
                 raise ManifestError(f"{split_where} must be an object")
             shards = [
-                _build(ShardEntry, shard, f"{split_where}.shards[{i}]")
+                _entry_from_dict(ShardEntry, shard, f"{split_where}.shards[{i}]")
                 for i, shard in enumerate(_get(split, "shards", list, split_where))
             ]
             fields = {k: v for k, v in split.items() if k != "shards"}
-            splits[name] = _build(SplitEntry, {**fields, "shards": shards}, split_where)
+            splits[name] = _entry_from_dict(SplitEntry, {**fields, "shards": shards}, split_where)
         manifest = cls(
             tokenizer=tokenizer,
             dtype=_get(data, "dtype", str, where),
@@ -230,7 +230,8 @@ def _get(data: dict, key: str, kind: type, where: str) -> Any:
     return value
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+def _entry_from_dict(cls: type, data: Any, where: str) -> Any:
+    """The manifest entry ``cls`` (a dataclass) from its JSON object; a missing or unknown key is a ManifestError."""
     if not isinstance(data, dict):
         raise ManifestError(f"{where} must be an object")
     names = {f.name for f in dataclasses.fields(cls)}

@@ -77,10 +77,6 @@ class ShardStore:
             if self.is_local(shard_index):
                 self._check_file(shard_index)
 
-    @property
-    def num_blocks(self) -> int:
-        return int(self.block_tokens.size)
-
     def shard_of(self, block: int) -> int:
         return int(np.searchsorted(self._first_blocks, block, side="right")) - 1
 

@@ -1,0 +1,94 @@
+"""`python -m txl_dist.plan`: the memory planner's command line and its memory sizes ("80GiB")."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from txl_dist.config import RunConfig, load_config, with_manifest_vocab
+from txl_dist.plan.report import describe_with_fit
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "KI": 1024,
+    "MI": 1024**2,
+    "GI": 1024**3,
+    "TI": 1024**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80GB', '24G', '1.5TiB' -> bytes (GiB = 2^30, GB = 10^9)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a memory size such as 80GiB, 80GB or 24G")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The planner's command line; the help text is the package docstring."""
+    parser = argparse.ArgumentParser(
+        prog="python -m txl_dist.plan",
+        description=sys.modules[__package__].__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        required=True,
+        metavar="PATH",
+        help="run config (repeat to layer files, as for launchers/train.py)",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the run")
+    parser.add_argument(
+        "--device-memory",
+        type=parse_size,
+        help="memory per rank, e.g. 80GiB (for CPU ranks: the machine's memory / its ranks)",
+    )
+    parser.add_argument("--micro-batch", type=int, help="plan this micro-batch instead of the config's")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="model.n_token when the config gives no data.shards manifest (default: the preset's)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.world_size < 1:
+            raise ValueError(f"--world-size {args.world_size}: must be at least 1")
+        if args.micro_batch is not None and args.micro_batch < 1:
+            raise ValueError(f"--micro-batch {args.micro_batch}: must be at least 1")
+        cfg = load_config(args.config, args.overrides)
+        cfg = _with_vocabulary(cfg, args.vocab_size)
+        text, fits = describe_with_fit(cfg, args.world_size, args.device, args.device_memory, args.micro_batch)
+    except ValueError as error:
+        parser.error(str(error))
+    print(text)
+    # A job script tests the status: 1 when the planned layout does not fit (the text names one that does, if any).
+    return 1 if fits is False else 0
+
+
+def _with_vocabulary(cfg: RunConfig, vocab_size: int | None) -> RunConfig:
+    """``cfg`` with model.n_token from ``--vocab-size``, else from the manifest of data.shards when there is one."""
+    if vocab_size is not None:
+        return with_manifest_vocab(cfg, vocab_size, "--vocab-size")
+    if cfg.data.shards is not None:
+        from pathlib import Path
+
+        from txl_dist.data.format import MANIFEST_NAME, read_manifest
+
+        if Path(cfg.data.shards, MANIFEST_NAME).is_file():
+            manifest = read_manifest(cfg.data.shards)
+            return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/{MANIFEST_NAME}")
+    return cfg
