@@ -116,7 +116,8 @@ def write_hub_folder(
 ) -> Path:
     """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
     from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
-    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, save_safetensors
+    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file
+    from txl_dist.export.weights import save_safetensors
 
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
