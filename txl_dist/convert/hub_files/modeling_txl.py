@@ -106,6 +106,26 @@ class TransformerXLMemory:
         return f"TransformerXLMemory(layers={len(self.keys)}, batch={batch}, positions={self.length}, seen={self.seen})"
 
 
+def _keep_last(memory: torch.Tensor, new: torch.Tensor, keep: int) -> torch.Tensor:
+    """The last ``keep`` positions of [B, m, ...] ``memory`` followed by [B, n, ...] ``new``."""
+    return torch.cat([memory, new], dim=1)[:, -keep:] if keep else memory[:, :0]
+
+
+def _last_positions(memory: TransformerXLMemory, count: int, seen: int) -> TransformerXLMemory:
+    """The memory of the last ``count`` positions of ``memory`` (all when it holds fewer), having read ``seen``."""
+
+    def last(t: torch.Tensor) -> torch.Tensor:
+        return t[:, t.shape[1] - min(count, t.shape[1]) :]
+
+    return TransformerXLMemory(
+        [last(h) for h in memory.hidden],
+        [last(k) for k in memory.keys],
+        [last(v) for v in memory.values],
+        last(memory.attended),
+        seen,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Attention
 
@@ -440,6 +460,84 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
             )
         return attention_mask[:, -length:].to(device=input_ids.device, dtype=torch.bool)
 
+    def _checked_cache(
+        self, input_ids: torch.Tensor | None, cache: TransformerXLMemory | None, inputs_embeds: torch.Tensor | None
+    ) -> TransformerXLMemory | None:
+        """The memory passed in (or None), after checking the inputs of the call."""
+        if inputs_embeds is not None:
+            raise ValueError(
+                "inputs_embeds is not supported: Transformer-XL embeds token ids with its adaptive "
+                "embedding; pass input_ids"
+            )
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids: expected a [batch, length >= 1] tensor of token ids, got "
+                f"{None if input_ids is None else list(input_ids.shape)}"
+            )
+        if cache is not None and not isinstance(cache, TransformerXLMemory):
+            raise TypeError(
+                f"cache: expected the TransformerXLMemory a previous call returned, got {type(cache).__name__}"
+            )
+        return cache
+
+    def _visible(
+        self, first: torch.Tensor, key_attended: torch.Tensor, start: int, end: int, mlen: int
+    ) -> torch.Tensor:
+        """[B, q, k] bool: the keys (the memory's m positions, then the block's q) that each query of the block
+        [start, end) of the call sees; ``first`` [B] is where each row's segments start, ``key_attended`` [B, k]."""
+        c = self.config
+        device = first.device
+        query_pos = torch.arange(start, end, device=device)  # [q]
+        key_pos = torch.arange(start - mlen, end, device=device)  # [k]
+        offset = (query_pos[None, :] - first[:, None]).clamp(min=0)  # [B, q]
+        seg_start = query_pos[None, :] - offset % c.tgt_len
+        lowest = seg_start - c.mem_len
+        if c.same_length:
+            lowest = torch.maximum(lowest, query_pos[None, :] - c.mem_len + 1)
+        return (
+            (key_pos[None, None, :] >= lowest[:, :, None])
+            & (key_pos[None, None, :] <= query_pos[None, :, None])
+            & key_attended[:, None, :]
+        )
+
+    def _position_embedding(self, klen: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """R [klen, d_model] for the distances klen - 1, ..., 0 (at most clamp_len), after dropout."""
+        distances = torch.arange(klen - 1, -1, -1, device=device, dtype=torch.float32)
+        if self.config.clamp_len > 0:
+            distances = distances.clamp(max=self.config.clamp_len)
+        return self.drop(sinusoid_encoding(distances, self.config.d_model).to(dtype))
+
+    def _read_block(
+        self,
+        x: torch.Tensor,
+        pos_emb: torch.Tensor,
+        visible: torch.Tensor,
+        work: TransformerXLMemory,
+        keep: int,
+        layer_inputs: list[list[torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """One block x [B, q, d_model] through every layer -> the last layer's output. The working memory ``work``
+        gets the block's positions (its last ``keep`` kept); each layer's input is appended to ``layer_inputs[i]``
+        when given."""
+        mlen = work.hidden[0].shape[1]
+        # Projected keys and values of the memory are reused only without autograd: in training the memory's
+        # projections must get their gradients as in the authors' code.
+        reuse = not torch.is_grad_enabled()
+        for i, layer in enumerate(self.layers):
+            if reuse or not mlen:
+                mem_keys, mem_values = work.keys[i], work.values[i]
+            else:
+                mem_keys, mem_values = layer.dec_attn.project(work.hidden[i])[1:]
+            if layer_inputs is not None:
+                layer_inputs[i].append(x)
+            new_hidden = _keep_last(work.hidden[i], x.detach(), keep)
+            x, key, value = layer(x, pos_emb, visible, mem_keys, mem_values, self.r_w_bias, self.r_r_bias)
+            work.keys[i] = _keep_last(work.keys[i], key.detach(), keep)
+            work.values[i] = _keep_last(work.values[i], value.detach(), keep)
+            work.hidden[i] = new_hidden
+        work.hidden[-1] = _keep_last(work.hidden[-1], x.detach(), keep)
+        return x
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -452,21 +550,9 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         **kwargs,
     ) -> TransformerXLModelOutput:
         c = self.config
-        if kwargs.get("inputs_embeds") is not None:
-            raise ValueError(
-                "inputs_embeds is not supported: Transformer-XL embeds token ids with its adaptive "
-                "embedding; pass input_ids"
-            )
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(
-                f"input_ids: expected a [batch, length >= 1] tensor of token ids, got "
-                f"{None if input_ids is None else list(input_ids.shape)}"
-            )
-        cache = cache if cache is not None else past_key_values
-        if cache is not None and not isinstance(cache, TransformerXLMemory):
-            raise TypeError(
-                f"cache: expected the TransformerXLMemory a previous call returned, got {type(cache).__name__}"
-            )
+        cache = self._checked_cache(
+            input_ids, cache if cache is not None else past_key_values, kwargs.get("inputs_embeds")
+        )
         use_cache = c.use_cache if use_cache is None else use_cache
         output_hidden_states = c.output_hidden_states if output_hidden_states is None else output_hidden_states
         batch, length = input_ids.shape
@@ -480,75 +566,30 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         # A row's segments start at its first attended position of the call; a block of tgt_len positions of the
         # call may then straddle two of a padded row's segments, whose tokens see up to tgt_len - 1 positions
         # further back than the block start: the memory kept inside the call is that much longer.
-        segment = c.tgt_len
         positions = torch.arange(length, device=device)
         first = torch.where(attended, positions, length).amin(dim=1)  # [B]
-        reach = int(((-first) % segment).max()) if length else 0
-        keep = c.mem_len + reach
-        hidden = list(memory.hidden)
-        keys, values = list(memory.keys), list(memory.values)
-        mem_attended = memory.attended
-        # Projected keys and values of the memory are reused only without autograd: in training the memory's
-        # projections must get their gradients as in the authors' code.
-        reuse = not torch.is_grad_enabled()
+        keep = c.mem_len + int(((-first) % c.tgt_len).max())
+        work = TransformerXLMemory(
+            list(memory.hidden), list(memory.keys), list(memory.values), memory.attended, memory.seen
+        )
         # Per block: the input of every layer and the last output (all of them only for output_hidden_states).
-        layer_inputs_out: list[list[torch.Tensor]] = [[] for _ in range(c.n_layer + 1)]
-        for start in range(0, length, segment):
-            end = min(start + segment, length)
-            qlen, mlen = end - start, hidden[0].shape[1]
-            query_pos = positions[start:end]  # [q]
-            key_pos = torch.arange(start - mlen, end, device=device)  # [k]
-            offset = (query_pos[None, :] - first[:, None]).clamp(min=0)  # [B, q]
-            seg_start = query_pos[None, :] - offset % segment
-            lowest = seg_start - c.mem_len
-            if c.same_length:
-                lowest = torch.maximum(lowest, query_pos[None, :] - c.mem_len + 1)
-            key_attended = torch.cat([mem_attended, attended[:, start:end]], dim=1)  # [B, k]
-            visible = (
-                (key_pos[None, None, :] >= lowest[:, :, None])
-                & (key_pos[None, None, :] <= query_pos[None, :, None])
-                & key_attended[:, None, :]
+        layer_inputs: list[list[torch.Tensor]] = [[] for _ in range(c.n_layer + 1)]
+        for start in range(0, length, c.tgt_len):
+            end, mlen = min(start + c.tgt_len, length), work.hidden[0].shape[1]
+            key_attended = torch.cat([work.attended, attended[:, start:end]], dim=1)  # [B, k]
+            visible = self._visible(first, key_attended, start, end, mlen)
+            pos_emb = self._position_embedding(mlen + end - start, device, dtype)
+            x = self._read_block(
+                embedded[:, start:end], pos_emb, visible, work, keep, layer_inputs if output_hidden_states else None
             )
-            distances = torch.arange(mlen + qlen - 1, -1, -1, device=device, dtype=torch.float32)
-            if c.clamp_len > 0:
-                distances = distances.clamp(max=c.clamp_len)
-            pos_emb = self.drop(sinusoid_encoding(distances, c.d_model).to(dtype))
-            x = embedded[:, start:end]
-            for i, layer in enumerate(self.layers):
-                if reuse:
-                    mem_keys, mem_values = keys[i], values[i]
-                else:
-                    mem_keys, mem_values = layer.dec_attn.project(hidden[i])[1:] if mlen else (keys[i], values[i])
-                if output_hidden_states:
-                    layer_inputs_out[i].append(x)
-                new_hidden = torch.cat([hidden[i], x.detach()], dim=1)[:, -keep:] if keep else hidden[i][:, :0]
-                x, key, value = layer(x, pos_emb, visible, mem_keys, mem_values, self.r_w_bias, self.r_r_bias)
-                if keep:
-                    keys[i] = torch.cat([keys[i], key.detach()], dim=1)[:, -keep:]
-                    values[i] = torch.cat([values[i], value.detach()], dim=1)[:, -keep:]
-                hidden[i] = new_hidden
-            layer_inputs_out[c.n_layer].append(x)
-            hidden[c.n_layer] = (
-                torch.cat([hidden[c.n_layer], x.detach()], dim=1)[:, -keep:] if keep else hidden[c.n_layer][:, :0]
-            )
-            mem_attended = (
-                torch.cat([mem_attended, attended[:, start:end]], dim=1)[:, -keep:] if keep else mem_attended[:, :0]
-            )
+            layer_inputs[c.n_layer].append(x)
+            work.attended = _keep_last(work.attended, attended[:, start:end], keep)
 
-        outputs = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in layer_inputs_out if parts]
-        last = self.drop(outputs[-1])
-        new_memory = None
-        if use_cache:
-            trim = c.mem_len
-            new_memory = TransformerXLMemory(
-                [h[:, h.shape[1] - min(trim, h.shape[1]) :] for h in hidden],
-                [k[:, k.shape[1] - min(trim, k.shape[1]) :] for k in keys],
-                [v[:, v.shape[1] - min(trim, v.shape[1]) :] for v in values],
-                mem_attended[:, mem_attended.shape[1] - min(trim, mem_attended.shape[1]) :],
-                memory.seen + length,
-            )
+        outputs = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in layer_inputs if parts]
         return TransformerXLModelOutput(
-            last_hidden_state=last, cache=new_memory, hidden_states=tuple(outputs) if output_hidden_states else None
+            last_hidden_state=self.drop(outputs[-1]),
+            cache=_last_positions(work, c.mem_len, memory.seen + length) if use_cache else None,
+            hidden_states=tuple(outputs) if output_hidden_states else None,
         )
 
 
