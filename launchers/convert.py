@@ -146,6 +146,35 @@ def original_to_export(args: argparse.Namespace) -> str:
     return f"{args.original} -> {out}"
 
 
+def _add_command(
+    commands, name: str, function, help_text: str, inputs: tuple[str, ...], output_is_file: bool = False
+) -> argparse.ArgumentParser:
+    """A subcommand; ``inputs`` names its arguments that are paths it reads (`guard_output` keeps the output
+    away from them)."""
+    sub = commands.add_parser(name, help=help_text, description=help_text)
+    sub.set_defaults(function=function, inputs=inputs, output_is_file=output_is_file)
+    sub.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing output (only an empty folder or one txl_dist wrote)",
+    )
+    return sub
+
+
+def _add_export_command(
+    commands, name: str, function, help_text: str, output_help: str | None = None, output_is_file: bool = False
+) -> None:
+    """A subcommand that reads an export folder (and may skip its verification)."""
+    sub = _add_command(commands, name, function, help_text, inputs=("export",), output_is_file=output_is_file)
+    sub.add_argument("export")
+    sub.add_argument("output", help=output_help)
+    sub.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="read the export without checking its files against its checksums.json",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launchers/convert.py",
@@ -154,23 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(
-        name: str, function, help_text: str, inputs: tuple[str, ...], output_is_file: bool = False
-    ) -> argparse.ArgumentParser:
-        """A subcommand; ``inputs`` names its arguments that are paths it reads (`guard_output` keeps the output
-        away from them)."""
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(function=function, inputs=inputs, output_is_file=output_is_file)
-        sub.add_argument(
-            "--overwrite",
-            action="store_true",
-            help="replace an existing output (only an empty folder or one txl_dist wrote)",
-        )
-        return sub
-
-    export_no_verify = "read the export without checking its files against its checksums.json"
-    sub = command(
+    sub = _add_command(
+        commands,
         "zero-to-export",
         zero_to_export,
         "a DeepSpeed training checkpoint -> an export folder",
@@ -184,35 +198,28 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read the checkpoint without checking its files against its COMPLETE.json",
     )
-    sub = command(
-        "export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder", inputs=("export",)
-    )
-    sub.add_argument("export")
-    sub.add_argument("output")
-    sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
-    sub = command(
+    _add_export_command(commands, "export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder")
+    _add_export_command(
+        commands,
         "export-to-hub",
         export_to_hub,
         "an export folder -> a folder for current transformers (remote code, fast tokenizer)",
-        inputs=("export",),
     )
-    sub.add_argument("export")
-    sub.add_argument("output")
-    sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
-    sub = command("hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",))
+    sub = _add_command(
+        commands, "hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",)
+    )
     sub.add_argument("hf")
     sub.add_argument("output")
-    sub = command(
+    _add_export_command(
+        commands,
         "export-to-original",
         export_to_original,
         "an export folder -> the authors' state dict (.pt)",
-        inputs=("export",),
+        output_help="the .pt file to write",
         output_is_file=True,
     )
-    sub.add_argument("export")
-    sub.add_argument("output", help="the .pt file to write")
-    sub.add_argument("--no-verify", action="store_true", help=export_no_verify)
-    sub = command(
+    sub = _add_command(
+        commands,
         "original-to-export",
         original_to_export,
         "the authors' state dict + a config.json of their argument names -> an export folder",

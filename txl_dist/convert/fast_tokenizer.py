@@ -1,7 +1,7 @@
 """A txl_dist tokenizer as a `tokenizers` fast tokenizer (tokenizer.json + tokenizer_config.json for transformers).
 
 The file is written as JSON by this module, so converting needs neither `tokenizers` nor `transformers` (nor
-protobuf: the SentencePiece model is read with the small wire-format reader below). It encodes the ids of
+protobuf: the SentencePiece model is read by `txl_dist.convert.sentencepiece_model`). It encodes the ids of
 `txl_dist.tokenizer`, end-of-sentence handling included:
 
     tokenizer(text).input_ids == [eod_id] + ids of the lines of text joined by eos_id
@@ -43,98 +43,23 @@ pieces.
 from __future__ import annotations
 
 import base64
-import struct
 from pathlib import Path
 from typing import Any
 
+from txl_dist.convert.sentencepiece_model import (
+    BYTE,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    UNUSED,
+    USER_DEFINED,
+    read_sentencepiece_model,
+)
 from txl_dist.tokenizer import ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer, WordTokenizer
 
 
 class FastTokenizerError(ValueError):
     """A tokenizer that the fast-tokenizer format cannot reproduce; the message names the file and the setting."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The SentencePiece model file (a ModelProto; field numbers of sentencepiece_model.proto)
-
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-_MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ValueError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(data: bytes) -> list[tuple[int, int, Any]]:
-    """(field number, wire type, value) of a protobuf message: ints for varints and fixed32 as raw bytes, bytes for
-    length-delimited fields."""
-    out, pos = [], 0
-    while pos < len(data):
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(data, pos)
-        elif wire == 1:
-            value, pos = data[pos : pos + 8], pos + 8
-        elif wire == 2:
-            length, pos = _varint(data, pos)
-            value, pos = data[pos : pos + length], pos + length
-        elif wire == 5:
-            value, pos = data[pos : pos + 4], pos + 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-        if pos > len(data):
-            raise ValueError("truncated field")
-        out.append((number, wire, value))
-    return out
-
-
-def read_sentencepiece_model(path: Path) -> dict[str, Any]:
-    """The parts of a SentencePiece model the conversion needs: pieces (piece, score, type), model type, byte
-    fallback, whitespace options, the precompiled character map and the unknown surface."""
-    try:
-        top = _fields(path.read_bytes())
-        pieces = []
-        trainer: dict[int, Any] = {}
-        normalizer: dict[int, Any] = {}
-        for number, _, value in top:
-            if number == 1:
-                piece = {"piece": "", "score": 0.0, "type": _NORMAL}
-                for field, wire, item in _fields(value):
-                    if field == 1:
-                        piece["piece"] = item.decode("utf-8")
-                    elif field == 2 and wire == 5:
-                        piece["score"] = struct.unpack("<f", item)[0]
-                    elif field == 3:
-                        piece["type"] = item
-                pieces.append(piece)
-            elif number == 2:
-                trainer = {field: item for field, _, item in _fields(value)}
-            elif number == 3:
-                normalizer = {field: item for field, _, item in _fields(value)}
-    except (ValueError, UnicodeDecodeError) as error:
-        raise FastTokenizerError(f"{path}: not a readable SentencePiece model ({error})") from error
-    surface = trainer.get(44)
-    return {
-        "pieces": pieces,
-        "model_type": _MODEL_TYPES.get(trainer.get(3, 1), str(trainer.get(3))),
-        "byte_fallback": bool(trainer.get(35, 0)),
-        "treat_whitespace_as_suffix": bool(trainer.get(24, 0)),
-        "unk_surface": surface.decode("utf-8") if surface is not None else " \u2047 ",
-        "charsmap": normalizer.get(2, b""),
-        "add_dummy_prefix": bool(normalizer.get(3, 1)),
-        "remove_extra_whitespaces": bool(normalizer.get(4, 1)),
-        "escape_whitespaces": bool(normalizer.get(5, 1)),
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,32 +138,26 @@ def _word_tokenizer(tokenizer: WordTokenizer) -> tuple[dict[str, Any], str]:
     # Without an unk id an unknown word must be an error, as in txl_dist: name an unk token that cannot be a word.
     unk = words[tokenizer.unk_id] if tokenizer.unk_id is not None else "\n"
     separators = [_replace(f"^{_regex_escape(piece)}$", "\n", regex=True) for piece in dict.fromkeys([eos, eod])]
-    data = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [_added(tokenizer.eod_id, eod, special=True)],
-        "normalizer": _replace("\n", f" {eos} "),
-        "pre_tokenizer": {
+    data = _tokenizer_json(
+        [_added(tokenizer.eod_id, eod, special=True)],
+        _replace("\n", f" {eos} "),
+        {
             "type": "Split",
             "pattern": {"Regex": _python_whitespace_class() + "+"},
             "behavior": "Removed",
             "invert": False,
         },
-        "post_processor": _template(eod, tokenizer.eod_id),
+        _template(eod, tokenizer.eod_id),
         # Words joined by single spaces, separators as line breaks without spaces around them.
-        "decoder": {
-            "type": "Sequence",
-            "decoders": separators
-            + [
-                {"type": "WordPiece", "prefix": " ", "cleanup": False},
-                {"type": "Fuse"},
-                _replace(" ?\n ?", "\n", regex=True),
-                _STRIP_OUTER_SEPARATORS,
-            ],
-        },
-        "model": {"type": "WordLevel", "vocab": {word: i for i, word in enumerate(words)}, "unk_token": unk},
-    }
+        separators
+        + [
+            {"type": "WordPiece", "prefix": " ", "cleanup": False},
+            {"type": "Fuse"},
+            _replace(" ?\n ?", "\n", regex=True),
+            _STRIP_OUTER_SEPARATORS,
+        ],
+        {"type": "WordLevel", "vocab": {word: i for i, word in enumerate(words)}, "unk_token": unk},
+    )
     return data, eod
 
 
@@ -246,44 +165,36 @@ def _check_sentencepiece(model: dict[str, Any], path: Path) -> None:
     problems = []
     if model["model_type"] not in ("unigram", "bpe"):
         problems.append(f"model type {model['model_type']!r} (only unigram and bpe have a fast-tokenizer model)")
-    if model["byte_fallback"] or any(p["type"] == _BYTE for p in model["pieces"]):
+    if model["byte_fallback"] or any(p["type"] == BYTE for p in model["pieces"]):
         problems.append("byte_fallback=true")
     if model["treat_whitespace_as_suffix"]:
         problems.append("treat_whitespace_as_suffix=true")
     if not model["escape_whitespaces"]:
         problems.append("escape_whitespaces=false")
-    if model["model_type"] == "bpe" and any(p["type"] == _UNUSED for p in model["pieces"]):
+    if model["model_type"] == "bpe" and any(p["type"] == UNUSED for p in model["pieces"]):
         problems.append("unused pieces in a bpe model")
     if problems:
         raise FastTokenizerError(f"{path}: cannot be expressed as a fast tokenizer: {'; '.join(problems)}")
 
 
-def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[str, Any], str]:
-    path = tokenizer.directory / tokenizer.files[0]
-    model = read_sentencepiece_model(path)
-    _check_sentencepiece(model, path)
+def _piece_names(model: dict[str, Any], eos_id: int, path: Path) -> list[str]:
+    """The fast tokenizer's name of every piece: eos is "\\n"; in a Unigram model the pieces that text never
+    matches (unknown, control, unused) get names with a space in them."""
     pieces = model["pieces"]
-    if len(pieces) != tokenizer.vocab_size:
-        raise FastTokenizerError(
-            f"{path}: {len(pieces)} pieces, but its tokenizer.json says vocab_size={tokenizer.vocab_size}"
-        )
-    unigram = model["model_type"] == "unigram"
     names = [p["piece"] for p in pieces]
-    names[tokenizer.eos_id] = "\n"
-    if unigram:
+    names[eos_id] = "\n"
+    if model["model_type"] == "unigram":
         for i, p in enumerate(pieces):
-            if i == tokenizer.eos_id or p["type"] in (_NORMAL, _USER_DEFINED):
+            if i == eos_id or p["type"] in (NORMAL, USER_DEFINED):
                 continue
-            name = model["unk_surface"] if p["type"] == _UNKNOWN else f" {p['piece']} "
+            name = model["unk_surface"] if p["type"] == UNKNOWN else f" {p['piece']} "
             names[i] = name if " " in name else f" {name} "
         if len(set(names)) != len(names):
             raise FastTokenizerError(f"{path}: renaming the special pieces made two pieces alike ({names[:8]}...)")
-    eod = names[tokenizer.eod_id]
-    eod_is_eos = tokenizer.eod_id == tokenizer.eos_id
-    added = [_added(tokenizer.eos_id, "\n", special=eod_is_eos)]
-    if not eod_is_eos:
-        added.append(_added(tokenizer.eod_id, eod, special=True))
+    return names
 
+
+def _sentencepiece_normalizer(model: dict[str, Any]) -> dict[str, Any]:
     normalizers: list[dict[str, Any]] = []
     if model["charsmap"]:
         normalizers.append(
@@ -294,73 +205,102 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     if model["add_dummy_prefix"]:
         normalizers.append({"type": "Prepend", "prepend": " "})
     normalizers.append(_replace(" ", "\u2581"))
+    return {"type": "Sequence", "normalizers": normalizers}
 
-    normal_scores = [p["score"] for p in pieces if p["type"] == _NORMAL]
+
+def _unigram_model(pieces: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    normal_scores = [p["score"] for p in pieces if p["type"] == NORMAL]
     max_score = max(normal_scores) if normal_scores else 0.0
-    if unigram:
-        vocab = []
-        for name, p in zip(names, pieces):
-            # SentencePiece scores a user-defined symbol so that its lattice always prefers it.
-            score = len(p["piece"]) * max_score - 0.1 if p["type"] == _USER_DEFINED else p["score"]
-            vocab.append([name, score])
-        unk_ids = [i for i, p in enumerate(pieces) if p["type"] == _UNKNOWN]
-        model_json = {
-            "type": "Unigram",
-            "unk_id": unk_ids[0] if unk_ids else None,
-            "vocab": vocab,
-            "byte_fallback": False,
-        }
-    else:
-        normal = {p["piece"] for p in pieces if p["type"] == _NORMAL}
-        ranked = sorted(
-            (i for i, p in enumerate(pieces) if p["type"] == _NORMAL and len(p["piece"]) > 1),
-            key=lambda i: (-pieces[i]["score"], i),
-        )
-        merges = []
-        for i in ranked:
-            piece = pieces[i]["piece"]
-            for cut in range(1, len(piece)):
-                if piece[:cut] in normal and piece[cut:] in normal:
-                    merges.append([piece[:cut], piece[cut:]])
-        unk = next((names[i] for i, p in enumerate(pieces) if p["type"] == _UNKNOWN), None)
-        model_json = {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": unk,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": True,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {name: i for i, name in enumerate(names)},
-            "merges": merges,
-        }
-        # BPE cannot hold a user-defined symbol whole: they are cut out of the text first.
-        added += [
-            _added(i, names[i], special=False)
-            for i, p in enumerate(pieces)
-            if p["type"] == _USER_DEFINED and i not in (tokenizer.eos_id, tokenizer.eod_id)
-        ]
+    vocab = []
+    for name, p in zip(names, pieces):
+        # SentencePiece scores a user-defined symbol so that its lattice always prefers it.
+        score = len(p["piece"]) * max_score - 0.1 if p["type"] == USER_DEFINED else p["score"]
+        vocab.append([name, score])
+    unk_ids = [i for i, p in enumerate(pieces) if p["type"] == UNKNOWN]
+    return {"type": "Unigram", "unk_id": unk_ids[0] if unk_ids else None, "vocab": vocab, "byte_fallback": False}
 
+
+def _bpe_model(pieces: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The BPE model whose merges, in the order of the pieces' scores, build every normal piece."""
+    normal = {p["piece"] for p in pieces if p["type"] == NORMAL}
+    ranked = sorted(
+        (i for i, p in enumerate(pieces) if p["type"] == NORMAL and len(p["piece"]) > 1),
+        key=lambda i: (-pieces[i]["score"], i),
+    )
+    merges = []
+    for i in ranked:
+        piece = pieces[i]["piece"]
+        for cut in range(1, len(piece)):
+            if piece[:cut] in normal and piece[cut:] in normal:
+                merges.append([piece[:cut], piece[cut:]])
+    return {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": next((names[i] for i, p in enumerate(pieces) if p["type"] == UNKNOWN), None),
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": True,
+        "byte_fallback": False,
+        "ignore_merges": False,
+        "vocab": {name: i for i, name in enumerate(names)},
+        "merges": merges,
+    }
+
+
+def _sentencepiece_decoders(model: dict[str, Any], names: list[str], tokenizer: SentencePieceTokenizer) -> list[dict]:
+    """The decoders: "▁" back to a space, the renamed pieces back to what SentencePiece decodes them to, eod to
+    a line break."""
+    pieces = model["pieces"]
     decoders = [_replace("\u2581", " ")]
-    unk_id = next((i for i, p in enumerate(pieces) if p["type"] == _UNKNOWN), None)
+    unk_id = next((i for i, p in enumerate(pieces) if p["type"] == UNKNOWN), None)
     if unk_id is not None and names[unk_id] != model["unk_surface"]:
         decoders.append(_replace(f"^{_regex_escape(names[unk_id])}$", model["unk_surface"], regex=True))
-    if not eod_is_eos:
-        decoders.append(_replace(f"^{_regex_escape(eod)}$", "\n", regex=True))
+    if tokenizer.eod_id != tokenizer.eos_id:
+        decoders.append(_replace(f"^{_regex_escape(names[tokenizer.eod_id])}$", "\n", regex=True))
     for i, p in enumerate(pieces):
-        if p["type"] == _CONTROL and i not in (tokenizer.eos_id, tokenizer.eod_id):
+        if p["type"] == CONTROL and i not in (tokenizer.eos_id, tokenizer.eod_id):
             decoders.append(_replace(f"^{_regex_escape(names[i])}$", "", regex=True))  # as SentencePiece decodes
     decoders.append({"type": "Fuse"})
     if model["add_dummy_prefix"]:
         decoders += [_replace("\n ", "\n"), {"type": "Strip", "content": " ", "start": 1, "stop": 0}]
     decoders.append(_STRIP_OUTER_SEPARATORS)
+    return decoders
+
+
+def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[str, Any], str]:
+    path = tokenizer.directory / tokenizer.files[0]
+    try:
+        model = read_sentencepiece_model(path)
+    except ValueError as error:
+        raise FastTokenizerError(str(error)) from error
+    _check_sentencepiece(model, path)
+    pieces = model["pieces"]
+    if len(pieces) != tokenizer.vocab_size:
+        raise FastTokenizerError(
+            f"{path}: {len(pieces)} pieces, but its tokenizer.json says vocab_size={tokenizer.vocab_size}"
+        )
+    names = _piece_names(model, tokenizer.eos_id, path)
+    eod = names[tokenizer.eod_id]
+    eod_is_eos = tokenizer.eod_id == tokenizer.eos_id
+    added = [_added(tokenizer.eos_id, "\n", special=eod_is_eos)]
+    if not eod_is_eos:
+        added.append(_added(tokenizer.eod_id, eod, special=True))
+    if model["model_type"] == "unigram":
+        model_json = _unigram_model(pieces, names)
+    else:
+        model_json = _bpe_model(pieces, names)
+        # BPE cannot hold a user-defined symbol whole: they are cut out of the text first.
+        added += [
+            _added(i, names[i], special=False)
+            for i, p in enumerate(pieces)
+            if p["type"] == USER_DEFINED and i not in (tokenizer.eos_id, tokenizer.eod_id)
+        ]
     data = _tokenizer_json(
         sorted(added, key=lambda token: token["id"]),
-        {"type": "Sequence", "normalizers": normalizers},
+        _sentencepiece_normalizer(model),
         None,
         _template(eod, tokenizer.eod_id),
-        decoders,
+        _sentencepiece_decoders(model, names, tokenizer),
         model_json,
     )
     return data, eod

@@ -186,14 +186,8 @@ def write_hf_folder(
 
     ``out_dir`` may not be, contain or lie inside ``export_dir``; ``overwrite`` replaces only an empty folder or
     one txl_dist wrote (`txl_dist.fileio.check_output_path`)."""
-    from txl_dist.export import (
-        CONFIG_FILE,
-        TOKENIZER_DIR,
-        load_model,
-        read_config_file,
-        save_safetensors,
-        unique_weights,
-    )
+    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, unique_weights
+    from txl_dist.export.weights import save_safetensors
 
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
@@ -220,11 +214,11 @@ def write_hf_folder(
 def read_hf_folder(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict | None, Path | None]:
     """(config, our state dict, tokenizer identity or None, tokenizer directory or None) of a HuggingFace
     TransfoXL folder (``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``)."""
+    from txl_dist.export.config_file import read_json_object
+
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path}: missing (not a HuggingFace model folder)")
-    hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    hf_config = read_json_object(config_path, "not a HuggingFace model folder")
     if hf_config.get("model_type") not in (None, "transfo-xl"):
         raise ValueError(f"{config_path}: model_type is {hf_config.get('model_type')!r}, expected 'transfo-xl'")
     config = from_hf_config(hf_config, **hf_config.get(HF_SETTINGS_KEY, {}))

@@ -2,8 +2,11 @@
 
     OUT/
       config.json               TransformerXLConfig: the architecture in the authors' names, auto_map to the code
-      configuration_txl.py      the configuration class   } self-contained: torch and transformers only,
-      modeling_txl.py           the model and its memory  } written by txl_dist (txl_dist/convert/hub_files/)
+      configuration_txl.py      the configuration class      } self-contained: torch and transformers only,
+      modeling_txl.py           the models                   } written by txl_dist (txl_dist/convert/hub_files/)
+      memory_txl.py             the memory (the cache)       }
+      attention_txl.py          the decoder layer            }
+      adaptive_txl.py           adaptive embedding, softmax  }
       model.safetensors         the weights under the modeling file's names; each tied tensor once
       generation_config.json    the eod token as bos / eos / pad (a generated document ends at eod)
       tokenizer.json            the tokenizer as a `tokenizers` fast tokenizer (see txl_dist.convert.fast_tokenizer)
@@ -35,7 +38,7 @@ from txl_dist.fileio import check_output_path, staged_output
 from txl_dist.model.config import ModelConfig
 
 HUB_FILES = Path(__file__).with_name("hub_files")
-MODELING_FILES = ("configuration_txl.py", "modeling_txl.py")
+MODELING_FILES = ("configuration_txl.py", "modeling_txl.py", "memory_txl.py", "attention_txl.py", "adaptive_txl.py")
 MODEL_TYPE = "txl_dist_transformer_xl"
 ARCHITECTURE = "TransformerXLForCausalLM"
 AUTO_MAP = {
@@ -116,7 +119,8 @@ def write_hub_folder(
 ) -> Path:
     """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
     from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
-    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, save_safetensors
+    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file
+    from txl_dist.export.weights import save_safetensors
 
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)

@@ -1,6 +1,7 @@
 """Transformer-XL (Dai et al., 2019, arXiv 1901.02860) for transformers, as trained by txl_dist.
 
-Self-contained: it imports torch and transformers only, and writes out what the model is made of:
+Self-contained with memory_txl.py, attention_txl.py and adaptive_txl.py beside it: they import torch and transformers
+only, and write out what the model is made of:
 
 - relative multi-head attention as in section 3.3 of the paper: score(i, j) = (q_i + u)·k_j + (q_i + v)·W_R R_{i-j},
   with the sinusoid R of the relative distance, the relative shift, clamp_len and same_length;
@@ -28,317 +29,17 @@ memory in txl_dist's layout.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .adaptive_txl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, Projection
+from .attention_txl import DecoderLayer, RelPartialLearnableMultiHeadAttn, sinusoid_encoding
 from .configuration_txl import TransformerXLConfig
-
-# Removes a key from the softmax (exp underflows to 0) without ever overflowing float32 to -inf, so a row never
-# turns into NaN.
-MASK_VALUE = -1e30
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The memory
-
-
-class TransformerXLMemory:
-    """The cache of `TransformerXLForCausalLM`: per layer, the last positions of the layer's input.
-
-    ``hidden[i]`` [batch, m, d_model] holds the input of layer i for the last m positions (``hidden[n_layer]`` the
-    output of the last layer, as in the paper's memory of n_layer + 1 tensors); ``keys[i]`` and ``values[i]``
-    [batch, m, n_head, d_head] are that layer's keys and values of those positions, kept so that a new token does
-    not project the memory again; ``attended`` [batch, m] is False at padding; ``seen`` counts the positions read so
-    far. Between calls m <= mem_len.
-    """
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(
-        self,
-        hidden: list[torch.Tensor],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        attended: torch.Tensor,
-        seen: int,
-    ):
-        self.hidden, self.keys, self.values, self.attended, self.seen = hidden, keys, values, attended, seen
-
-    @property
-    def length(self) -> int:
-        """Positions held (m)."""
-        return self.attended.shape[1]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        # Read by generate() when a memory is passed in: not a recurrent state of linear layers, so it slices the
-        # input_ids it is given after get_seq_length() positions.
-        return [False] * len(self.keys)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions read since the memory started (what generate() skips of input_ids it is given again)."""
-        return self.seen
-
-    def mems(self) -> list[torch.Tensor]:
-        """The memory in txl_dist's layout: n_layer + 1 tensors [m, batch, d_model]."""
-        return [h.transpose(0, 1) for h in self.hidden]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep/duplicate batch rows (beam search)."""
-
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(0, beam_idx.to(t.device))
-
-        self.hidden = [pick(t) for t in self.hidden]
-        self.keys = [pick(t) for t in self.keys]
-        self.values = [pick(t) for t in self.values]
-        self.attended = pick(self.attended)
-
-    def __repr__(self) -> str:
-        batch = self.attended.shape[0]
-        return f"TransformerXLMemory(layers={len(self.keys)}, batch={batch}, positions={self.length}, seen={self.seen})"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Attention
-
-
-def sinusoid_encoding(distances: torch.Tensor, d_model: int) -> torch.Tensor:
-    """R for relative distances [n] -> [n, d_model] (float32): sines then cosines."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32) / d_model))
-    angles = torch.outer(distances.float(), inv_freq)
-    return torch.cat([angles.sin(), angles.cos()], dim=-1)
-
-
-def rel_shift(x: torch.Tensor) -> torch.Tensor:
-    """[..., q, k] scores indexed by distance (k-1, ..., 0) -> indexed by key position.
-
-    The q queries are the last q of the k keys; for query i, key j lies at distance (k - q + i) - j, entry
-    q - 1 - i + j. One zero column on the left and reading the padded rows with a stride one shorter moves every
-    row at once; entries of keys after the query get unrelated values, which the causal mask removes.
-    """
-    *lead, q, k = x.shape
-    padded = F.pad(x, (1, 0)).view(*lead, k + 1, q)
-    return padded[..., 1:, :].reshape(*lead, q, k)
-
-
-class RelPartialLearnableMultiHeadAttn(nn.Module):
-    """The attention sub-layer with its residual connection and layer norm (post-LN, or pre-LN)."""
-
-    def __init__(self, config: TransformerXLConfig, own_position_biases: bool):
-        super().__init__()
-        c = config
-        self.n_head, self.d_head, self.pre_lnorm = c.n_head, c.d_head, c.pre_lnorm
-        self.scale = 1.0 / math.sqrt(c.d_head)
-        self.qkv_net = nn.Linear(c.d_model, 3 * c.n_head * c.d_head, bias=False)
-        self.r_net = nn.Linear(c.d_model, c.n_head * c.d_head, bias=False)
-        self.o_net = nn.Linear(c.n_head * c.d_head, c.d_model, bias=False)
-        self.layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
-        self.drop = nn.Dropout(c.dropout)
-        self.dropatt = nn.Dropout(c.dropatt)
-        if own_position_biases:  # untie_r
-            self.r_w_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))
-            self.r_r_bias = nn.Parameter(torch.zeros(c.n_head, c.d_head))
-        else:
-            self.r_w_bias = self.r_r_bias = None
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """Layer input [B, n, d_model] -> queries, keys, values [3, B, n, H, D]."""
-        heads = self.qkv_net(self.layer_norm(x) if self.pre_lnorm else x)
-        return heads.view(*x.shape[:2], 3, self.n_head, self.d_head).permute(2, 0, 1, 3, 4)
-
-    def forward(self, x, pos_emb, visible, mem_keys, mem_values, u, v):
-        """x [B, q, d_model]; pos_emb [k, d_model] for distances k-1..0; visible [B, q, k] bool over
-        [memory ; x]; mem_keys/values [B, m, H, D] (k = m + q) -> (output [B, q, d_model], keys, values of x)."""
-        u = self.r_w_bias if self.r_w_bias is not None else u
-        v = self.r_r_bias if self.r_r_bias is not None else v
-        batch, qlen = x.shape[:2]
-        query, key, value = self.project(x)
-        all_keys = torch.cat([mem_keys.to(key.dtype), key], dim=1)
-        all_values = torch.cat([mem_values.to(value.dtype), value], dim=1)
-        klen = all_keys.shape[1]
-        r_head_k = self.r_net(pos_emb).view(klen, self.n_head, self.d_head)
-        # Logits, softmax and the weighted sum in float32 (at least) whatever the weights' dtype.
-        dtype = torch.promote_types(query.dtype, torch.float32)
-        qf, kf, vf, rf = (t.to(dtype) for t in (query, all_keys, all_values, r_head_k))
-        content = torch.einsum("bqhd,bkhd->bhqk", qf + u.to(dtype), kf)  # (a) + (c)
-        position = rel_shift(torch.einsum("bqhd,khd->bhqk", qf + v.to(dtype), rf))  # (b) + (d)
-        scores = ((content + position) * self.scale).masked_fill(~visible[:, None], MASK_VALUE)
-        prob = self.dropatt(torch.softmax(scores, dim=-1))
-        attn = torch.einsum("bhqk,bkhd->bqhd", prob, vf)
-        # A query that may attend to nothing (padding) gets zeros, not an average of masked values.
-        attn = attn * visible.any(dim=-1)[:, :, None, None].to(attn.dtype)
-        out = self.drop(self.o_net(attn.to(x.dtype).reshape(batch, qlen, self.n_head * self.d_head)))
-        out = x + out if self.pre_lnorm else self.layer_norm(x + out)
-        return out, key, value
-
-
-class PositionwiseFF(nn.Module):
-    def __init__(self, config: TransformerXLConfig):
-        super().__init__()
-        self.pre_lnorm = config.pre_lnorm
-        # Indices 0 and 3 are the two linear maps, as in the authors' code.
-        self.CoreNet = nn.Sequential(
-            nn.Linear(config.d_model, config.d_inner),
-            nn.ReLU(inplace=True),
-            nn.Dropout(config.dropout),
-            nn.Linear(config.d_inner, config.d_model),
-            nn.Dropout(config.dropout),
-        )
-        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pre_lnorm:
-            return x + self.CoreNet(self.layer_norm(x))
-        return self.layer_norm(x + self.CoreNet(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: TransformerXLConfig):
-        super().__init__()
-        self.dec_attn = RelPartialLearnableMultiHeadAttn(config, own_position_biases=config.untie_r)
-        self.pos_ff = PositionwiseFF(config)
-
-    def forward(self, x, pos_emb, visible, mem_keys, mem_values, u, v):
-        out, key, value = self.dec_attn(x, pos_emb, visible, mem_keys, mem_values, u, v)
-        return self.pos_ff(out), key, value
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Adaptive embedding and softmax
-
-
-def _cluster_bounds(config: TransformerXLConfig) -> list[tuple[int, int]]:
-    ends = [0] + list(config.cutoffs) + [config.n_token]
-    return list(zip(ends[:-1], ends[1:]))
-
-
-class Projection(nn.Module):
-    """A [d_proj, d_cluster] matrix (a module, so that its parameter is named ``...weight``)."""
-
-    def __init__(self, d_proj: int, d_cluster: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(d_proj, d_cluster))
-
-
-class AdaptiveEmbedding(nn.Module):
-    """Token ids -> embeddings [..., d_model] scaled by sqrt(d_model); cluster i has width d_embed // div_val**i."""
-
-    def __init__(self, config: TransformerXLConfig):
-        super().__init__()
-        c = config
-        self.div_val, self.scale = c.div_val, c.d_model**0.5
-        self.bounds = _cluster_bounds(c)
-        self.emb_layers = nn.ModuleList()
-        self.emb_projs = nn.ModuleDict()
-        if c.div_val == 1:
-            self.emb_layers.append(nn.Embedding(c.n_token, c.d_embed))
-            if c.d_model != c.d_embed:
-                self.emb_projs["0"] = Projection(c.d_model, c.d_embed)
-        else:
-            for i, (start, end) in enumerate(self.bounds):
-                width = c.d_embed // c.div_val**i
-                self.emb_layers.append(nn.Embedding(end - start, width))
-                self.emb_projs[str(i)] = Projection(c.d_model, width)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.div_val == 1:
-            embed = self.emb_layers[0](ids)
-            if "0" in self.emb_projs:
-                embed = F.linear(embed, self.emb_projs["0"].weight)
-            return embed * self.scale
-        embed = None
-        for i, (start, end) in enumerate(self.bounds):
-            # Every cluster embeds every token at a clamped index; a token keeps its own cluster's vector.
-            inside = (ids >= start) & (ids < end)
-            part = F.linear(self.emb_layers[i]((ids - start).clamp(0, end - start - 1)), self.emb_projs[str(i)].weight)
-            part = part * inside.unsqueeze(-1).to(part.dtype)
-            embed = part if embed is None else embed + part
-        return embed * self.scale
-
-
-class ProjectedAdaptiveLogSoftmax(nn.Module):
-    """Hidden states [N, d_model] -> log-probabilities [N, n_token], or the negative log-likelihood of targets.
-
-    The head scores the words before cutoffs[0] and one logit per tail cluster; a tail word's log-probability is
-    its cluster's head log-probability plus its log-probability within the cluster. Tail cluster i (from 1) is
-    logit ``cluster_weight[i - 1]`` of the head. The softmax and all that follows are float32.
-    """
-
-    def __init__(self, config: TransformerXLConfig):
-        super().__init__()
-        c = config
-        self.div_val = c.div_val
-        self.bounds = _cluster_bounds(c)
-        self.shortlist = self.bounds[0][1]
-        self.n_clusters = len(c.cutoffs)
-        if self.n_clusters:
-            self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, c.d_embed))
-            self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
-        self.out_layers = nn.ModuleList()
-        self.out_projs = nn.ModuleDict()
-        if c.div_val == 1:
-            self.out_layers.append(nn.Linear(c.d_embed, c.n_token))
-            if c.d_model != c.d_embed:
-                for i in range(len(self.bounds)):
-                    self.out_projs[str(i)] = Projection(c.d_model, c.d_embed)
-        else:
-            for i, (start, end) in enumerate(self.bounds):
-                width = c.d_embed // c.div_val**i
-                self.out_layers.append(nn.Linear(width, end - start))
-                self.out_projs[str(i)] = Projection(c.d_model, width)
-
-    def _cluster_logits(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
-        """Logits of cluster i's words; for the head, followed by one logit per tail cluster."""
-        if self.div_val == 1:
-            start, end = self.bounds[i]
-            weight, bias = self.out_layers[0].weight[start:end], self.out_layers[0].bias[start:end]
-        else:
-            weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
-        if i == 0 and self.n_clusters:
-            weight = torch.cat([weight, self.cluster_weight], dim=0)
-            bias = torch.cat([bias, self.cluster_bias], dim=0)
-        if str(i) in self.out_projs:
-            hidden = F.linear(hidden, self.out_projs[str(i)].weight.t())
-        return F.linear(hidden, weight, bias)
-
-    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, d_model] -> [N, n_token] (float32)."""
-        head = F.log_softmax(self._cluster_logits(hidden, 0).float(), dim=-1)
-        if not self.n_clusters:
-            return head
-        parts = [head[:, : self.shortlist]]
-        for i in range(1, self.n_clusters + 1):
-            tail = F.log_softmax(self._cluster_logits(hidden, i).float(), dim=-1)
-            parts.append(head[:, self.shortlist + i - 1 : self.shortlist + i] + tail)
-        return torch.cat(parts, dim=1)
-
-    def nll(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """[N, d_model], [N] -> negative log-likelihood [N] (float32), without the [N, n_token] matrix."""
-        head = F.log_softmax(self._cluster_logits(hidden, 0).float(), dim=-1)
-        in_head = target < self.shortlist
-        nll = -head.gather(1, torch.where(in_head, target, 0).unsqueeze(1)).squeeze(1)
-        for i in range(1, self.n_clusters + 1):
-            start, end = self.bounds[i]
-            rows = ((target >= start) & (target < end)).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            tail = F.log_softmax(self._cluster_logits(hidden.index_select(0, rows), i).float(), dim=-1)
-            local = (target.index_select(0, rows) - start).unsqueeze(1)
-            logprob = head[rows, self.shortlist + i - 1] + tail.gather(1, local).squeeze(1)
-            nll = nll.index_copy(0, rows, -logprob)
-        return nll
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Models
+from .memory_txl import TransformerXLMemory, keep_last, last_positions
 
 
 @dataclass
@@ -440,6 +141,84 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
             )
         return attention_mask[:, -length:].to(device=input_ids.device, dtype=torch.bool)
 
+    def _checked_cache(
+        self, input_ids: torch.Tensor | None, cache: TransformerXLMemory | None, inputs_embeds: torch.Tensor | None
+    ) -> TransformerXLMemory | None:
+        """The memory passed in (or None), after checking the inputs of the call."""
+        if inputs_embeds is not None:
+            raise ValueError(
+                "inputs_embeds is not supported: Transformer-XL embeds token ids with its adaptive "
+                "embedding; pass input_ids"
+            )
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids: expected a [batch, length >= 1] tensor of token ids, got "
+                f"{None if input_ids is None else list(input_ids.shape)}"
+            )
+        if cache is not None and not isinstance(cache, TransformerXLMemory):
+            raise TypeError(
+                f"cache: expected the TransformerXLMemory a previous call returned, got {type(cache).__name__}"
+            )
+        return cache
+
+    def _visible(
+        self, first: torch.Tensor, key_attended: torch.Tensor, start: int, end: int, mlen: int
+    ) -> torch.Tensor:
+        """[B, q, k] bool: the keys (the memory's m positions, then the block's q) that each query of the block
+        [start, end) of the call sees; ``first`` [B] is where each row's segments start, ``key_attended`` [B, k]."""
+        c = self.config
+        device = first.device
+        query_pos = torch.arange(start, end, device=device)  # [q]
+        key_pos = torch.arange(start - mlen, end, device=device)  # [k]
+        offset = (query_pos[None, :] - first[:, None]).clamp(min=0)  # [B, q]
+        seg_start = query_pos[None, :] - offset % c.tgt_len
+        lowest = seg_start - c.mem_len
+        if c.same_length:
+            lowest = torch.maximum(lowest, query_pos[None, :] - c.mem_len + 1)
+        return (
+            (key_pos[None, None, :] >= lowest[:, :, None])
+            & (key_pos[None, None, :] <= query_pos[None, :, None])
+            & key_attended[:, None, :]
+        )
+
+    def _position_embedding(self, klen: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """R [klen, d_model] for the distances klen - 1, ..., 0 (at most clamp_len), after dropout."""
+        distances = torch.arange(klen - 1, -1, -1, device=device, dtype=torch.float32)
+        if self.config.clamp_len > 0:
+            distances = distances.clamp(max=self.config.clamp_len)
+        return self.drop(sinusoid_encoding(distances, self.config.d_model).to(dtype))
+
+    def _read_block(
+        self,
+        x: torch.Tensor,
+        pos_emb: torch.Tensor,
+        visible: torch.Tensor,
+        work: TransformerXLMemory,
+        keep: int,
+        layer_inputs: list[list[torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """One block x [B, q, d_model] through every layer -> the last layer's output. The working memory ``work``
+        gets the block's positions (its last ``keep`` kept); each layer's input is appended to ``layer_inputs[i]``
+        when given."""
+        mlen = work.hidden[0].shape[1]
+        # Projected keys and values of the memory are reused only without autograd: in training the memory's
+        # projections must get their gradients as in the authors' code.
+        reuse = not torch.is_grad_enabled()
+        for i, layer in enumerate(self.layers):
+            if reuse or not mlen:
+                mem_keys, mem_values = work.keys[i], work.values[i]
+            else:
+                mem_keys, mem_values = layer.dec_attn.project(work.hidden[i])[1:]
+            if layer_inputs is not None:
+                layer_inputs[i].append(x)
+            new_hidden = keep_last(work.hidden[i], x.detach(), keep)
+            x, key, value = layer(x, pos_emb, visible, mem_keys, mem_values, self.r_w_bias, self.r_r_bias)
+            work.keys[i] = keep_last(work.keys[i], key.detach(), keep)
+            work.values[i] = keep_last(work.values[i], value.detach(), keep)
+            work.hidden[i] = new_hidden
+        work.hidden[-1] = keep_last(work.hidden[-1], x.detach(), keep)
+        return x
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -452,21 +231,9 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         **kwargs,
     ) -> TransformerXLModelOutput:
         c = self.config
-        if kwargs.get("inputs_embeds") is not None:
-            raise ValueError(
-                "inputs_embeds is not supported: Transformer-XL embeds token ids with its adaptive "
-                "embedding; pass input_ids"
-            )
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(
-                f"input_ids: expected a [batch, length >= 1] tensor of token ids, got "
-                f"{None if input_ids is None else list(input_ids.shape)}"
-            )
-        cache = cache if cache is not None else past_key_values
-        if cache is not None and not isinstance(cache, TransformerXLMemory):
-            raise TypeError(
-                f"cache: expected the TransformerXLMemory a previous call returned, got {type(cache).__name__}"
-            )
+        cache = self._checked_cache(
+            input_ids, cache if cache is not None else past_key_values, kwargs.get("inputs_embeds")
+        )
         use_cache = c.use_cache if use_cache is None else use_cache
         output_hidden_states = c.output_hidden_states if output_hidden_states is None else output_hidden_states
         batch, length = input_ids.shape
@@ -480,75 +247,30 @@ class TransformerXLModel(TransformerXLPreTrainedModel):
         # A row's segments start at its first attended position of the call; a block of tgt_len positions of the
         # call may then straddle two of a padded row's segments, whose tokens see up to tgt_len - 1 positions
         # further back than the block start: the memory kept inside the call is that much longer.
-        segment = c.tgt_len
         positions = torch.arange(length, device=device)
         first = torch.where(attended, positions, length).amin(dim=1)  # [B]
-        reach = int(((-first) % segment).max()) if length else 0
-        keep = c.mem_len + reach
-        hidden = list(memory.hidden)
-        keys, values = list(memory.keys), list(memory.values)
-        mem_attended = memory.attended
-        # Projected keys and values of the memory are reused only without autograd: in training the memory's
-        # projections must get their gradients as in the authors' code.
-        reuse = not torch.is_grad_enabled()
+        keep = c.mem_len + int(((-first) % c.tgt_len).max())
+        work = TransformerXLMemory(
+            list(memory.hidden), list(memory.keys), list(memory.values), memory.attended, memory.seen
+        )
         # Per block: the input of every layer and the last output (all of them only for output_hidden_states).
-        layer_inputs_out: list[list[torch.Tensor]] = [[] for _ in range(c.n_layer + 1)]
-        for start in range(0, length, segment):
-            end = min(start + segment, length)
-            qlen, mlen = end - start, hidden[0].shape[1]
-            query_pos = positions[start:end]  # [q]
-            key_pos = torch.arange(start - mlen, end, device=device)  # [k]
-            offset = (query_pos[None, :] - first[:, None]).clamp(min=0)  # [B, q]
-            seg_start = query_pos[None, :] - offset % segment
-            lowest = seg_start - c.mem_len
-            if c.same_length:
-                lowest = torch.maximum(lowest, query_pos[None, :] - c.mem_len + 1)
-            key_attended = torch.cat([mem_attended, attended[:, start:end]], dim=1)  # [B, k]
-            visible = (
-                (key_pos[None, None, :] >= lowest[:, :, None])
-                & (key_pos[None, None, :] <= query_pos[None, :, None])
-                & key_attended[:, None, :]
+        layer_inputs: list[list[torch.Tensor]] = [[] for _ in range(c.n_layer + 1)]
+        for start in range(0, length, c.tgt_len):
+            end, mlen = min(start + c.tgt_len, length), work.hidden[0].shape[1]
+            key_attended = torch.cat([work.attended, attended[:, start:end]], dim=1)  # [B, k]
+            visible = self._visible(first, key_attended, start, end, mlen)
+            pos_emb = self._position_embedding(mlen + end - start, device, dtype)
+            x = self._read_block(
+                embedded[:, start:end], pos_emb, visible, work, keep, layer_inputs if output_hidden_states else None
             )
-            distances = torch.arange(mlen + qlen - 1, -1, -1, device=device, dtype=torch.float32)
-            if c.clamp_len > 0:
-                distances = distances.clamp(max=c.clamp_len)
-            pos_emb = self.drop(sinusoid_encoding(distances, c.d_model).to(dtype))
-            x = embedded[:, start:end]
-            for i, layer in enumerate(self.layers):
-                if reuse:
-                    mem_keys, mem_values = keys[i], values[i]
-                else:
-                    mem_keys, mem_values = layer.dec_attn.project(hidden[i])[1:] if mlen else (keys[i], values[i])
-                if output_hidden_states:
-                    layer_inputs_out[i].append(x)
-                new_hidden = torch.cat([hidden[i], x.detach()], dim=1)[:, -keep:] if keep else hidden[i][:, :0]
-                x, key, value = layer(x, pos_emb, visible, mem_keys, mem_values, self.r_w_bias, self.r_r_bias)
-                if keep:
-                    keys[i] = torch.cat([keys[i], key.detach()], dim=1)[:, -keep:]
-                    values[i] = torch.cat([values[i], value.detach()], dim=1)[:, -keep:]
-                hidden[i] = new_hidden
-            layer_inputs_out[c.n_layer].append(x)
-            hidden[c.n_layer] = (
-                torch.cat([hidden[c.n_layer], x.detach()], dim=1)[:, -keep:] if keep else hidden[c.n_layer][:, :0]
-            )
-            mem_attended = (
-                torch.cat([mem_attended, attended[:, start:end]], dim=1)[:, -keep:] if keep else mem_attended[:, :0]
-            )
+            layer_inputs[c.n_layer].append(x)
+            work.attended = keep_last(work.attended, attended[:, start:end], keep)
 
-        outputs = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in layer_inputs_out if parts]
-        last = self.drop(outputs[-1])
-        new_memory = None
-        if use_cache:
-            trim = c.mem_len
-            new_memory = TransformerXLMemory(
-                [h[:, h.shape[1] - min(trim, h.shape[1]) :] for h in hidden],
-                [k[:, k.shape[1] - min(trim, k.shape[1]) :] for k in keys],
-                [v[:, v.shape[1] - min(trim, v.shape[1]) :] for v in values],
-                mem_attended[:, mem_attended.shape[1] - min(trim, mem_attended.shape[1]) :],
-                memory.seen + length,
-            )
+        outputs = [torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in layer_inputs if parts]
         return TransformerXLModelOutput(
-            last_hidden_state=last, cache=new_memory, hidden_states=tuple(outputs) if output_hidden_states else None
+            last_hidden_state=self.drop(outputs[-1]),
+            cache=last_positions(work, c.mem_len, memory.seen + length) if use_cache else None,
+            hidden_states=tuple(outputs) if output_hidden_states else None,
         )
 
 
