@@ -297,17 +297,7 @@ def train_word(
     all. The words are counted by ``workers`` processes; the vocabulary is the same for any number."""
     if min_count < 1:
         raise TrainError(f"--min-count {min_count}: must be at least 1")
-    specials = list(dict.fromkeys(specials))
-    if not specials:
-        raise TrainError("--specials: give at least the end-of-sentence token, e.g. --specials '<eos>'")
-    eos = eos or specials[0]
-    for flag, token in (("--eos", eos), ("--eod", eod), ("--unk", unk)):
-        if token is not None and (not token or any(c.isspace() for c in token)):
-            raise TrainError(f"{flag} {token!r}: a token cannot be empty or contain whitespace")
-    if eos not in specials:
-        raise TrainError(f"--eos {eos!r} is not one of --specials {specials}")
-    if eod is not None and eod not in specials:
-        specials.append(eod)
+    specials, eos = _word_specials(specials, eos, eod, unk)
     if max_size is not None and max_size <= len(specials) + 1:
         raise TrainError(f"--max-size {max_size}: leaves no room for words besides the specials {specials}")
     counts = reading.count_words(workers)
@@ -345,6 +335,22 @@ def train_word(
         {"eos": eos, "eod": eod, "unk": unk},
         training,
     )
+
+
+def _word_specials(specials: list[str], eos: str | None, eod: str | None, unk: str) -> tuple[list[str], str]:
+    """The special tokens of a word vocabulary, ``eod`` appended when it is not one, and the separator."""
+    specials = list(dict.fromkeys(specials))
+    if not specials:
+        raise TrainError("--specials: give at least the end-of-sentence token, e.g. --specials '<eos>'")
+    eos = eos or specials[0]
+    for flag, token in (("--eos", eos), ("--eod", eod), ("--unk", unk)):
+        if token is not None and (not token or any(c.isspace() for c in token)):
+            raise TrainError(f"{flag} {token!r}: a token cannot be empty or contain whitespace")
+    if eos not in specials:
+        raise TrainError(f"--eos {eos!r} is not one of --specials {specials}")
+    if eod is not None and eod not in specials:
+        specials.append(eod)
+    return specials, eos
 
 
 def sample_lines(batches: Iterable[list[str]], size: int, seed: int) -> list[str]:
@@ -443,45 +449,9 @@ def train_sentencepiece(
         raise TrainError(f"--max-sentence-length {max_sentence_length}: must be at least 16 bytes")
     if eod_symbol is not None and eod_symbol not in user_symbols:
         user_symbols = user_symbols + [eod_symbol]
-    cut_lines = 0
-
-    def piece_batches() -> Iterator[list[str]]:
-        nonlocal cut_lines
-        for lines in reading.line_batches():
-            pieces = []
-            for line in lines:
-                line_pieces = training_pieces(line, max_sentence_length)
-                cut_lines += len(line_pieces) > 1 or line_pieces[0] is not line
-                pieces.extend(line_pieces)
-            yield pieces
-
-    sample = sample_lines(piece_batches(), input_sentence_size, seed)
-    if not sample:
-        files = ", ".join(f.name for f in reading.files[:3]) + (", ..." if len(reading.files) > 3 else "")
-        raise TrainError(
-            f"the input holds no text to train on ({reading.statistics['documents']:,} documents, "
-            f"{reading.statistics['empty_documents']:,} of them blank, in {files})"
-        )
-    model = io.BytesIO()
-    try:
-        # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
-        # would make the same training give different bytes (and fingerprints) in different directories.
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            max_sentence_length=max_sentence_length,
-            user_defined_symbols=user_symbols,
-            num_threads=threads,
-            minloglevel=1,
-        )
-    except RuntimeError as error:
-        raise TrainError(f"sentencepiece could not train ({error})") from error
-    atomic_write(output / SENTENCEPIECE_MODEL, lambda handle: handle.write(model.getvalue()))
+    sample, cut_lines = _training_sample(reading, max_sentence_length, input_sentence_size, seed)
+    model = _train_model(sample, vocab_size, model_type, character_coverage, max_sentence_length, user_symbols, threads)
+    atomic_write(output / SENTENCEPIECE_MODEL, lambda handle: handle.write(model))
     processor = sentencepiece.SentencePieceProcessor(model_file=str(output / SENTENCEPIECE_MODEL))
     eos_id, unk_id = processor.eos_id(), processor.unk_id()
     eod_id = processor.piece_to_id(eod_symbol) if eod_symbol is not None else eos_id
@@ -514,6 +484,65 @@ def train_sentencepiece(
         pieces,
         training,
     )
+
+
+def _training_sample(reading: _Reading, max_sentence_length: int, size: int, seed: int) -> tuple[list[str], int]:
+    """``size`` training pieces sampled from the input's lines (`sample_lines`), and how many lines were cut into
+    pieces (`training_pieces`)."""
+    cut_lines = 0
+
+    def piece_batches() -> Iterator[list[str]]:
+        nonlocal cut_lines
+        for lines in reading.line_batches():
+            pieces = []
+            for line in lines:
+                line_pieces = training_pieces(line, max_sentence_length)
+                cut_lines += len(line_pieces) > 1 or line_pieces[0] is not line
+                pieces.extend(line_pieces)
+            yield pieces
+
+    sample = sample_lines(piece_batches(), size, seed)
+    if not sample:
+        files = ", ".join(f.name for f in reading.files[:3]) + (", ..." if len(reading.files) > 3 else "")
+        raise TrainError(
+            f"the input holds no text to train on ({reading.statistics['documents']:,} documents, "
+            f"{reading.statistics['empty_documents']:,} of them blank, in {files})"
+        )
+    return sample, cut_lines
+
+
+def _train_model(
+    sample: list[str],
+    vocab_size: int,
+    model_type: str,
+    character_coverage: float,
+    max_sentence_length: int,
+    user_symbols: list[str],
+    threads: int,
+) -> bytes:
+    """The bytes of a SentencePiece model trained on ``sample``."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    try:
+        # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
+        # would make the same training give different bytes (and fingerprints) in different directories.
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            max_sentence_length=max_sentence_length,
+            user_defined_symbols=user_symbols,
+            num_threads=threads,
+            minloglevel=1,
+        )
+    except RuntimeError as error:
+        raise TrainError(f"sentencepiece could not train ({error})") from error
+    return model.getvalue()
 
 
 def _raw_chunks(reading: _Reading, what: str) -> Iterator[corpus.Chunk]:
@@ -648,6 +677,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1,
         help="--kind word: processes counting words, this one included (the vocabulary is the same for any number)",
     )
+    _add_kind_arguments(parser)
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset:
+        parser.set_defaults(**PRESETS[preset])
+    return parser.parse_args(argv)
+
+
+def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
+    """The settings of each kind of tokenizer (and the held-out bytes that enwik8|text8 training leaves out)."""
     sp = parser.add_argument_group("sentencepiece")
     sp.add_argument("--vocab-size", type=int, default=32000)
     sp.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
@@ -698,10 +736,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     word.add_argument("--eos", help="the sentence separator (default: the first special)")
     word.add_argument("--eod", help="end-of-document token (default: the separator)")
     word.add_argument("--unk", default="<unk>", help="token for words outside the vocabulary")
-    preset = parser.parse_known_args(argv)[0].preset
-    if preset:
-        parser.set_defaults(**PRESETS[preset])
-    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -727,36 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reading = _Reading(
             files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress, args.allow_empty
         )
-        if args.kind == "byte":
-            tokenizer = train_byte(reading, args.output)
-        elif args.kind == "char":
-            tokenizer = train_char(reading, args.output, args.alphabet)
-        elif args.kind == "word":
-            tokenizer = train_word(
-                reading,
-                args.output,
-                args.min_count,
-                args.max_size,
-                args.specials,
-                args.eos,
-                args.eod,
-                args.unk,
-                args.workers,
-            )
-        else:
-            tokenizer = train_sentencepiece(
-                reading,
-                args.output,
-                args.vocab_size,
-                args.model_type,
-                args.character_coverage,
-                args.input_sentence_size,
-                args.user_symbols,
-                args.eod_symbol,
-                args.seed,
-                args.threads,
-                args.max_sentence_length,
-            )
+        tokenizer = _train(args, reading)
     except (TrainError, InputError, TokenizerError, OSError) as error:
         # A refused input leaves no trace: the folder this run created goes again while nothing is in it.
         if created and args.output.is_dir() and not any(args.output.iterdir()):
@@ -776,6 +781,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{statistics['replaced_bytes']:,} non-UTF-8 bytes replaced; {time.perf_counter() - started:.1f} s"
     )
     return 0
+
+
+def _train(args: argparse.Namespace, reading: _Reading) -> Tokenizer:
+    """The tokenizer of ``--kind``, trained on ``reading`` and written to ``--output``."""
+    if args.kind == "byte":
+        return train_byte(reading, args.output)
+    if args.kind == "char":
+        return train_char(reading, args.output, args.alphabet)
+    if args.kind == "word":
+        return train_word(
+            reading,
+            args.output,
+            args.min_count,
+            args.max_size,
+            args.specials,
+            args.eos,
+            args.eod,
+            args.unk,
+            args.workers,
+        )
+    return train_sentencepiece(
+        reading,
+        args.output,
+        args.vocab_size,
+        args.model_type,
+        args.character_coverage,
+        args.input_sentence_size,
+        args.user_symbols,
+        args.eod_symbol,
+        args.seed,
+        args.threads,
+        args.max_sentence_length,
+    )
 
 
 if __name__ == "__main__":
