@@ -67,6 +67,18 @@ class StreamState:
 
     position: StreamPosition | None = dataclasses.field(default_factory=StreamPosition)
     shards: list[ShardEntry] = dataclasses.field(default_factory=list)
+    shards_json: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
+    """``shards`` as JSON, kept beside them: the journal is saved after every shard, and converting every entry
+    again each time made the saves cost a share of the build that grew with its shards."""
+
+    def add_shard(self, entry: ShardEntry, position: StreamPosition | None) -> None:
+        self.shards.append(entry)
+        self.shards_json.append(dataclasses.asdict(entry))
+        self.position = position
+
+    def to_json(self) -> dict[str, Any]:
+        position = None if self.position is None else dataclasses.asdict(self.position)
+        return {"position": position, "shards": self.shards_json}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StreamState:
@@ -74,6 +86,7 @@ class StreamState:
         return cls(
             position=None if position is None else StreamPosition(**position),
             shards=[ShardEntry(**entry) for entry in data["shards"]],
+            shards_json=list(data["shards"]),
         )
 
 
@@ -121,7 +134,7 @@ class BuildJournal:
         state = {
             "settings": self.record,
             "sources": {name: dataclasses.asdict(source) for name, source in self.sources.items()},
-            "streams": {name: dataclasses.asdict(stream) for name, stream in self.streams.items()},
+            "streams": {name: stream.to_json() for name, stream in self.streams.items()},
         }
         atomic_write_text(self.path, json.dumps(state, indent=1) + "\n")
 

@@ -259,9 +259,7 @@ class _SourceBuild:
         )
 
     def _on_shard(self, split: str, entry: ShardEntry) -> None:
-        stream = self.journal.streams[split]
-        stream.shards.append(entry)
-        stream.position = self.packers[split].block_start
+        self.journal.streams[split].add_shard(entry, self.packers[split].block_start)
         # Re-reading restarts at the chunk where the split furthest behind continues.
         positions = [self.journal.streams[s].position for s in self.splits]
         earliest = min((p.chunk for p in positions if p is not None), default=None)
