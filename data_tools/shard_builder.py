@@ -19,7 +19,7 @@ from data_tools.block_packer import BlockPacker, StreamPosition
 from data_tools.build_journal import STATE_NAME, BuildJournal
 from data_tools.build_settings import BuildError, BuildSettings
 from data_tools.corpus import ReadPosition
-from data_tools.tokenize_chunks import ChunkResult, WorkerSettings, start_worker, tokenize_chunk
+from data_tools.tokenize_chunks import ChunkResult, Task, WorkerSettings, start_worker, tokenize_chunk
 from data_tools.workers import ordered_map
 from txl_dist.data.format import (
     MANIFEST_NAME,
@@ -205,10 +205,6 @@ class _Builder:
             splits=splits,
             build=build,
         )
-
-
-Task = tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]]
-"""A chunk and, per split it feeds, the index of its first document still to tokenise (None: none is)."""
 
 
 class _SourceBuild:

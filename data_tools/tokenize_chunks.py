@@ -62,9 +62,13 @@ def start_worker(settings: WorkerSettings, tokenizer: Tokenizer | None = None) -
     _worker = (settings, tokenizer, token_dtype(tokenizer.vocab_size))
 
 
-def tokenize_chunk(task: tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]]) -> ChunkResult:
-    """Documents of a chunk -> token arrays per split. ``task[1]`` gives, per split fed by the chunk, the index
-    of its first document still to tokenise (None: the split already holds all of them)."""
+Task = tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]]
+"""A chunk and, per split it feeds, the index of its first document still to tokenise (None: the split already
+holds all of them)."""
+
+
+def tokenize_chunk(task: Task) -> ChunkResult:
+    """Documents of a chunk -> token arrays per split (see `Task`)."""
     chunk, streams = task
     chunk = corpus.resolve(chunk)
     settings, tokenizer, dtype = _worker
