@@ -34,6 +34,7 @@ from txl_dist.fileio import OutputPathError, refuse_output_over_inputs, sha256_f
 from txl_dist.tokenizer import load_tokenizer
 
 SMALL_SOURCE_CHUNKS = 32  # a source of fewer chunks than this is tokenised without worker processes
+# What a build writes in its output: shards, and their temporary files (".partial": an older builder's name).
 OUTPUT_FILE = re.compile(r"^([A-Za-z0-9_]+-\d{6}\.tar|\..+\.(partial|tmp))$")
 
 

@@ -130,6 +130,8 @@ class AtomicFile:
         except OSError as error:
             named = with_path(error, self.path, replace=True)
             self.error = self.error or named
+            if named is error:  # no errno: nothing to name
+                raise
             raise named from error
 
 
