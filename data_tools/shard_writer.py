@@ -7,7 +7,7 @@ renamed when complete, so a directory never holds a half-written ``.tar`` under 
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import os
 import tarfile
 from collections.abc import Callable
@@ -17,49 +17,23 @@ import numpy as np
 import webdataset as wds
 
 from txl_dist.data.format import DOC_OFFSETS_EXT, TAR_MTIME, TOKENS_EXT, ShardEntry, block_key, encode_block, shard_name
-from txl_dist.fileio import with_path
+from txl_dist.fileio import AtomicFile
 
 
-class _HashingFile:
-    """A write-only file that hashes and counts what passes through it. A failing write (no space left, ...)
-    raises OSError naming ``name`` (the shard being written; write() itself names no file)."""
+@dataclasses.dataclass
+class _OpenShard:
+    """The shard being written: its file (under a temporary name until it is finished) and what it holds so far."""
 
-    def __init__(self, path: Path, name: Path):
-        self.path = name
-        try:
-            self._handle = open(path, "wb")
-        except OSError as error:
-            raise with_path(error, name, replace=True) from error
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        try:
-            return self._handle.write(data)
-        except OSError as error:
-            raise with_path(error, self.path, replace=True) from error
-
-    def flush(self) -> None:
-        try:
-            self._handle.flush()
-        except OSError as error:
-            raise with_path(error, self.path, replace=True) from error
-
-    def close(self) -> None:
-        if self._handle.closed:
-            return
-        try:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-        except OSError as error:
-            raise with_path(error, self.path, replace=True) from error
-        finally:
-            try:
-                self._handle.close()
-            except OSError:  # the buffer it could not write; the error above says why
-                pass
+    name: str
+    file: AtomicFile
+    token_offset: int
+    block_offset: int
+    tar: wds.TarWriter | None = None
+    keys: list[str] = dataclasses.field(default_factory=list)
+    block_tokens: list[int] = dataclasses.field(default_factory=list)
+    documents: int = 0
+    words: int = 0
+    characters: int = 0
 
 
 def member_offsets(path: str | os.PathLike) -> dict[str, int]:
@@ -100,7 +74,7 @@ class ShardWriter:
         self._next_index = first_shard_index
         self._token_offset = first_token_offset
         self._block_offset = first_block_offset
-        self._open: dict | None = None
+        self._open: _OpenShard | None = None
 
     def add_block(self, tokens: np.ndarray, doc_offsets: np.ndarray, words: int = 0, characters: int = 0) -> None:
         tokens = np.asarray(tokens)
@@ -121,59 +95,48 @@ class ShardWriter:
         if self._open is None:
             self._start_shard()
         shard = self._open
-        shard["writer"].write(encode_block(self._block_offset, tokens.astype(self.dtype), doc_offsets))
-        shard["keys"].append(block_key(self._block_offset))
-        shard["block_tokens"].append(int(tokens.size))
-        shard["documents"] += int(doc_offsets.size)
-        shard["words"] += int(words)
-        shard["characters"] += int(characters)
+        shard.tar.write(encode_block(self._block_offset, tokens.astype(self.dtype), doc_offsets))
+        shard.keys.append(block_key(self._block_offset))
+        shard.block_tokens.append(int(tokens.size))
+        shard.documents += int(doc_offsets.size)
+        shard.words += int(words)
+        shard.characters += int(characters)
         self._block_offset += 1
         self._token_offset += int(tokens.size)
-        if sum(shard["block_tokens"]) >= self.tokens_per_shard:
+        if sum(shard.block_tokens) >= self.tokens_per_shard:
             self._finish_shard()
 
     def _start_shard(self) -> None:
         name = shard_name(self.split, self._next_index)
-        tmp = self._partial_path(self._next_index)
-        handle = _HashingFile(tmp, self.directory / name)
-        writer = wds.TarWriter(handle, encoder=False, mtime=TAR_MTIME, user="txl", group="txl", mode=0o444)
-        self._open = {
-            "name": name,
-            "tmp": tmp,
-            "handle": handle,
-            "writer": writer,
-            "keys": [],
-            "block_tokens": [],
-            "documents": 0,
-            "words": 0,
-            "characters": 0,
-            "token_offset": self._token_offset,
-            "block_offset": self._block_offset,
-        }
+        shard = _OpenShard(name, AtomicFile(self.directory / name, "sha256"), self._token_offset, self._block_offset)
+        # Recorded before its file exists: an interruption from here on (Ctrl-C) finds the file to remove.
+        self._open = shard
+        shard.file.open()
+        shard.tar = wds.TarWriter(shard.file, encoder=False, mtime=TAR_MTIME, user="txl", group="txl", mode=0o444)
 
     def _finish_shard(self) -> None:
         # self._open stays set until the rename, so that an interruption before it removes the partial file.
         shard = self._open
-        shard["writer"].close()
-        shard["handle"].close()
-        offsets = member_offsets(shard["tmp"])
-        os.replace(shard["tmp"], self.directory / shard["name"])
+        shard.tar.close()
+        shard.file.close()
+        offsets = member_offsets(shard.file.temporary)
+        shard.file.commit()
         self._open = None
         entry = ShardEntry(
-            path=shard["name"],
-            sha256=shard["handle"].sha256.hexdigest(),
-            bytes=shard["handle"].size,
-            blocks=len(shard["keys"]),
-            documents=shard["documents"],
-            tokens=sum(shard["block_tokens"]),
-            token_offset=shard["token_offset"],
-            block_offset=shard["block_offset"],
-            block_tokens=shard["block_tokens"],
+            path=shard.name,
+            sha256=shard.file.hexdigest(),
+            bytes=shard.file.bytes,
+            blocks=len(shard.keys),
+            documents=shard.documents,
+            tokens=sum(shard.block_tokens),
+            token_offset=shard.token_offset,
+            block_offset=shard.block_offset,
+            block_tokens=shard.block_tokens,
             block_byte_offsets=[
-                min(offsets[f"{key}.{ext}"] for ext in (TOKENS_EXT, DOC_OFFSETS_EXT)) for key in shard["keys"]
+                min(offsets[f"{key}.{ext}"] for ext in (TOKENS_EXT, DOC_OFFSETS_EXT)) for key in shard.keys
             ],
-            words=shard["words"],
-            characters=shard["characters"],
+            words=shard.words,
+            characters=shard.characters,
         )
         self.shards.append(entry)
         self._next_index += 1
@@ -192,17 +155,12 @@ class ShardWriter:
         if exc_type is None:
             self.close()
             return
-        # Leave no partial shard behind on failure; finished shards stay for --resume. The partial file is found
-        # by name, not through self._open: an interruption (Ctrl-C) can come after `_start_shard` created the
-        # file and before it recorded it.
+        # Leave no partial shard behind on failure; finished shards stay for --resume.
         shard, self._open = self._open, None
-        self._partial_path(self._next_index).unlink(missing_ok=True)
         if shard is not None:
-            try:
-                shard["writer"].close()
-                shard["handle"].close()
-            except OSError:  # the same full or failing disk as the error being raised: that one says it
-                pass
-
-    def _partial_path(self, index: int) -> Path:
-        return self.directory / f".{shard_name(self.split, index)}.partial"
+            if shard.tar is not None:
+                try:
+                    shard.tar.close()
+                except OSError:  # the same full or failing disk as the error being raised: that one says it
+                    pass
+            shard.file.discard()

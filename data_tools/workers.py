@@ -1,22 +1,20 @@
 """An ordered, bounded map over worker processes that can be stopped at any moment.
 
 `multiprocessing.Pool` shares one result pipe and its lock among all workers; stopping it while a worker is
-halfway through sending a large result (the shard builder's are ~0.5 MB, far above a pipe's buffer) can leave
+halfway through sending a large result (the shard builder's are far above a pipe's buffer) can leave
 ``Pool.terminate`` waiting forever for that lock. Here each worker has its own task and result pipes, each
 worker's results come back in the order of its tasks, and the caller hands results over in task order; no lock
 is shared, and stopping is killing the processes.
 
 The calling process works too: of ``workers``, ``workers - 1`` are spawned, and a task that finds every one of
-them busy is computed by the caller. Sending a chunk of text and receiving its tokens costs about 2 ms per MB
-each way; a task kept here costs nothing of it, and the caller's core, which would otherwise wait for results,
-is used.
+them busy is computed by the caller. Sending a chunk of text and receiving its tokens costs time each way; a task
+kept here costs nothing of it, and the caller's core, which would otherwise wait for results, is used.
 
 A worker is busy when it holds ``in_flight_per_worker`` tasks it has not answered yet; answers already received
 but not yet handed over do not count. The caller also does serial work between results (the shard builder
-packs, writes, hashes and fsyncs), and a worker must not run dry meanwhile: with 16 tasks of about 25 ms each
-it has some 0.4 s of work in hand. Measured with the shard builder on a 99-file corpus of One-Billion-Word shape
-(2 cores, a 779k-word vocabulary), 2 workers against 1: 1.36x when a worker counted as busy with 2 tasks,
-received ones included; 1.67x, 1.72x and 1.74x in three runs with 16 unanswered ones.
+packs, writes, hashes and fsyncs), and a worker must not run dry meanwhile: with 16 unanswered tasks it has
+work in hand for that time. Counting a worker busy with 2 tasks, received ones included, gave 2 workers a
+markedly smaller speed-up over 1 (benchmarks/build_shards.py measures 2 workers against 1).
 """
 
 from __future__ import annotations
@@ -74,110 +72,132 @@ def ordered_map(
         if finalizer is not None:
             yield finalizer()
         return
-    # spawn, not fork: workers import only what they need, and no thread of this process is copied mid-operation.
-    context = multiprocessing.get_context("spawn")
-    processes, senders, receivers = [], [], []
+    pool = _Pool(function, initializer, initargs, finalizer)
     try:
-        for _ in range(workers - 1):
+        pool.start(workers - 1)
+        waiting_limit = 2 * workers * in_flight_per_worker
+        for task in tasks:
+            worker = min(range(pool.size), key=pool.unanswered)
+            if pool.unanswered(worker) < in_flight_per_worker:
+                pool.send(worker, task)
+            else:
+                pool.compute_here(function, task)
+            while pool.pending and (pool.ready() or len(pool.pending) > waiting_limit):
+                yield pool.take()
+        if finalizer is not None:
+            for worker in range(pool.size):
+                pool.send(worker, _Finalize())
+            pool.compute_here(finalizer)
+        while pool.pending:
+            yield pool.take()
+        pool.stop()
+    finally:
+        pool.close()
+
+
+class _Pool:
+    """The spawned workers of one `ordered_map`, each with its own task and result pipes, and the results pending
+    in task order."""
+
+    def __init__(self, function: Callable, initializer: Callable, initargs: tuple, finalizer: Callable[[], Any] | None):
+        self._worker_args = (function, initializer, initargs, finalizer)
+        self.processes: list = []
+        self.senders: list[Connection] = []
+        self.receivers: list[Connection] = []
+        self.replies: list[queue.SimpleQueue] = []
+        self.queued: list[int] = []
+        # Pending results in task order: [worker, reply]; the reply of a spawned worker's task is None until
+        # received (a worker answers its tasks in the order it got them, so the oldest pending task of worker w
+        # is the one its next reply belongs to).
+        self.pending: collections.deque[list] = collections.deque()
+
+    @property
+    def size(self) -> int:
+        return len(self.senders)
+
+    def start(self, count: int) -> None:
+        # spawn, not fork: workers import only what they need, and no thread of this process is copied mid-operation.
+        context = multiprocessing.get_context("spawn")
+        for _ in range(count):
             task_receiver, task_sender = context.Pipe(duplex=False)
             result_receiver, result_sender = context.Pipe(duplex=False)
             process = context.Process(
-                target=_serve,
-                daemon=True,
-                args=(task_receiver, result_sender, function, initializer, initargs, finalizer),
+                target=_serve, daemon=True, args=(task_receiver, result_sender, *self._worker_args)
             )
             process.start()
             task_receiver.close()
             result_sender.close()
-            processes.append(process)
-            senders.append(task_sender)
-            receivers.append(result_receiver)
-
-        def died(worker: int) -> WorkerError:
-            processes[worker].join(timeout=1)
-            return WorkerError(
-                f"worker process {processes[worker].pid} died without a result (exit code {processes[worker].exitcode})"
-            )
-
+            self.processes.append(process)
+            self.senders.append(task_sender)
+            self.receivers.append(result_receiver)
         # A thread per worker takes its replies off the pipe as they come: a worker never waits for this
         # process to finish a task of its own before it can send a result and go on.
-        replies = [queue.SimpleQueue() for _ in receivers]
+        self.replies = [queue.SimpleQueue() for _ in self.receivers]
+        self.queued = [0] * len(self.senders)
+        for worker in range(len(self.receivers)):
+            threading.Thread(target=self._collect, args=(worker,), daemon=True).start()
 
-        def collect(worker: int) -> None:
-            while True:
-                try:
-                    replies[worker].put(receivers[worker].recv())
-                except (EOFError, OSError):
-                    replies[worker].put(None)
-                    return
-
-        for worker in range(len(receivers)):
-            threading.Thread(target=collect, args=(worker,), daemon=True).start()
-
-        # Pending results in task order: [worker, reply]; the reply of a spawned worker's task is None until
-        # received (a worker answers its tasks in the order it got them, so the oldest pending task of worker w
-        # is the one its next reply belongs to).
-        pending: collections.deque[list] = collections.deque()
-        queued = [0] * len(senders)
-
-        def send(worker: int, task: Any) -> None:
+    def _collect(self, worker: int) -> None:
+        while True:
             try:
-                senders[worker].send(task)
-            except (BrokenPipeError, ConnectionResetError):
-                raise died(worker) from None
-            queued[worker] += 1
-            pending.append([worker, None])
+                self.replies[worker].put(self.receivers[worker].recv())
+            except (EOFError, OSError):
+                self.replies[worker].put(None)
+                return
 
-        def compute_here(call: Callable[..., Any], *arguments: Any) -> None:
-            try:
-                pending.append([_LOCAL, ("result", call(*arguments))])
-            except Exception as error:  # raised when its turn comes, like a worker's
-                pending.append([_LOCAL, ("error", error)])
+    def _died(self, worker: int) -> WorkerError:
+        process = self.processes[worker]
+        process.join(timeout=1)
+        return WorkerError(f"worker process {process.pid} died without a result (exit code {process.exitcode})")
 
-        def ready() -> bool:
-            worker, reply = pending[0]
-            return reply is not None or not replies[worker].empty()
+    def send(self, worker: int, task: Any) -> None:
+        try:
+            self.senders[worker].send(task)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died(worker) from None
+        self.queued[worker] += 1
+        self.pending.append([worker, None])
 
-        def take() -> Any:
-            worker, reply = pending.popleft()
+    def compute_here(self, call: Callable[..., Any], *arguments: Any) -> None:
+        try:
+            self.pending.append([_LOCAL, ("result", call(*arguments))])
+        except Exception as error:  # raised when its turn comes, like a worker's
+            self.pending.append([_LOCAL, ("error", error)])
+
+    def ready(self) -> bool:
+        worker, reply = self.pending[0]
+        return reply is not None or not self.replies[worker].empty()
+
+    def take(self) -> Any:
+        worker, reply = self.pending.popleft()
+        if reply is None:
+            reply = self.replies[worker].get()
             if reply is None:
-                reply = replies[worker].get()
-                if reply is None:
-                    raise died(worker)
-                queued[worker] -= 1
-            kind, value = reply
-            if kind == "error":
-                raise value
-            return value
+                raise self._died(worker)
+            self.queued[worker] -= 1
+        kind, value = reply
+        if kind == "error":
+            raise value
+        return value
 
-        def unanswered(worker: int) -> int:
-            return queued[worker] - replies[worker].qsize()
+    def unanswered(self, worker: int) -> int:
+        return self.queued[worker] - self.replies[worker].qsize()
 
-        for task in tasks:
-            worker = min(range(len(senders)), key=unanswered)
-            if unanswered(worker) < in_flight_per_worker:
-                send(worker, task)
-            else:
-                compute_here(function, task)
-            while pending and (ready() or len(pending) > 2 * workers * in_flight_per_worker):
-                yield take()
-        if finalizer is not None:
-            for worker in range(len(senders)):
-                send(worker, _Finalize())
-            compute_here(finalizer)
-        while pending:
-            yield take()
-        for sender in senders:
+    def stop(self) -> None:
+        """Ask every worker to end, and wait for it."""
+        for sender in self.senders:
             sender.send(None)
-        for process in processes:
+        for process in self.processes:
             process.join()
-    finally:
-        for process in processes:
+
+    def close(self) -> None:
+        """Kill the workers still running and close the pipes."""
+        for process in self.processes:
             if process.is_alive():
                 process.kill()
-        for process in processes:
+        for process in self.processes:
             process.join()
-        for connection in senders + receivers:
+        for connection in self.senders + self.receivers:
             connection.close()
 
 

@@ -1,5 +1,5 @@
 """Small file helpers shared by the tokenizer, the shard builder, checkpoints and conversions: checksums, atomic
-writes, write failures in one line, and outputs that never destroy an input."""
+writes, JSON files read with one-line errors, write failures in one line, and outputs that never destroy an input."""
 
 from __future__ import annotations
 
@@ -33,38 +33,129 @@ def sha256_file(path: str | os.PathLike) -> str:
     return sha256_files([path])
 
 
+class AtomicFile:
+    """A binary write-only file that a reader never sees a part of: the bytes go to a temporary file beside
+    ``path``, which `commit` syncs and renames to ``path`` and `discard` removes.
+
+    The bytes are counted and, with ``checksum`` ("crc32" or a `hashlib` name such as "sha256"), hashed as they
+    pass, so a file's checksum costs no second read. A failing write raises OSError naming ``path`` (write() itself
+    names no file, and the temporary name means nothing to a user); the first one is kept in ``error``, since a
+    writer that calls `write` may swallow it (torch's raises a RuntimeError that does not say what happened).
+    """
+
+    def __init__(self, path: str | os.PathLike, checksum: str | None = None):
+        self.path = Path(path)
+        self.temporary: Path | None = None
+        """The temporary file, once `open` created it (None again after `commit` or `discard`)."""
+        self.bytes = 0
+        self.error: OSError | None = None
+        self._handle: BinaryIO | None = None
+        self._crc = 0 if checksum == "crc32" else None
+        self._hash = hashlib.new(checksum) if checksum not in (None, "crc32") else None
+
+    def open(self) -> AtomicFile:
+        """Create the temporary file (mode 0666 less the umask, as open() gives: the other accounts of a shared
+        cluster can read the result)."""
+        while True:
+            tmp = self.path.parent / f".{self.path.name}.{secrets.token_hex(8)}.tmp"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+                self.temporary = tmp
+                break
+            except FileExistsError:  # somebody else's file of that name: not ours to remove
+                continue
+            except BaseException as error:
+                # Removed by name: an interrupt can arrive after the file was created and before `fd` was set.
+                _remove_quietly(tmp)
+                if isinstance(error, OSError):
+                    raise with_path(error, self.path, replace=True) from error
+                raise
+        self._handle = os.fdopen(fd, "wb")
+        return self
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if self._crc is not None:
+            self._crc = zlib.crc32(view, self._crc)  # releases the GIL on large buffers
+        elif self._hash is not None:
+            self._hash.update(view)
+        self.bytes += view.nbytes
+        with self._naming_errors():
+            return self._handle.write(view)
+
+    def flush(self) -> None:
+        with self._naming_errors():
+            self._handle.flush()
+
+    def hexdigest(self) -> str:
+        """The checksum of the bytes written so far (eight hexadecimal digits for CRC-32)."""
+        return f"{self._crc:08x}" if self._crc is not None else self._hash.hexdigest()
+
+    def close(self) -> None:
+        """Sync and close the temporary file (it keeps its name until `commit`)."""
+        if self._handle is None or self._handle.closed:
+            return
+        try:
+            with self._naming_errors():
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+        finally:
+            try:
+                self._handle.close()
+            except OSError:  # the buffer it could not write; the error above says why
+                pass
+
+    def commit(self) -> Path:
+        """Close the file and give it its name ``path``."""
+        self.close()
+        with self._naming_errors():
+            os.replace(self.temporary, self.path)
+        self.temporary = None
+        return self.path
+
+    def discard(self) -> None:
+        """Remove the temporary file, quietly: the error that led here is the one to report."""
+        try:
+            self.close()
+        except OSError:
+            pass
+        if self.temporary is not None:
+            _remove_quietly(self.temporary)
+            self.temporary = None
+
+    @contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as error:
+            named = with_path(error, self.path, replace=True)
+            self.error = self.error or named
+            if named is error:  # no errno: nothing to name
+                raise
+            raise named from error
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
     """Create ``path`` through ``write(binary file)`` so that a reader sees the old file or the whole new one,
-    never a part: the bytes go to a temporary file in the same folder, which is synced and renamed. On any
-    failure, Ctrl-C included, the temporary file is removed and ``path`` is left as it was; an OSError (no space,
-    read-only, ...) names ``path``."""
-    path = Path(path)
-    while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-        try:
-            # Mode 0666 less the umask, as open() gives: the other accounts of a shared cluster can read the file.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-            break
-        except FileExistsError:  # somebody else's file of that name: not ours to remove
-            continue
-        except BaseException as error:
-            # Removed by name: an interrupt can arrive after the file was created and before `fd` was set.
-            _remove_quietly(tmp)
-            if isinstance(error, OSError):
-                raise with_path(error, path, replace=True) from error
-            raise
+    never a part (an `AtomicFile`). On any failure, Ctrl-C included, the temporary file is removed and ``path``
+    is left as it was; an OSError (no space, read-only, ...) names ``path``."""
+    return _write_atomically(path, write, None).path
+
+
+def _write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], object], checksum: str | None) -> AtomicFile:
+    file = AtomicFile(path, checksum)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        file.open()
+        write(file)
+        file.commit()
     except BaseException as error:
-        _remove_quietly(tmp)
+        file.discard()
+        if isinstance(error, Exception) and file.error is not None and file.error is not error:
+            raise file.error from error  # no space, ...: what the caller's message should say
         if isinstance(error, OSError):
             raise with_path(error, path, replace=True) from error
         raise
-    return path
+    return file
 
 
 def _remove_quietly(path: Path) -> None:
@@ -79,12 +170,27 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
+def read_json(
+    path: str | os.PathLike,
+    error: Callable[[str], Exception] = ValueError,
+    problem: str = "not valid JSON",
+    advice: str = "",
+) -> Any:
+    """The JSON value in ``path``. A file that cannot be read, or is not UTF-8 JSON, raises ``error`` with one
+    line that names it: "PATH: PROBLEM (the cause)ADVICE"."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as cause:
+        raise error(f"{path}: {problem} ({cause}){advice}") from cause
+
+
 # ---- checksums of written files --------------------------------------------------------------------------------
 
 CHECKSUM_NAME = "crc32"
 """The checksum recorded for checkpoint files: CRC-32 (zlib), which detects the accidental damage a checkpoint can
-suffer (truncation, overwritten blocks, bit rot) and runs at memory speed; the sha256 of the shards would cost
-about 1.5x more for no protection that matters here (tampering is the weights-only loader's business)."""
+suffer (truncation, overwritten blocks, bit rot) and runs at memory speed; the sha256 of the shards costs more
+(benchmarks/checkpoint_checksum.py prints both) for no protection that matters here (tampering is the weights-only
+loader's business)."""
 
 
 @dataclass(frozen=True)
@@ -101,35 +207,6 @@ class FileChecksum:
         return cls(int(data["bytes"]), str(data[CHECKSUM_NAME]))
 
 
-class ChecksumWriter:
-    """A binary write-only file object that counts and CRC-32s the bytes passing through to ``handle``, so that a
-    file's checksum costs no second read (``torch.save`` writes through it). The first OSError of a write is kept
-    in ``error``: torch's writer swallows it and raises a RuntimeError that does not say what happened."""
-
-    def __init__(self, handle: BinaryIO):
-        self._handle = handle
-        self._crc = 0
-        self.bytes = 0
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        self._crc = zlib.crc32(view, self._crc)  # releases the GIL on large buffers
-        self.bytes += view.nbytes
-        try:
-            return self._handle.write(view)
-        except OSError as error:
-            self.error = self.error or error
-            raise
-
-    def flush(self) -> None:
-        self._handle.flush()
-
-    @property
-    def checksum(self) -> FileChecksum:
-        return FileChecksum(self.bytes, f"{self._crc:08x}")
-
-
 def file_checksum(path: str | os.PathLike, block_bytes: int = 1 << 22) -> FileChecksum:
     """Size and CRC-32 of a file, read in blocks into one reused buffer (memory does not grow with the file)."""
     crc, size = 0, 0
@@ -144,20 +221,8 @@ def file_checksum(path: str | os.PathLike, block_bytes: int = 1 << 22) -> FileCh
 
 def atomic_write_checksummed(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> FileChecksum:
     """`atomic_write` that returns the size and CRC-32 of the bytes written (computed as they pass)."""
-    result: list[FileChecksum] = []
-
-    def counted(handle: BinaryIO) -> None:
-        writer = ChecksumWriter(handle)
-        try:
-            write(writer)
-        except Exception as error:
-            if writer.error is not None and writer.error is not error:
-                raise writer.error from error  # no space, ...: what the caller's message should say
-            raise
-        result.append(writer.checksum)
-
-    atomic_write(path, counted)
-    return result[0]
+    file = _write_atomically(path, write, CHECKSUM_NAME)
+    return FileChecksum(file.bytes, file.hexdigest())
 
 
 # ---- write failures as one line --------------------------------------------------------------------------------

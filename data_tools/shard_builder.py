@@ -1,0 +1,342 @@
+"""Building the shards of a `BuildSettings`: the output folder, its journal, each source through the tokenising
+workers, the block packers and the shard writers, and the manifest (see `data_tools.build_shards`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data_tools import corpus
+from data_tools.block_packer import BlockPacker, StreamPosition
+from data_tools.build_journal import STATE_NAME, BuildJournal
+from data_tools.build_settings import BuildError, BuildSettings
+from data_tools.corpus import ReadPosition
+from data_tools.tokenize_chunks import ChunkResult, Task, WorkerSettings, start_worker, tokenize_chunk
+from data_tools.workers import ordered_map
+from txl_dist.data.format import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardEntry,
+    SplitEntry,
+    TokenizerIdentity,
+    token_dtype,
+    write_manifest,
+)
+from txl_dist.fileio import OutputPathError, refuse_output_over_inputs, sha256_file
+from txl_dist.tokenizer import load_tokenizer
+
+SMALL_SOURCE_CHUNKS = 32  # a source of fewer chunks than this is tokenised without worker processes
+# What a build writes in its output: shards, and their temporary files (".partial": an older builder's name).
+OUTPUT_FILE = re.compile(r"^([A-Za-z0-9_]+-\d{6}\.tar|\..+\.(partial|tmp))$")
+
+
+@dataclasses.dataclass
+class BuildSummary:
+    output: Path
+    documents: int
+    tokens: int
+    empty_documents: int
+    replaced_bytes: int
+    shards: int
+    seconds: float
+    bytes_read: int
+    """Input bytes read by this run (a resumed run reads less than the whole input)."""
+
+    def line(self) -> str:
+        rate = self.bytes_read / 1e6 / max(self.seconds, 1e-9)
+        return (
+            f"build_shards: {self.documents:,} documents, {self.tokens:,} tokens, {self.empty_documents:,} "
+            f"empty documents skipped, {self.replaced_bytes:,} non-UTF-8 bytes replaced, {self.shards} shards "
+            f"in {self.output}, {self.seconds:.2f} s, {rate:.1f} MB/s"
+        )
+
+
+def build_shards(
+    settings: BuildSettings,
+    output: str | Path,
+    *,
+    workers: int = 1,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    allow_empty: bool = False,
+) -> BuildSummary:
+    """Build (or with ``resume`` finish) the shards of ``settings`` in ``output``; see `data_tools.build_shards`."""
+    return _Builder(settings, Path(output), workers, progress).run(resume, overwrite, allow_empty)
+
+
+class _Builder:
+    def __init__(self, settings: BuildSettings, output: Path, workers: int, progress: bool):
+        if workers < 1:
+            raise BuildError(f"--workers {workers}: must be at least 1")
+        self.settings = settings
+        self.output = output
+        self.workers = workers
+        self.progress = progress
+        self.tokenizer = load_tokenizer(settings.tokenizer_directory)
+        self.dtype = token_dtype(self.tokenizer.vocab_size)
+        self.record = settings.record(self.tokenizer)
+        self.bytes_read = 0
+
+    def run(self, resume: bool, overwrite: bool, allow_empty: bool = False) -> BuildSummary:
+        # Imported here: webdataset imports torch, which neither the command line's checks nor the spawned
+        # tokenising workers need.
+        from data_tools.shard_writer import ShardWriter
+
+        started = time.perf_counter()
+        # Before anything in the output is deleted: a shard of the previous build given as an input would be gone.
+        inputs = [
+            f.name
+            for files in self.settings.sources.values()
+            for f in files
+            if not f.name.startswith(corpus.TREEBANK_PREFIX)
+        ]
+        try:
+            refuse_output_over_inputs(self.output, inputs)
+        except OutputPathError as error:
+            raise BuildError(str(error)) from None
+        journal = self._prepare_output(resume, overwrite)
+        # The heap of the imports (torch's, through webdataset) never becomes garbage; leaving it out of the
+        # collector's passes makes the single-process build faster.
+        gc.freeze()
+        try:
+            for source in self.settings.sources:
+                if not journal.sources[source].done:
+                    _SourceBuild(self, source, journal, ShardWriter).run()
+        finally:
+            gc.unfreeze()
+        manifest = self._manifest(journal)
+        empty = [name for name, split in manifest.splits.items() if split.documents == 0]
+        if empty and not allow_empty:
+            raise BuildError(
+                f"split {empty[0]!r} has no documents (its inputs are empty or blank): no manifest "
+                f"written; check the inputs, or pass --allow-empty to write empty splits"
+            )
+        write_manifest(self.output, manifest)
+        journal.path.unlink()
+        statistics = [journal.sources[s].statistics for s in self.settings.sources]
+        return BuildSummary(
+            output=self.output,
+            documents=sum(split.documents for split in manifest.splits.values()),
+            tokens=sum(split.tokens for split in manifest.splits.values()),
+            empty_documents=sum(s.empty_documents for s in statistics),
+            replaced_bytes=sum(s.replaced_bytes for s in statistics),
+            shards=sum(len(split.shards) for split in manifest.splits.values()),
+            seconds=time.perf_counter() - started,
+            bytes_read=self.bytes_read,
+        )
+
+    def _prepare_output(self, resume: bool, overwrite: bool) -> BuildJournal:
+        if resume and overwrite:
+            raise BuildError("--resume and --overwrite exclude each other")
+        output = self.output
+        if output.exists() and not output.is_dir():
+            raise BuildError(f"{output}: exists and is not a directory")
+        output.mkdir(parents=True, exist_ok=True)
+        state_path = output / STATE_NAME
+        if resume and state_path.exists():
+            journal = BuildJournal.load(state_path, self.record)
+            self._check_journaled_shards(journal)
+            return journal
+        entries = sorted(p.name for p in output.iterdir())
+        if entries and resume:
+            if (output / MANIFEST_NAME).exists():
+                raise BuildError(f"{output}: the build is complete ({MANIFEST_NAME} exists), nothing to resume")
+            raise BuildError(f"{output}: no {STATE_NAME} to resume from; start again with --overwrite")
+        if entries and not overwrite:
+            raise BuildError(
+                f"{output}: not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
+                f"pass --overwrite to replace its shards, or --resume to continue an interrupted build"
+            )
+        for name in entries:
+            if name in (MANIFEST_NAME, STATE_NAME) or OUTPUT_FILE.match(name):
+                (output / name).unlink()
+        return BuildJournal.new(state_path, self.record, list(self.settings.sources), self.settings.splits())
+
+    def _check_journaled_shards(self, journal: BuildJournal) -> None:
+        journaled = set()
+        for split in self.settings.splits():
+            for entry in journal.shards(split):
+                path = self.output / entry.path
+                journaled.add(entry.path)
+                if not path.is_file():
+                    raise BuildError(
+                        f"{path}: missing, but {journal.path} lists it as written; start again with --overwrite"
+                    )
+                actual = sha256_file(path)
+                if actual != entry.sha256:
+                    raise BuildError(
+                        f"{path}: sha256 {actual} differs from {entry.sha256} in {journal.path}; the shard "
+                        f"changed after it was written: start again with --overwrite"
+                    )
+        # Shards written after the last journal entry (and partial files) are rewritten identically.
+        for path in self.output.iterdir():
+            if OUTPUT_FILE.match(path.name) and path.name not in journaled:
+                path.unlink()
+
+    def _manifest(self, journal: BuildJournal) -> Manifest:
+        splits = {}
+        for split in self.settings.splits():
+            shards = journal.shards(split)
+            splits[split] = SplitEntry(
+                documents=sum(s.documents for s in shards),
+                tokens=sum(s.tokens for s in shards),
+                blocks=sum(s.blocks for s in shards),
+                shards=list(shards),
+                words=sum(s.words for s in shards),
+                characters=sum(s.characters for s in shards),
+            )
+        build = {
+            **self.record,
+            "tokenizer_directory": str(self.settings.tokenizer_directory),
+            "statistics": {s: journal.statistics(s) for s in self.settings.sources},
+        }
+        return Manifest(
+            tokenizer=TokenizerIdentity(**self.tokenizer.identity()),
+            dtype=self.dtype.name,
+            block_tokens=self.settings.tokens_per_block,
+            splits=splits,
+            build=build,
+        )
+
+
+class _SourceBuild:
+    """One source's chunks through the tokenising workers into the block packer and shard writer of each split it
+    feeds, with the journal brought up to date after each finished shard."""
+
+    def __init__(self, builder: _Builder, source: str, journal: BuildJournal, writer_class: type):
+        settings = builder.settings
+        self.builder = builder
+        self.source = source
+        self.journal = journal
+        self.state = journal.sources[source]
+        self.splits = settings.streams_of(source)
+        self.files = settings.sources[source]
+        self.read_from = self.state.read_from
+        self.statistics_from = self.state.statistics_next_chunk
+        self.chunk_starts: dict[int, ReadPosition] = {}
+        """Where each chunk read but not yet behind every split begins: a resume reads again from one of them."""
+        self.positions = {
+            split: journal.streams[split].position for split in self.splits if journal.streams[split].position
+        }
+        self.writers = {split: self._writer(split, writer_class) for split in self.splits}
+        self.packers = {
+            split: BlockPacker(
+                self.writers[split], settings.tokens_per_block, self.positions.get(split, StreamPosition())
+            )
+            for split in self.splits
+        }
+        # This process tokenises too, with the builder's tokenizer. A spawned worker costs seconds to start (a
+        # million-word vocabulary to load): a small source (One Billion Word's valid and test files) is
+        # tokenised here alone.
+        small = sum(f.size for f in self.files) < SMALL_SOURCE_CHUNKS * settings.chunk_bytes
+        self.workers = 1 if small else builder.workers
+        self.documents = self.tokens = 0  # of this run, for the progress bar
+
+    def _writer(self, split: str, writer_class: type):
+        done = self.journal.shards(split)
+        return writer_class(
+            self.builder.output,
+            split,
+            self.builder.tokenizer.vocab_size,
+            self.builder.dtype,
+            self.builder.settings.tokens_per_shard,
+            first_shard_index=len(done),
+            first_token_offset=sum(s.tokens for s in done),
+            first_block_offset=sum(s.blocks for s in done),
+            on_shard=functools.partial(self._on_shard, split),
+        )
+
+    def _on_shard(self, split: str, entry: ShardEntry) -> None:
+        self.journal.streams[split].add_shard(entry, self.packers[split].block_start)
+        # Re-reading restarts at the chunk where the split furthest behind continues.
+        positions = [self.journal.streams[s].position for s in self.splits]
+        earliest = min((p.chunk for p in positions if p is not None), default=None)
+        if earliest is not None:
+            self.state.read_from = self.chunk_starts[earliest]
+            for chunk in [c for c in self.chunk_starts if c < earliest]:
+                del self.chunk_starts[chunk]
+        self.journal.save()
+
+    def run(self) -> None:
+        settings = self.builder.settings
+        worker_settings = WorkerSettings(
+            str(settings.tokenizer_directory),
+            settings.doc_unit,
+            settings.jsonl_field,
+            settings.strict,
+            settings.holdout,
+            input_format=settings.input_format,
+        )
+        bar = self._progress_bar()
+        results = ordered_map(
+            tokenize_chunk,
+            self._tasks(),
+            self.workers,
+            start_worker,
+            (worker_settings,),
+            local_initargs=(worker_settings, self.builder.tokenizer),
+        )
+        try:
+            for result in results:
+                self._add(result, bar)
+            for split in self.splits:
+                self.packers[split].close()
+                self.journal.streams[split].position = None
+        except BaseException:
+            for writer in self.writers.values():
+                writer.__exit__(*sys.exc_info())
+            raise
+        finally:
+            results.close()  # stops the workers now, also on an error
+            bar.close()
+        self.state.done = True
+        self.journal.save()
+
+    def _tasks(self) -> Iterator[Task]:
+        settings = self.builder.settings
+        for chunk in corpus.read_chunks(self.files, settings.doc_unit, settings.chunk_bytes, self.read_from):
+            index = chunk.start.chunk
+            self.chunk_starts[index] = chunk.start
+            firsts = []
+            for split in self.splits:
+                position = self.positions.get(split)
+                if position is None or position.chunk > index:
+                    firsts.append((split, None))
+                else:
+                    firsts.append((split, position.document if position.chunk == index else 0))
+            yield corpus.portable(chunk) if self.workers > 1 else chunk, tuple(firsts)
+
+    def _add(self, result: ChunkResult, bar: tqdm) -> None:
+        for split, piece in result.pieces.items():
+            self.packers[split].add(result.chunk, piece)
+            self.documents += len(piece.document_tokens)
+            self.tokens += len(piece.tokens)
+        if result.chunk >= self.statistics_from:
+            self.state.statistics.add(result)
+            self.state.statistics_next_chunk = result.chunk + 1
+        self.builder.bytes_read += result.bytes
+        bar.update(result.bytes)
+        bar.set_postfix(documents=self.documents, tokens=self.tokens, refresh=False)
+
+    def _progress_bar(self) -> tqdm:
+        files, read_from = self.files, self.read_from
+        plain = all(not f.name.endswith(".gz") for f in files)
+        return tqdm(
+            total=sum(f.size for f in files) if plain else None,
+            initial=sum(f.size for f in files[: read_from.file]) + read_from.offset if plain else 0,
+            unit="B",
+            unit_scale=True,
+            desc=f"{self.source}",
+            file=sys.stderr,
+            disable=not self.builder.progress,
+            dynamic_ncols=True,
+        )

@@ -1,0 +1,133 @@
+"""A tokenizer's training input: its documents line by line or chunk by chunk, with a progress bar, the counts
+for the record, and the one error class of training."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from tqdm import tqdm
+
+from data_tools import corpus
+from data_tools.corpus import InputFile
+from data_tools.word_counting import CountSettings, WordCounts, count_chunk, counted, start_counting
+from data_tools.workers import WorkerError, ordered_map
+
+
+class TrainError(ValueError):
+    """Settings that cannot train a tokenizer; the message names the flag."""
+
+
+class Reading:
+    """The documents of the inputs, line by line, with a progress bar and counts for the record."""
+
+    def __init__(
+        self,
+        files: list[InputFile],
+        doc_unit: str,
+        jsonl_field: str,
+        strict: bool,
+        progress: bool,
+        allow_empty: bool = False,
+    ):
+        self.files, self.doc_unit, self.jsonl_field, self.strict = files, doc_unit, jsonl_field, strict
+        self.progress, self.allow_empty = progress, allow_empty
+        self.statistics = {"documents": 0, "lines": 0, "empty_documents": 0, "replaced_bytes": 0, "bytes": 0}
+
+    def line_batches(self) -> Iterator[list[str]]:
+        """The non-blank lines of the non-empty documents, a chunk at a time."""
+        plain = all(not f.name.endswith(".gz") for f in self.files)
+        with tqdm(
+            total=sum(f.size for f in self.files) if plain else None,
+            unit="B",
+            unit_scale=True,
+            desc="reading",
+            file=sys.stderr,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        ) as bar:
+            for chunk in corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES):
+                text = corpus.chunk_documents(chunk, self.doc_unit, self.jsonl_field, self.strict)
+                lines = [line for document in text.documents for line in document if line.strip()]
+                statistics = self.statistics
+                statistics["documents"] += len(text.documents)
+                statistics["lines"] += len(lines)
+                statistics["empty_documents"] += text.empty
+                statistics["replaced_bytes"] += text.replaced_bytes
+                statistics["bytes"] += len(chunk.data)
+                bar.update(len(chunk.data))
+                yield lines
+        self._check_not_empty()
+
+    def record(self) -> dict[str, Any]:
+        return {"inputs": [f.describe() for f in self.files], "doc_per": self.doc_unit, "statistics": self.statistics}
+
+    def count_words(self, workers: int) -> collections.Counter:
+        """How often each whitespace-separated word occurs in the non-empty documents, counted by ``workers``
+        processes (each counts the chunks it is given and hands over its totals once, at the end)."""
+        if workers < 1:
+            raise TrainError(f"--workers {workers}: must be at least 1")
+        plain = all(not f.name.endswith(".gz") for f in self.files)
+        settings = CountSettings(self.doc_unit, self.jsonl_field, self.strict)
+        chunks = corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES)
+        if workers > 1:
+            chunks = map(corpus.portable, chunks)
+        totals: list[WordCounts] = []
+        results = ordered_map(count_chunk, chunks, workers, start_counting, (settings,), finalizer=counted)
+        try:
+            with tqdm(
+                total=sum(f.size for f in self.files) if plain else None,
+                unit="B",
+                unit_scale=True,
+                desc="counting",
+                file=sys.stderr,
+                disable=not self.progress,
+                dynamic_ncols=True,
+            ) as bar:
+                for result in results:
+                    if isinstance(result, WordCounts):
+                        totals.append(result)
+                        continue
+                    for key, value in result.items():
+                        self.statistics[key] += value
+                    bar.update(result["bytes"])
+        except WorkerError as error:
+            raise TrainError(f"counting stopped: {error}") from error
+        finally:
+            results.close()
+        self._check_not_empty()
+        return WordCounts.combine(totals)
+
+    def _check_not_empty(self) -> None:
+        if self.statistics["documents"] == 0 and not self.allow_empty:
+            # Raised from the end of the reading, before the tokenizer's files are written.
+            names = ", ".join(str(f.name) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+            raise TrainError(
+                f"no document in the input {names} ({len(self.files)} files, "
+                f"{self.statistics['bytes']:,} bytes, {self.statistics['empty_documents']:,} blank "
+                f"documents): check --input, or pass --allow-empty for a tokenizer of the special "
+                f"symbols only"
+            )
+
+    def raw_chunks(self, what: str) -> Iterator[corpus.Chunk]:
+        """The input's chunks as read, counted in ``self.statistics`` (every line a document, none skipped)."""
+        plain = all(not f.compressed for f in self.files)
+        with tqdm(
+            total=sum(f.size for f in self.files) if plain else None,
+            unit="B",
+            unit_scale=True,
+            desc=what,
+            file=sys.stderr,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        ) as bar:
+            for chunk in corpus.read_chunks(self.files, "line", corpus.DEFAULT_CHUNK_BYTES):
+                lines = chunk.data.count(b"\n") + (not chunk.data.endswith(b"\n"))
+                self.statistics["documents"] += lines
+                self.statistics["lines"] += lines
+                self.statistics["bytes"] += len(chunk.data)
+                bar.update(len(chunk.data))
+                yield chunk
+        self._check_not_empty()
