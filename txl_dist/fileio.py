@@ -175,13 +175,19 @@ def read_json(
     error: Callable[[str], Exception] = ValueError,
     problem: str = "not valid JSON",
     advice: str = "",
+    *,
+    expect_object: bool = False,
 ) -> Any:
-    """The JSON value in ``path``. A file that cannot be read, or is not UTF-8 JSON, raises ``error`` with one
-    line that names it: "PATH: PROBLEM (the cause)ADVICE"."""
+    """The JSON value in ``path``: the one reader of this project's JSON files. A file that cannot be read, or is
+    not UTF-8 JSON, raises ``error`` with one line that names it: "PATH: PROBLEM (the cause)ADVICE"; with
+    ``expect_object``, so does a value other than an object ("PATH: expected a JSON object")."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as cause:
         raise error(f"{path}: {problem} ({cause}){advice}") from cause
+    if expect_object and not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object")
+    return value
 
 
 # ---- checksums of written files --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from txl_dist.fileio import atomic_write_text
+from txl_dist.fileio import atomic_write_text, read_json
 
 FORMAT_NAME = "txl_dist.shards"
 FORMAT_VERSION = 1
@@ -251,11 +251,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             f"{path}: no manifest; not a shard directory, or its build did not finish "
             f"(rerun data_tools.build_shards with --resume)"
         )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ManifestError(f"{path}: not valid JSON ({error})") from error
-    return Manifest.from_dict(data, str(path))
+    return Manifest.from_dict(read_json(path, ManifestError), str(path))
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:

@@ -12,12 +12,12 @@ read too, with our defaults for the rest: that is the CONFIG of ``convert.py ori
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from txl_dist.fileio import read_json
 from txl_dist.model import ModelConfig
 
 FORMAT = "txl_dist.export"
@@ -59,13 +59,7 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
     the file is, for the message when it is missing)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing ({what})")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+    return read_json(path, expect_object=True)
 
 
 def config_to_json(config: ModelConfig, tokenizer: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from txl_dist.fileio import atomic_write_text, sha256_files
+from txl_dist.fileio import atomic_write_text, read_json, sha256_files
 from txl_dist.tokenizer.base import KINDS, TOKENIZER_JSON, Tokenizer, TokenizerError
 from txl_dist.tokenizer.characters import ByteTokenizer, CharTokenizer
 from txl_dist.tokenizer.words import SentencePieceTokenizer, WordTokenizer
@@ -74,12 +74,7 @@ class _Description:
             raise TokenizerError(f"{directory}: no such tokenizer directory")
         if not self.path.is_file():
             raise TokenizerError(f"{self.path}: missing; create a tokenizer with python -m data_tools.train_tokenizer")
-        try:
-            self.contents = json.loads(self.path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise TokenizerError(f"{self.path}: not valid JSON ({error})") from error
-        if not isinstance(self.contents, dict):
-            raise TokenizerError(f"{self.path}: expected a JSON object")
+        self.contents = read_json(self.path, TokenizerError, expect_object=True)
         self.files: list[str] = []
         self.fingerprint = ""
 
