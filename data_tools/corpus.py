@@ -367,10 +367,10 @@ class Chunk:
 
 
 def portable(chunk: Chunk) -> Chunk:
-    """The chunk as it travels to a worker process. A chunk of a plain file travels as where its bytes lie and
-    their CRC-32, and the worker reads them again (from the page cache: 0.3 ms per MB, where sending them
-    through a pipe costs 2 ms, most of it in a worker thread fighting the tokenising one for the GIL). Chunks
-    of .gz files and of the treebank package travel with their bytes."""
+    """The chunk as it travels to a worker process. A chunk of a plain file travels as where its bytes lie and their
+    CRC-32, and the worker reads them again from the page cache, which costs far less than sending them through a
+    pipe (most of that cost is a worker thread fighting the tokenising one for the GIL). Chunks of .gz files and of
+    the treebank package travel with their bytes."""
     if chunk.data is None or chunk.path.endswith((".gz", ".zip")) or chunk.path.startswith(TREEBANK_PREFIX):
         return chunk
     return dataclasses.replace(chunk, data=None, length=len(chunk.data), crc32=zlib.crc32(chunk.data))

@@ -232,8 +232,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         r_head [klen + 1, H, D] (zero row first), mask [qlen, klen] or None when no key is masked
         -> attention vectors [qlen, B, H*D] in the compute dtype (that of q).
 
-        Heads are the outer dimension: the attention matmuls run on contiguous [H*B, len, D] tensors (several
-        times faster than on strided views of time-major tensors) and the position term needs no transposition."""
+        Heads are the outer dimension: the attention matmuls run on contiguous [H*B, len, D] tensors (batched
+        matmuls on strided views of time-major tensors are much slower) and the position term needs no transposition."""
         u = self.r_w_bias if self.r_w_bias is not None else r_w_bias
         v = self.r_r_bias if self.r_r_bias is not None else r_r_bias
         n_head, bsz, qlen, d_head = q.shape

@@ -1,7 +1,7 @@
-"""Dropout that draws its CPU masks several times faster than ``torch.nn.Dropout``.
+"""Dropout that draws its CPU masks faster than ``torch.nn.Dropout`` (benchmarks/RESULTS.md has the figures).
 
 On CPUs, ``F.dropout`` spends most of its time drawing one Bernoulli variable per element (and converting the
-draw); a training step of a small Transformer-XL spends about a tenth of its time there. Here the mask comes from
+draw), a visible share of a small Transformer-XL's training step. Here the mask comes from
 16 random bits per element, drawn 64 at a time: an element is kept when its 16 bits, read as a signed integer,
 are at least ``round(p * 65536) - 32768``. The drop probability is therefore p rounded to a multiple of 1/65536
 (0.1 -> 0.100006), and the draws come from torch's default CPU generator, so they follow ``torch.manual_seed`` and

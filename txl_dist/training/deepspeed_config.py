@@ -126,7 +126,7 @@ def bucket_elements(zero: ZeroConfig, num_parameters: int | None) -> int:
     in ``setup_buckets``), however few gradients it will hold. A GPU's caching allocator hands the same block
     back, but it stays reserved: 800 MB of fp32 for the default 200M elements, around a 2M-parameter model. On
     a CPU each step maps that much fresh memory and takes a page fault for every 4 KiB the gradients touch,
-    which the kernel zero-fills: 2,600 faults per step of ``ptb_small`` in fp32 on 2 ranks. A bucket the size
+    which the kernel zero-fills, thousands of faults per step of a small model. A bucket the size
     of the model holds every gradient, so a larger one only costs this. The cap is rounded up to a multiple of
     `BUCKET_ALIGNMENT` elements: DeepSpeed wants bucket sizes aligned for its collectives."""
     if num_parameters is None:
