@@ -424,7 +424,9 @@ def plan_memory(
         "eval",
         f"2 x (n_layer + 1) x eval mem_len {evaluation.mem_len} x {eval_streams} stream(s) x d_model x {mem_bytes}",
     )
-    eval_model = dataclasses.replace(model, tgt_len=evaluation.tgt_len, mem_len=evaluation.mem_len)
+    eval_model = dataclasses.replace(
+        model, tgt_len=evaluation.tgt_len, mem_len=evaluation.mem_len, same_length=evaluation.same_length
+    )
     add(
         "evaluation forward (one layer)",
         eval_forward_bytes(eval_model, eval_streams, b),
