@@ -98,7 +98,8 @@ PRESET_KEY = "preset"
 @config_dataclass
 class RunConfig:
     """A whole training run. Each component receives its own section (``cfg.optim``), never this object. The
-    sections were checked when they were made; this checks the rules that join them."""
+    sections were checked when they were made (InstanceOf: pydantic takes them as they are, the model with its
+    placeholder n_token included); this checks the rules that join them."""
 
     model: InstanceOf[ModelConfig] = field(default_factory=ModelConfig)
     """Architecture; n_token is replaced by the manifest's vocabulary size at run time."""
@@ -128,10 +129,47 @@ class RunConfig:
 
     @pydantic.model_validator(mode="after")
     def _check_across_sections(self) -> RunConfig:
-        try:
-            _check_across_sections(self)
-        except ConfigError as error:
-            raise error.with_source(self.key_sources.get(error.key)) from None
+        """The rules that join sections; ConfigError names the key and where it was set."""
+
+        def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(key, value, allowed, self.key_sources.get(key))
+
+        schedule = self.schedule
+        total = schedule.resolved_total_steps(self.train.max_steps)
+        total_name = "train.max_steps" if schedule.total_steps is None else "schedule.total_steps"
+        require(
+            schedule.warmup_steps <= total,
+            "schedule.warmup_steps",
+            schedule.warmup_steps,
+            f"at most the schedule's length, {total_name}={total}",
+        )
+        if schedule.kind == "constant":
+            require(
+                schedule.min_lr == 0,
+                "schedule.min_lr",
+                schedule.min_lr,
+                "0 with schedule.kind='constant' (a constant schedule never decays)",
+            )
+        require(
+            schedule.min_lr <= self.optim.lr, "schedule.min_lr", schedule.min_lr, f"at most optim.lr={self.optim.lr}"
+        )
+        if self.zero.offload_optimizer != "none":
+            require(
+                self.zero.stage >= 1,
+                "zero.offload_optimizer",
+                self.zero.offload_optimizer,
+                "'none' with zero.stage=0 (DeepSpeed offloads ZeRO-partitioned optimizer states: "
+                "use zero.stage 1, 2 or 3)",
+            )
+        evaluation = self.eval.resolve(self.model)
+        if evaluation.same_length:
+            require(
+                evaluation.mem_len > 0,
+                "eval.same_length",
+                True,
+                "false when the evaluation mem_len is 0 (every query would see no key)",
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,44 +264,3 @@ def _config_from_data(data: dict[str, Any], sources: dict[str, str]) -> RunConfi
         except ConfigError as error:
             raise error.with_source(sources.get(error.key)) from None
     return RunConfig(**sections, model_preset=preset_name, key_sources=sources)
-
-
-def _check_across_sections(cfg: RunConfig) -> None:
-    """The rules that join sections; ConfigError names the key."""
-
-    def require(ok: bool, key: str, value: Any, allowed: str) -> None:
-        if not ok:
-            raise ConfigError(key, value, allowed)
-
-    schedule = cfg.schedule
-    total = schedule.resolved_total_steps(cfg.train.max_steps)
-    total_name = "train.max_steps" if schedule.total_steps is None else "schedule.total_steps"
-    require(
-        schedule.warmup_steps <= total,
-        "schedule.warmup_steps",
-        schedule.warmup_steps,
-        f"at most the schedule's length, {total_name}={total}",
-    )
-    if schedule.kind == "constant":
-        require(
-            schedule.min_lr == 0,
-            "schedule.min_lr",
-            schedule.min_lr,
-            "0 with schedule.kind='constant' (a constant schedule never decays)",
-        )
-    require(schedule.min_lr <= cfg.optim.lr, "schedule.min_lr", schedule.min_lr, f"at most optim.lr={cfg.optim.lr}")
-    if cfg.zero.offload_optimizer != "none":
-        require(
-            cfg.zero.stage >= 1,
-            "zero.offload_optimizer",
-            cfg.zero.offload_optimizer,
-            "'none' with zero.stage=0 (DeepSpeed offloads ZeRO-partitioned optimizer states: use zero.stage 1, 2 or 3)",
-        )
-    evaluation = cfg.eval.resolve(cfg.model)
-    if evaluation.same_length:
-        require(
-            evaluation.mem_len > 0,
-            "eval.same_length",
-            True,
-            "false when the evaluation mem_len is 0 (every query would see no key)",
-        )

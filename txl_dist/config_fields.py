@@ -8,11 +8,11 @@ constraints and attribute docstrings being its types, ranges and documentation::
     class LogConfig:
         SECTION: ClassVar[str] = "log"
 
-        every: int = Field(100, ge=1)
+        every: Positive = 100  # Annotated[int, Field(ge=1)]
         \"""Log training scalars every this many optimizer steps.\"""
 
 pydantic checks every field when an instance is made, ``dataclasses.replace`` included, in strict mode: YAML's loose
-spellings are refused (``'2'`` for an integer, ``yes`` for a string) except numbers written as strings, since PyYAML
+spellings are refused (``'2'`` for an integer, ``'yes'`` for a boolean) except numbers written as strings, since PyYAML
 reads ``1e-3`` as one (`Number`). Its ValidationError becomes a ConfigError whose "allowed" text is derived from the
 field's type and constraints, or given by an `Allowed` marker where those would say it less well. Rules that join
 fields are ``model_validator(mode="after")`` methods raising ConfigError themselves.

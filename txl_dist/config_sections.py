@@ -80,7 +80,8 @@ class TrainConfig:
     Gradient accumulation steps = global_batch / (micro_batch * world_size)."""
     memory_check: bool = True
     """On accelerators, refuse to start when the memory plan (`txl_dist.plan`) of a rank needs more than its
-    device has, naming a layout that fits; false starts anyway (the plan is within about 10% of measured peaks)."""
+    device has, naming a layout that fits; false starts anyway (the plan is an estimate, which
+    benchmarks/plan_check.py compares with measured peaks)."""
 
     stall_timeout: Annotated[Number, Field(ge=5)] = 120.0
     """Seconds after which a rank whose heartbeat has stopped (a stopped process, a hung host, a dead link) is
@@ -143,7 +144,7 @@ class OptimConfig:
     implementation: Literal["torch", "deepspeed"] = "torch"
     """Whose Adam: "torch" is torch.optim's Adam/AdamW with ``fused=True`` (one kernel per step on CUDA and CPU,
     nothing to compile); "deepspeed" is DeepSpeed's FusedAdam on accelerators (a CUDA extension that compiles at
-    first use, 60-70 s, then cached) and torch's on CPU. With zero.offload_optimizer DeepSpeed's CPU Adam runs
+    first use, then cached) and torch's on CPU. With zero.offload_optimizer DeepSpeed's CPU Adam runs
     whatever this says."""
 
     @pydantic.field_validator("betas")
