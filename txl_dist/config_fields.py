@@ -125,7 +125,7 @@ def _validate_into(instance: Any, args: tuple, kwargs: dict[str, Any], context: 
         raise _config_error(cls, error, given) from None
 
 
-def _config_error(cls: type, error: pydantic.ValidationError, given: dict[str, Any]) -> ValueError:
+def _config_error(cls: type, error: pydantic.ValidationError, given: dict[str, Any]) -> Exception:
     """The first of ``error``'s findings as a ConfigError: type errors first, as a reader fixes them first."""
 
     def is_type_error(detail: dict[str, Any]) -> bool:
@@ -135,15 +135,15 @@ def _config_error(cls: type, error: pydantic.ValidationError, given: dict[str, A
     raised = detail.get("ctx", {}).get("error")
     if isinstance(raised, ConfigError):  # a rule that joins fields
         return raised
-    section = getattr(cls, "SECTION", "")
     name = detail["loc"][0] if detail["loc"] else None
-    names = [f.name for f in dataclasses.fields(cls)]
-    if name not in names:
-        if detail["type"] == "unexpected_keyword_argument":
-            return ValueError(f"unknown key '{section}.{name}'; allowed keys in {section}: {', '.join(names)}")
+    if isinstance(name, int):  # a positional argument
+        name = list(cls.__pydantic_fields__)[name]
+    if detail["type"] == "unexpected_keyword_argument":  # as a plain dataclass says it
+        return TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {name!r}")
+    if name not in cls.__pydantic_fields__:
         return ValueError(f"{cls.__name__}: {detail['msg']}")
     field = cls.__pydantic_fields__[name]
-    key = f"{section}.{name}"
+    key = f"{cls.SECTION}.{name}"
     if detail["type"] in _RANGE_ERRORS and len(detail["loc"]) == 1:
         # pydantic reports the value given; the message names the value as the field holds it (1 -> 1.0)
         value = _read_number(detail["input"]) if _scalar(field.annotation) is float else detail["input"]
