@@ -7,39 +7,58 @@ ours and HuggingFace's translate by name.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any, ClassVar, Literal
 
+import pydantic
+from pydantic import Field
+
+from txl_dist.config_fields import (
+    TUPLE_AS_LIST,
+    Allowed,
+    ConfigError,
+    NonNegative,
+    Number,
+    Positive,
+    PositiveNumber,
+    config_dataclass,
+)
 from txl_dist.model.recurrence import MEM_DTYPES
 
-ATTN_IMPLS = ("auto", "fused", "reference")
+N_TOKEN_FROM_MANIFEST = "n_token_from_manifest"
+"""Validation context: n_token is a placeholder (a preset's or the default) that the shards' manifest replaces at
+run time, so that cutoffs beyond it are not refused yet (`txl_dist.config.with_manifest_vocab` checks them then)."""
+
+Probability = Annotated[Number, Field(ge=0.0, lt=1.0), Allowed("a probability in [0, 1)")]
 
 
-@dataclass
+@config_dataclass
 class ModelConfig:
-    """Architecture and segment settings of `TransformerXLLM`. Every field is checked by `validate()`."""
+    """Architecture and segment settings of `TransformerXLLM`, every field checked when an instance is made."""
 
-    n_token: int = 10000
+    SECTION: ClassVar[str] = "model"
+
+    n_token: Positive = 10000
     """Vocabulary size. Training runs take it from the shards' manifest."""
-    n_layer: int = 16
+    n_layer: Positive = 16
     """Number of decoder layers."""
-    n_head: int = 10
+    n_head: Positive = 10
     """Attention heads per layer."""
-    d_head: int = 41
+    d_head: Positive = 41
     """Dimension of each head; n_head * d_head need not equal d_model."""
-    d_model: int = 410
+    d_model: Positive = 410
     """Width of the residual stream (and of the memory)."""
-    d_inner: int = 2100
+    d_inner: Positive = 2100
     """Hidden width of the position-wise feed-forward network."""
-    d_embed: int | None = None
+    d_embed: Annotated[int | None, Field(ge=1), Allowed("a positive integer or null (= d_model)")] = None
     """Width of the first embedding cluster before its projection to d_model; None means d_model."""
-    div_val: int = 1
+    div_val: Positive = 1
     """Adaptive embedding/softmax: cluster i has width d_embed // div_val**i. 1 keeps one width for all clusters."""
-    cutoffs: list[int] = field(default_factory=list)
+    cutoffs: Annotated[list[int], TUPLE_AS_LIST] = field(default_factory=list)
     """Ascending vocabulary cut points of the adaptive softmax clusters; empty means a full softmax."""
     tie_weight: bool = True
     """Share each output cluster's weight matrix with the matching input embedding cluster."""
-    tie_projs: list[bool] | None = None
+    tie_projs: Annotated[list[bool], TUPLE_AS_LIST] | None = None
     """Per cluster (head first): share the output projection with the input projection. None means the authors'
     choice: the head untied, every tail cluster tied."""
     untie_r: bool = False
@@ -47,38 +66,54 @@ class ModelConfig:
     instead of one pair shared by all layers (the authors' PyTorch code)."""
     pre_lnorm: bool = False
     """Layer norm before each sub-layer (pre-LN) instead of after the residual sum (the paper's post-LN)."""
-    dropout: float = 0.1
+    dropout: Probability = 0.1
     """Dropout on embeddings, position encodings, sub-layer outputs and the final hidden states."""
-    dropatt: float = 0.0
+    dropatt: Probability = 0.0
     """Dropout on attention probabilities."""
-    tgt_len: int = 150
+    tgt_len: Positive = 150
     """Tokens per segment (the length of each training window)."""
-    mem_len: int = 150
+    mem_len: NonNegative = 150
     """Cached hidden states per layer carried to the next segment; 0 gives a vanilla Transformer."""
     clamp_len: int = -1
     """Relative distances beyond this use the encoding of clamp_len; <= 0 disables clamping."""
     same_length: bool = False
     """Every query attends to the same number of keys (mem_len, itself included), as in the paper's evaluation."""
-    attn_impl: str = "auto"
+    attn_impl: Literal["auto", "fused", "reference"] = "auto"
     """"reference" (explicit matmuls and softmax), "fused" (scaled_dot_product_attention with the position term
     as an additive bias) or "auto" (fused on CUDA, reference elsewhere; see benchmarks/model_step.py)."""
     compile: bool = False
     """Run the model through ``torch.compile`` (TorchInductor) in training and evaluation. Not part of the
     architecture: checkpoints and exports do not depend on it. The first steps of each new segment shape pay
     for compilation (tens of seconds); see benchmarks/model_step.py --compile for what it gains."""
-    mem_dtype: str = "compute"
+    mem_dtype: Literal[tuple(MEM_DTYPES)] = "compute"
     """Storage dtype of the memory: "compute" keeps the dtype of the hidden states."""
-    init_std: float = 0.02
+    init_std: PositiveNumber = 0.02
     """Standard deviation of the normal initialisation of weights, embeddings and position biases."""
-    proj_init_std: float = 0.01
+    proj_init_std: PositiveNumber = 0.01
     """Standard deviation of the normal initialisation of the adaptive embedding/softmax projections."""
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: PositiveNumber = 1e-5
     """Epsilon of every layer norm."""
 
-    def __post_init__(self) -> None:
-        self.cutoffs = list(self.cutoffs)
-        if self.tie_projs is not None:
-            self.tie_projs = list(self.tie_projs)
+    @pydantic.model_validator(mode="after")
+    def _check_across_fields(self, info: pydantic.ValidationInfo) -> ModelConfig:
+        def fail(name: str, allowed: str) -> None:
+            raise ConfigError(f"model.{name}", getattr(self, name), allowed)
+
+        if self.same_length and self.mem_len == 0:
+            fail("same_length", "false when mem_len is 0 (every query would see no key)")
+        if any(b <= a for a, b in zip(self.cutoffs, self.cutoffs[1:])):
+            fail("cutoffs", "strictly increasing")
+        n_token = self.n_token
+        if self.cutoffs and info.context and info.context.get(N_TOKEN_FROM_MANIFEST):
+            n_token = max(n_token, self.cutoffs[-1] + 1)
+        if self.cutoffs and (self.cutoffs[0] < 1 or self.cutoffs[-1] >= n_token):
+            fail("cutoffs", f"between 1 and n_token - 1 = {n_token - 1}")
+        dims = self.cluster_dims()
+        if self.div_val > 1 and min(dims) < 1:
+            fail("div_val", f"small enough that d_embed // div_val**{len(dims) - 1} >= 1 (cluster widths {dims})")
+        if self.tie_projs is not None and len(self.tie_projs) != len(self.cutoffs) + 1:
+            fail("tie_projs", f"one boolean per cluster: {len(self.cutoffs) + 1} (head + {len(self.cutoffs)} tails)")
+        return self
 
     @property
     def d_embed_resolved(self) -> int:
@@ -104,50 +139,6 @@ class ModelConfig:
         d_embed = self.d_embed_resolved
         return [d_embed // (self.div_val**i) for i in range(len(self.cutoffs) + 1)]
 
-    def validate(self) -> ModelConfig:
-        """Raise ValueError naming the field, the value given and what is allowed."""
-
-        def fail(name: str, allowed: str) -> None:
-            raise ValueError(f"model.{name}={getattr(self, name)!r} is not allowed: {allowed}")
-
-        for name in ("n_token", "n_layer", "n_head", "d_head", "d_model", "d_inner", "div_val", "tgt_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                fail(name, "a positive integer")
-        if self.d_embed is not None and (not isinstance(self.d_embed, int) or self.d_embed < 1):
-            fail("d_embed", "a positive integer or null (= d_model)")
-        if not isinstance(self.mem_len, int) or self.mem_len < 0:
-            fail("mem_len", "an integer >= 0")
-        if not isinstance(self.clamp_len, int):
-            fail("clamp_len", "an integer (<= 0 disables clamping)")
-        if self.same_length and self.mem_len == 0:
-            fail("same_length", "false when mem_len is 0 (every query would see no key)")
-        if any(not isinstance(c, int) or isinstance(c, bool) for c in self.cutoffs):
-            fail("cutoffs", "a list of integers")
-        if any(b <= a for a, b in zip(self.cutoffs, self.cutoffs[1:])):
-            fail("cutoffs", "strictly increasing")
-        if self.cutoffs and (self.cutoffs[0] < 1 or self.cutoffs[-1] >= self.n_token):
-            fail("cutoffs", f"between 1 and n_token - 1 = {self.n_token - 1}")
-        dims = self.cluster_dims()
-        if self.div_val > 1 and min(dims) < 1:
-            fail("div_val", f"small enough that d_embed // div_val**{len(dims) - 1} >= 1 (cluster widths {dims})")
-        if self.tie_projs is not None and len(self.tie_projs) != len(self.cutoffs) + 1:
-            fail("tie_projs", f"one boolean per cluster: {len(self.cutoffs) + 1} (head + {len(self.cutoffs)} tails)")
-        for name in ("dropout", "dropatt"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                fail(name, "a probability in [0, 1)")
-        if self.attn_impl not in ATTN_IMPLS:
-            fail("attn_impl", f"one of {list(ATTN_IMPLS)}")
-        if not isinstance(self.compile, bool):
-            fail("compile", "true or false")
-        if self.mem_dtype not in MEM_DTYPES:
-            fail("mem_dtype", f"one of {list(MEM_DTYPES)}")
-        for name in ("init_std", "proj_init_std", "layer_norm_eps"):
-            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
-                fail(name, "a positive number")
-        return self
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -157,7 +148,7 @@ class ModelConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
-        return cls(**data).validate()
+        return cls(**data)
 
     def architecture(self) -> dict[str, Any]:
         """The fields that fix the shapes and meaning of the weights (checked when weights are loaded)."""

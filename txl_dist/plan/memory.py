@@ -287,7 +287,9 @@ def _evaluation_terms(cfg: RunConfig, world_size: int, compute_bytes: int) -> li
     evaluation = cfg.eval.resolve(model)
     eval_streams = max(1, math.ceil(evaluation.batch_size / world_size))
     mem_bytes = _mem_bytes(model, compute_bytes)
-    eval_model = dataclasses.replace(model, tgt_len=evaluation.tgt_len, mem_len=evaluation.mem_len)
+    eval_model = dataclasses.replace(
+        model, tgt_len=evaluation.tgt_len, mem_len=evaluation.mem_len, same_length=evaluation.same_length
+    )
     return [
         _term(
             "evaluation mems (read and written)",

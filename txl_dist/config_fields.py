@@ -1,0 +1,200 @@
+"""Typed, documented, validated config fields: pydantic dataclasses whose errors name the key, the value given and
+what is allowed (`ConfigError`).
+
+A section of the run config (and `txl_dist.model.ModelConfig`) is declared once, its annotations, ``Field``
+constraints and attribute docstrings being its types, ranges and documentation::
+
+    @config_dataclass
+    class LogConfig:
+        SECTION: ClassVar[str] = "log"
+
+        every: Positive = 100  # Annotated[int, Field(ge=1)]
+        \"""Log training scalars every this many optimizer steps.\"""
+
+pydantic checks every field when an instance is made, ``dataclasses.replace`` included, in strict mode: YAML's loose
+spellings are refused (``'2'`` for an integer, ``'yes'`` for a boolean) except numbers written as strings, since PyYAML
+reads ``1e-3`` as one (`Number`). Its ValidationError becomes a ConfigError whose "allowed" text is derived from the
+field's type and constraints, or given by an `Allowed` marker where those would say it less well. Rules that join
+fields are ``model_validator(mode="after")`` methods raising ConfigError themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Annotated, Any, Literal, Union
+
+import annotated_types
+import pydantic
+from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic.fields import FieldInfo
+from pydantic_core import ArgsKwargs
+
+
+class ConfigError(ValueError):
+    """A bad value in the run config; ``key`` is its full path (``train.micro_batch``)."""
+
+    def __init__(self, key: str, value: Any, allowed: str, source: str | None = None) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        where = f" (set {source})" if source else ""
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}{where}")
+
+    def with_source(self, source: str | None) -> ConfigError:
+        return ConfigError(self.key, self.value, self.allowed, source)
+
+
+class Allowed(str):
+    """``Annotated`` metadata: what a field's range error says is allowed, where its constraints alone would say it
+    less well (``Annotated[Number, Field(ge=0, lt=1), Allowed("a probability in [0, 1)")]``)."""
+
+
+def _read_number(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _refuse_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a boolean")
+    return value
+
+
+def _tuple_as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+Number = Annotated[float, BeforeValidator(_read_number)]
+"""A finite float; an integer or a numeric string is read as one (a boolean is not)."""
+NOT_A_BOOLEAN = BeforeValidator(_refuse_bool)
+"""For ``Literal`` integers, which pydantic would match with a boolean (``True == 1`` in Python)."""
+TUPLE_AS_LIST = BeforeValidator(_tuple_as_list)
+"""For list fields given a tuple in Python."""
+
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+PositiveNumber = Annotated[Number, Field(gt=0)]
+NonNegativeNumber = Annotated[Number, Field(ge=0.0)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "string_too_short"}
+_SCALAR_NAMES = {
+    bool: ("a boolean (true or false)", "booleans"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string (quote it if it looks like a number)", "strings"),
+}
+
+
+def config_dataclass(cls: type) -> type:
+    """``cls`` as a pydantic dataclass (`CONFIG`) that raises `ConfigError` and has ``validate()``. Its keys are
+    ``{cls.SECTION}.{field}``."""
+    cls = pydantic.dataclasses.dataclass(cls, config=CONFIG)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _validate_into(self, args, kwargs, None)
+
+    def validate(self: Any) -> Any:
+        """Check the fields again (they may have been assigned since the instance was made); returns self."""
+        dataclasses.replace(self)
+        return self
+
+    cls.__init__, cls.validate = __init__, validate
+    return cls
+
+
+def make_validated(cls: type, values: dict[str, Any], context: dict[str, Any] | None = None) -> Any:
+    """``cls(**values)``, its validators given ``context`` (for rules that depend on how the values were given)."""
+    instance = cls.__new__(cls)
+    _validate_into(instance, (), values, context)
+    return instance
+
+
+def _validate_into(instance: Any, args: tuple, kwargs: dict[str, Any], context: dict[str, Any] | None) -> None:
+    cls = type(instance)
+    try:
+        cls.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=instance, context=context)
+    except pydantic.ValidationError as error:
+        given = {**dict(zip([f.name for f in dataclasses.fields(cls)], args)), **kwargs}
+        raise _config_error(cls, error, given) from None
+
+
+def _config_error(cls: type, error: pydantic.ValidationError, given: dict[str, Any]) -> Exception:
+    """The first of ``error``'s findings as a ConfigError: type errors first, as a reader fixes them first."""
+
+    def is_type_error(detail: dict[str, Any]) -> bool:
+        return detail["type"] not in _RANGE_ERRORS and not isinstance(detail.get("ctx", {}).get("error"), ConfigError)
+
+    detail = sorted(error.errors(include_url=False), key=lambda d: not is_type_error(d))[0]
+    raised = detail.get("ctx", {}).get("error")
+    if isinstance(raised, ConfigError):  # a rule that joins fields
+        return raised
+    name = detail["loc"][0] if detail["loc"] else None
+    if isinstance(name, int):  # a positional argument
+        name = list(cls.__pydantic_fields__)[name]
+    if detail["type"] == "unexpected_keyword_argument":  # as a plain dataclass says it
+        return TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {name!r}")
+    if name not in cls.__pydantic_fields__:
+        return ValueError(f"{cls.__name__}: {detail['msg']}")
+    field = cls.__pydantic_fields__[name]
+    key = f"{cls.SECTION}.{name}"
+    if detail["type"] in _RANGE_ERRORS and len(detail["loc"]) == 1:
+        # pydantic reports the value given; the message names the value as the field holds it (1 -> 1.0)
+        value = _read_number(detail["input"]) if _scalar(field.annotation) is float else detail["input"]
+        return ConfigError(key, value, _range_text(field, value))
+    return ConfigError(key, given.get(name, detail["input"]), _type_text(field.annotation))
+
+
+def _range_text(field: FieldInfo, value: Any) -> str:
+    """What a constraint allows, in the words of the config's messages (``a positive integer, or null``)."""
+    optional = type(None) in typing.get_args(field.annotation)
+    constraints = list(field.metadata)
+    for arg in typing.get_args(field.annotation):  # an Optional's constraints are inside it
+        if typing.get_origin(arg) is Annotated:
+            constraints += [
+                c for item in arg.__metadata__ for c in (item.metadata if isinstance(item, FieldInfo) else [item])
+            ]
+    for item in constraints:
+        if isinstance(item, Allowed):
+            return str(item)
+    if isinstance(value, str):
+        return "a non-empty string" + (" or null" if optional else "")
+    bounds = {type(item): item for item in constraints if isinstance(item, annotated_types.BaseMetadata)}
+    is_int = isinstance(value, int)
+    if annotated_types.Ge in bounds:
+        ge = bounds[annotated_types.Ge].ge
+        text = ("a positive integer" if ge == 1 else f"an integer >= {ge}") if is_int else f"a number >= {ge}"
+    elif annotated_types.Gt in bounds:
+        gt = bounds[annotated_types.Gt].gt
+        text = "a positive number" if gt == 0 else f"a number > {gt}"
+    else:
+        raise TypeError(f"no message for the constraints {field.metadata} of a config field")
+    return text + (", or null" if optional else "")
+
+
+def _scalar(hint: Any) -> Any:
+    """The type of a field's value without Annotated and Optional (``float`` for ``Number | None``)."""
+    while typing.get_origin(hint) in (Annotated, Union, types.UnionType):
+        hint = [a for a in typing.get_args(hint) if a is not type(None)][0]
+    return hint
+
+
+def _type_text(hint: Any) -> str:
+    """What a field's type allows (``a list of integers``, ``one of ['adamw', 'adam']``, ``an integer, or null``)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return _type_text(args[0])
+    if origin is list:
+        return f"a list of {_SCALAR_NAMES[_scalar(args[0])][1]}"
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        return f"{_type_text(inner)}, or null"
+    if origin is Literal:
+        return f"one of {list(args)}"
+    return _SCALAR_NAMES[hint][0]

@@ -1,0 +1,279 @@
+"""The sections of the run config other than the model's: data, train, optim, schedule, precision, zero, eval,
+checkpoint, log. Each field's type, range and meaning are declared once (`txl_dist.config_fields`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import field
+from typing import Annotated, ClassVar, Literal
+
+import pydantic
+from pydantic import Field
+
+from txl_dist.config_fields import (
+    NOT_A_BOOLEAN,
+    TUPLE_AS_LIST,
+    ConfigError,
+    NonEmpty,
+    NonNegative,
+    NonNegativeNumber,
+    Number,
+    Positive,
+    PositiveNumber,
+    config_dataclass,
+)
+from txl_dist.model.config import ModelConfig
+
+
+@config_dataclass
+class DataConfig:
+    """Where the token shards are and how they are read. Vocabulary size and special ids come from the manifest."""
+
+    SECTION: ClassVar[str] = "data"
+
+    shards: NonEmpty | None = None
+    """Directory holding the manifest.json written by data_tools.build_shards (the shards themselves may live
+    elsewhere: the manifest's shard paths can be ``pipe:`` URLs, e.g. ``pipe:aws s3 cp s3://b/x.tar -``). Required
+    to train; usually given on the command line as data.shards=DIR."""
+    train_split: NonEmpty = "train"
+    """The manifest split the model trains on."""
+    shuffle_blocks: bool = False
+    """Permute the split's blocks each epoch (from train.seed) before the split is cut into streams: for corpora
+    of independent documents in arbitrary order, such as One Billion Word's shuffled sentences."""
+    verify_sha256: bool = True
+    """Check every shard's sha256 against the manifest before its tokens are used."""
+    tokenizer: NonEmpty | None = None
+    """Tokenizer directory (from data_tools.train_tokenizer); when given, its fingerprint must equal the manifest's,
+    so that ids are read with the vocabulary they were written with."""
+
+
+class BatchLayout(typing.NamedTuple):
+    """How one optimizer step's global batch is spread: global_batch = micro_batch * grad_accum * world_size."""
+
+    micro_batch: int
+    """Streams per rank per forward pass."""
+    grad_accum: int
+    """Forward/backward passes per rank per optimizer step."""
+    world_size: int
+
+
+@config_dataclass
+class TrainConfig:
+    """The training run: where it writes, how long it runs, and the batch it steps on."""
+
+    SECTION: ClassVar[str] = "train"
+
+    output_dir: NonEmpty | None = None
+    """Directory of the run: checkpoints, TensorBoard events, the resolved config. Required to train."""
+    seed: NonNegative = 1111
+    """Seed of parameter initialisation, dropout and the per-epoch block order."""
+    max_steps: Positive = 1000
+    """Optimizer steps to train for; training stops at the first of max_steps and max_epochs."""
+    max_epochs: Positive | None = None
+    """Passes over the training split; null means no limit other than max_steps."""
+    global_batch: Positive = 32
+    """Sequences per optimizer step over all ranks: the number S of parallel token streams the training split is
+    cut into (DeepSpeed's train_batch_size). The one place the batch size is stated."""
+    micro_batch: Positive | None = None
+    """Streams per rank per forward pass; null means global_batch / world_size (no gradient accumulation).
+    Gradient accumulation steps = global_batch / (micro_batch * world_size)."""
+    memory_check: bool = True
+    """On accelerators, refuse to start when the memory plan (`txl_dist.plan`) of a rank needs more than its
+    device has, naming a layout that fits; false starts anyway (the plan is an estimate, which
+    benchmarks/plan_check.py compares with measured peaks)."""
+
+    stall_timeout: Annotated[Number, Field(ge=5)] = 120.0
+    """Seconds after which a rank whose heartbeat has stopped (a stopped process, a hung host, a dead link) is
+    named and the job ends with status 1, so that the scheduler can requeue it; keep it well under the collective
+    timeout (DEEPSPEED_TIMEOUT, 10 minutes by default)."""
+
+    @pydantic.model_validator(mode="after")
+    def _micro_batch_divides(self) -> TrainConfig:
+        if self.micro_batch is not None and self.global_batch % self.micro_batch:
+            raise ConfigError(
+                "train.micro_batch", self.micro_batch, f"a divisor of train.global_batch={self.global_batch}"
+            )
+        return self
+
+    def batch_layout(self, world_size: int, micro_batch: int | None = None) -> BatchLayout:
+        """Micro-batch and gradient accumulation for ``world_size`` ranks; ValueError naming the three numbers
+        when the global batch does not split evenly. ``micro_batch`` (the memory planner's candidates) replaces
+        train.micro_batch. The one place of these rules: the trainer, DeepSpeed's config and the planner use it."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} is not allowed: a positive integer")
+        micro_batch = self.micro_batch if micro_batch is None else micro_batch
+        if micro_batch is None:
+            if self.global_batch % world_size:
+                raise ValueError(
+                    f"train.global_batch={self.global_batch} does not divide among world_size={world_size} ranks "
+                    f"(train.micro_batch is null, so each rank would take global_batch / world_size streams); "
+                    f"choose a global batch that is a multiple of {world_size}, or set train.micro_batch"
+                )
+            return BatchLayout(self.global_batch // world_size, 1, world_size)
+        per_pass = micro_batch * world_size
+        if self.global_batch % per_pass:
+            raise ValueError(
+                f"train.global_batch={self.global_batch} is not a multiple of train.micro_batch={micro_batch} "
+                f"x world_size={world_size} = {per_pass}, so gradient accumulation steps "
+                f"(global_batch / (micro_batch x world_size)) would not be whole; change one of the three"
+            )
+        return BatchLayout(micro_batch, self.global_batch // per_pass, world_size)
+
+
+@config_dataclass
+class OptimConfig:
+    """The optimizer: torch's fused Adam/AdamW by default, DeepSpeed's FusedAdam on request, DeepSpeed's CPU Adam
+    whenever optimizer states are offloaded."""
+
+    SECTION: ClassVar[str] = "optim"
+
+    name: Literal["adamw", "adam"] = "adamw"
+    """"adamw": decoupled weight decay; "adam": weight decay added to the gradient (the authors' optimizer; the two
+    are the same when weight_decay is 0)."""
+    lr: PositiveNumber = 2.5e-4
+    """Peak learning rate, reached at the end of warmup."""
+    betas: Annotated[list[Number], TUPLE_AS_LIST] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam's decay rates of the first and second moment estimates."""
+    eps: PositiveNumber = 1e-8
+    """Adam's term added to the denominator."""
+    weight_decay: NonNegativeNumber = 0.0
+    """Weight decay coefficient (the authors use none)."""
+    grad_clip: NonNegativeNumber = 0.25
+    """Maximum global gradient norm (the authors clip at 0.25); 0 disables clipping."""
+    implementation: Literal["torch", "deepspeed"] = "torch"
+    """Whose Adam: "torch" is torch.optim's Adam/AdamW with ``fused=True`` (one kernel per step on CUDA and CPU,
+    nothing to compile); "deepspeed" is DeepSpeed's FusedAdam on accelerators (a CUDA extension that compiles at
+    first use, then cached) and torch's on CPU. With zero.offload_optimizer DeepSpeed's CPU Adam runs
+    whatever this says."""
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _two_decay_rates(cls, betas: list[float]) -> list[float]:
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError("optim.betas", betas, "two numbers in [0, 1)")
+        return betas
+
+
+@config_dataclass
+class ScheduleConfig:
+    """The learning rate as a function of the optimizer step (see txl_dist.training.schedule for the formulas)."""
+
+    SECTION: ClassVar[str] = "schedule"
+
+    kind: Literal["cosine", "inv_sqrt", "constant"] = "cosine"
+    """After warmup: "cosine" anneals from optim.lr to min_lr at total_steps; "inv_sqrt" decays as
+    sqrt(warmup_steps / step); "constant" holds optim.lr."""
+    warmup_steps: NonNegative = 0
+    """Steps of linear warmup from 0 to optim.lr."""
+    total_steps: Positive | None = None
+    """Length of the cosine schedule in optimizer steps, warmup included; null means train.max_steps. A run may
+    stop before it (train.max_steps) and resume later on the same curve."""
+    min_lr: NonNegativeNumber = 0.0
+    """Floor of the decay (the cosine's eta_min; inv_sqrt never goes below it). Must be 0 for "constant"."""
+
+    def resolved_total_steps(self, max_steps: int) -> int:
+        return max_steps if self.total_steps is None else self.total_steps
+
+
+@config_dataclass
+class PrecisionConfig:
+    """Numeric precision of the forward/backward pass. The memory's storage dtype is model.mem_dtype."""
+
+    SECTION: ClassVar[str] = "precision"
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """"fp32"; "bf16" (DeepSpeed bf16, fp32 master weights); "fp16" (CUDA only; dynamic loss scaling)."""
+    initial_scale_power: NonNegative = 16
+    """fp16 only: the dynamic loss scale starts at 2**initial_scale_power."""
+    loss_scale_window: Positive = 1000
+    """fp16 only: steps without overflow before the loss scale doubles."""
+    hysteresis: Positive = 2
+    """fp16 only: overflows tolerated before the loss scale is halved."""
+    min_loss_scale: Positive = 1
+    """fp16 only: the loss scale never drops below this."""
+
+
+@config_dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO data parallelism."""
+
+    SECTION: ClassVar[str] = "zero"
+
+    stage: Annotated[Literal[0, 1, 2, 3], NOT_A_BOOLEAN] = 0
+    """0: plain data parallelism; 1: partition optimizer states; 2: also gradients; 3: also parameters."""
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """"cpu": keep optimizer states in host memory and step them with DeepSpeed's CPU Adam (stage 1-3)."""
+    bucket_size: Positive = 200_000_000
+    """Elements per gradient-reduction bucket (and per all-gather bucket in stages 1-2): larger overlaps
+    communication better and costs memory. The trainer caps it at the model's parameters (rounded up to 512),
+    since DeepSpeed allocates the whole bucket at every step."""
+    stage3_prefetch_bucket_size: NonNegative = 50_000_000
+    """Stage 3: elements of parameters fetched ahead of their use."""
+    stage3_param_persistence_threshold: NonNegative = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank instead of being partitioned."""
+    stage3_max_live_parameters: Positive = 1_000_000_000
+    """Stage 3: most gathered parameter elements held at once on a rank."""
+
+
+@config_dataclass
+class EvalConfig:
+    """Periodic evaluation on a held-out split. Segment settings left null take the model's."""
+
+    SECTION: ClassVar[str] = "eval"
+
+    every: NonNegative = 1000
+    """Evaluate every this many optimizer steps and at the end of training; 0 evaluates only at the end."""
+    split: NonEmpty = "valid"
+    """The manifest split evaluated."""
+    tgt_len: Positive | None = None
+    """Tokens per evaluation segment; null means model.tgt_len."""
+    mem_len: NonNegative | None = None
+    """Memory length during evaluation; null means model.mem_len."""
+    clamp_len: int | None = None
+    """Relative distances beyond this share one encoding; <= 0 disables; null means model.clamp_len."""
+    same_length: bool | None = None
+    """Every query attends to the same number of keys (the paper's evaluation); null means model.same_length."""
+    batch_size: Positive = 10
+    """Streams the evaluation split is cut into, over all ranks."""
+    max_batches: NonNegative = 0
+    """Segments per stream to evaluate during training; 0 evaluates the whole split. The best checkpoint is
+    tracked over whole-split passes only (the final one always is), since samples score different tokens."""
+
+    def resolve(self, model: ModelConfig) -> EvalConfig:
+        """A copy with every null segment setting replaced by the model's."""
+        resolved = {
+            name: getattr(model, name) if getattr(self, name) is None else getattr(self, name)
+            for name in ("tgt_len", "mem_len", "clamp_len", "same_length")
+        }
+        return dataclasses.replace(self, **resolved)
+
+
+@config_dataclass
+class CheckpointConfig:
+    """Checkpoints under train.output_dir."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+
+    every: NonNegative = 1000
+    """Save every this many optimizer steps and at the end of training (0: only at the end), and whenever a full
+    validation pass improves on the best so far; SIGTERM/SIGINT also save."""
+    keep_last: NonNegative = 2
+    """Checkpoints kept (older ones are deleted once a newer one is complete); 0 keeps all."""
+    resume: bool = True
+    """Continue from the newest complete checkpoint in train.output_dir that verifies, when there is one."""
+    verify: bool = True
+    """Check every file of a checkpoint against the sizes and CRC-32s of its COMPLETE.json before resuming from it,
+    and skip those that fail. false trusts the newest complete checkpoint as it is (the log says so)."""
+
+
+@config_dataclass
+class LogConfig:
+    """Console and TensorBoard logging, from rank 0."""
+
+    SECTION: ClassVar[str] = "log"
+
+    every: Positive = 100
+    """Log training scalars every this many optimizer steps."""
+    tensorboard: bool = True
+    """Write TensorBoard events under train.output_dir/tensorboard."""
