@@ -76,6 +76,7 @@ __all__ = [
     "load_config",
     "merge_mappings",
     "with_manifest_vocab",
+    "with_shards_vocab",
 ]
 
 SECTIONS: dict[str, type] = {
@@ -218,6 +219,17 @@ def with_manifest_vocab(cfg: RunConfig, vocab_size: int, manifest_where: str) ->
         raise ValueError(f"{error} (with n_token={vocab_size} from {manifest_where})") from None
     sources = {**cfg.key_sources, "model.n_token": f"in {manifest_where}"}
     return dataclasses.replace(cfg, model=model, key_sources=sources)
+
+
+def with_shards_vocab(cfg: RunConfig) -> RunConfig:
+    """`with_manifest_vocab` with the manifest of data.shards, when there is one; else the config as it is (the
+    command line and the planner check a config before, or without, the shards)."""
+    from txl_dist.data.format import MANIFEST_NAME, read_manifest
+
+    if cfg.data.shards is None or not os.path.isfile(os.path.join(cfg.data.shards, MANIFEST_NAME)):
+        return cfg
+    manifest = read_manifest(cfg.data.shards)
+    return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/{MANIFEST_NAME}")
 
 
 def load_config(

@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from txl_dist.config import RunConfig, load_config, with_manifest_vocab
+from txl_dist.config import RunConfig, load_config, with_manifest_vocab, with_shards_vocab
 from txl_dist.plan.report import describe_with_fit
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -83,12 +83,4 @@ def _with_vocabulary(cfg: RunConfig, vocab_size: int | None) -> RunConfig:
     """``cfg`` with model.n_token from ``--vocab-size``, else from the manifest of data.shards when there is one."""
     if vocab_size is not None:
         return with_manifest_vocab(cfg, vocab_size, "--vocab-size")
-    if cfg.data.shards is not None:
-        from pathlib import Path
-
-        from txl_dist.data.format import MANIFEST_NAME, read_manifest
-
-        if Path(cfg.data.shards, MANIFEST_NAME).is_file():
-            manifest = read_manifest(cfg.data.shards)
-            return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/{MANIFEST_NAME}")
-    return cfg
+    return with_shards_vocab(cfg)
