@@ -71,26 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _distributed() -> tuple[int, int, Any]:
-    """(rank, world size, device); a process group when a launcher started several processes."""
-    import torch
-    import torch.distributed as dist
-
+    """(rank, world size, device); a process group, as the trainer's, when a launcher started several processes."""
     from txl_dist import launch_env
+    from txl_dist.training import ranks
 
     # torchrun, deepspeed, srun or mpirun: the same world whichever started the ranks.
-    launch = launch_env.resolve(os.environ)
-    if launch.world_size > 1:
+    if launch_env.resolve(os.environ).world_size > 1:
         launch_env.apply()
-    world_size = launch.world_size
-    local_rank = launch.local_rank
-    use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        return dist.get_rank(), world_size, device
-    return 0, 1, device
+        return ranks.join()
+    return 0, 1, ranks.local_device()
 
 
 class _SharedError(ValueError):
@@ -103,6 +92,7 @@ def _verify_once(path: Path, verify: bool) -> None:
     import torch.distributed as dist
 
     from txl_dist.convert.zero import CheckpointError, locate_checkpoint, require_verified
+    from txl_dist.training.ranks import broadcast
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     problem = None
@@ -120,9 +110,7 @@ def _verify_once(path: Path, verify: bool) -> None:
         except CheckpointError as error:
             problem = str(error)
     if dist.is_initialized():
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
+        problem = broadcast(problem)
     if problem is not None:
         raise _SharedError(problem)
 

@@ -294,7 +294,7 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Verification: every file's size and CRC-32, with the checkpoints' machinery (txl_dist.training.checkpoint)
+# Verification: every file's size and CRC-32, with the checkpoints' machinery (txl_dist.training.checkpoint_verify)
 
 
 class ExportVerificationError(ValueError):
@@ -303,7 +303,7 @@ class ExportVerificationError(ValueError):
 
 def write_checksums(folder: str | os.PathLike) -> None:
     """``checksums.json`` of a folder being written: every file in it (sub-folders included), size and CRC-32."""
-    from txl_dist.training.checkpoint import FILES_KEY
+    from txl_dist.training.checkpoint_layout import FILES_KEY
 
     folder = Path(folder)
     files = {
@@ -322,7 +322,8 @@ def write_checksums(folder: str | os.PathLike) -> None:
 def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
     """Every problem of an export folder's files against its checksums.json (an empty list: it verifies), each
     naming the file; None when the folder has no checksums.json (written before exports carried checksums)."""
-    from txl_dist.training.checkpoint import FILES_KEY, check_files
+    from txl_dist.training.checkpoint_layout import FILES_KEY
+    from txl_dist.training.checkpoint_verify import check_files
 
     export_dir = Path(export_dir)
     path = export_dir / CHECKSUMS_FILE

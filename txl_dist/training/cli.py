@@ -229,8 +229,8 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     checkpoint.resume=false, and a newest complete checkpoint of another architecture or ZeRO stage. (The trainer
     checks again on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
     from txl_dist.tokenizer import load_tokenizer
-    from txl_dist.training.checkpoint import (
-        CheckpointManager,
+    from txl_dist.training.checkpoint_layout import complete_tags
+    from txl_dist.training.checkpoint_verify import (
         CheckpointVerificationError,
         read_marker,
         refuse_another_architecture,
@@ -251,7 +251,7 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
                 f"tokenizer"
             )
     directory = Path(cfg.train.output_dir) / "checkpoints"
-    tags = CheckpointManager(directory, rank=0, world_size=1, keep_last=0).complete_tags()
+    tags = complete_tags(directory)
     if not tags:
         return
     if not cfg.checkpoint.resume:
