@@ -80,6 +80,8 @@ class _RecordingCheckpointEngine:
 
 
 class CheckpointManager:
+    """The checkpoints of one run's ``directory``, as rank ``rank`` of ``world_size`` takes part in them."""
+
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, keep_last: int):
         self.directory = Path(directory)
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
@@ -137,8 +139,8 @@ class CheckpointManager:
 
     def tag_to_resume(self, *, resume: bool, verify: bool, architecture: dict[str, Any], zero_stage: int) -> str | None:
         """Collective: the checkpoint to resume from (`choose_resume_tag`), checked against this run's
-        ``architecture`` and ZeRO stage before anything is built; None, with ``resume`` False, where there is no
-        checkpoint (else ValueError: a fresh start would mix its checkpoints with the old run's)."""
+        ``architecture`` and ZeRO stage before anything is built. With ``resume`` False: None, or ValueError where
+        there are checkpoints (a fresh start would interleave its checkpoints with the old run's)."""
         if not resume:
             existing = self.complete_tags()
             if existing:

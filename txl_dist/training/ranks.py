@@ -19,6 +19,8 @@ log = logging.getLogger("txl_dist.training")
 
 
 class Place(NamedTuple):
+    """This rank's index, the number of ranks and this rank's device."""
+
     rank: int
     world_size: int
     device: torch.device
