@@ -3,8 +3,8 @@
 Before a checkpoint is trusted (resume, evaluate, convert) each file COMPLETE.json lists must exist with its size
 and CRC-32, and no other file may be there (DeepSpeed finds some files by pattern). A resuming run also refuses a
 checkpoint of another architecture or ZeRO stage, and a fresh start beside old checkpoints, before it builds
-anything. Every function here is pure: the ranks' shared reading (`txl_dist.training.checkpoint`) deals the files
-out with `deal_files_to_ranks` and checks its share with `check_files`.
+anything. Nothing here writes, or needs a process group: the ranks' shared reading (`txl_dist.training.checkpoint`)
+deals the files out with `deal_files_to_ranks` and each rank checks its share with `check_files`.
 """
 
 from __future__ import annotations
