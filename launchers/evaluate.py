@@ -253,29 +253,26 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         expected_fingerprint=fingerprint,
     ) as streams:
         result = evaluate(model, streams, device, progress=rank == 0 and not args.no_progress)
-    if not math.isfinite(result.loss):
-        # Strict JSON has no NaN; and a non-finite score of finite weights is a fault to report, not a result.
-        raise _SharedError(
-            f"the loss on split {args.split!r} of {shards} is {result.loss}, with finite weights (the "
-            f"forward pass overflowed): no result written"
-        )
-    if result.loss >= math.log(sys.float_info.max):
-        raise _SharedError(
-            f"the loss on split {args.split!r} of {shards} is {result.loss:.1f} nats per token: its "
-            f"perplexity is beyond a float (the model does not predict this text): no result written"
-        )
-    split = manifest.splits[args.split]
-    c = model.config
+    _require_a_score(result.loss, args.split, shards)
+    summary = _summary(args, shards, manifest.splits[args.split], model.config, result, world_size, per_rank)
+    if tokenizer is not None and tokens_are_characters(tokenizer):
+        summary["bits_per_character"] = result.loss / math.log(2)
+    summary["output"] = args.output or str(default_output)
+    return summary if rank == 0 else {}
+
+
+def _summary(args, shards, split, config, result, world_size: int, per_rank: int) -> dict[str, Any]:
+    """The result's record: what was scored, with which settings, and its loss, perplexities and bits."""
     summary: dict[str, Any] = {
         "model": str(args.model),
         "shards": str(shards),
         "split": args.split,
         "ranks": world_size,
         "settings": {
-            "tgt_len": c.tgt_len,
-            "mem_len": c.mem_len,
-            "clamp_len": c.clamp_len,
-            "same_length": c.same_length,
+            "tgt_len": config.tgt_len,
+            "mem_len": config.mem_len,
+            "clamp_len": config.clamp_len,
+            "same_length": config.same_length,
             "batch_size": per_rank * world_size,
         },
         "tokens": result.targets,
@@ -287,10 +284,22 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         # The first word of the split has no context, like the first token.
         summary["words"] = split.words
         summary["word_ppl"] = math.exp(result.nll_sum / (split.words - 1))
-    if tokenizer is not None and tokens_are_characters(tokenizer):
-        summary["bits_per_character"] = result.loss / math.log(2)
-    summary["output"] = args.output or str(default_output)
-    return summary if rank == 0 else {}
+    return summary
+
+
+def _require_a_score(loss: float, split: str, shards: str) -> None:
+    """_SharedError when ``loss`` gives no perplexity to write."""
+    if not math.isfinite(loss):
+        # Strict JSON has no NaN; and a non-finite score of finite weights is a fault to report, not a result.
+        raise _SharedError(
+            f"the loss on split {split!r} of {shards} is {loss}, with finite weights (the "
+            f"forward pass overflowed): no result written"
+        )
+    if loss >= math.log(sys.float_info.max):
+        raise _SharedError(
+            f"the loss on split {split!r} of {shards} is {loss:.1f} nats per token: its "
+            f"perplexity is beyond a float (the model does not predict this text): no result written"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
