@@ -71,26 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _distributed() -> tuple[int, int, Any]:
-    """(rank, world size, device); a process group when a launcher started several processes."""
-    import torch
-    import torch.distributed as dist
-
+    """(rank, world size, device); a process group, as the trainer's, when a launcher started several processes."""
     from txl_dist import launch_env
+    from txl_dist.training import ranks
 
     # torchrun, deepspeed, srun or mpirun: the same world whichever started the ranks.
-    launch = launch_env.resolve(os.environ)
-    if launch.world_size > 1:
+    if launch_env.resolve(os.environ).world_size > 1:
         launch_env.apply()
-    world_size = launch.world_size
-    local_rank = launch.local_rank
-    use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        return dist.get_rank(), world_size, device
-    return 0, 1, device
+        return ranks.join()
+    return 0, 1, ranks.local_device()
 
 
 class _SharedError(ValueError):
@@ -103,6 +92,7 @@ def _verify_once(path: Path, verify: bool) -> None:
     import torch.distributed as dist
 
     from txl_dist.convert.zero import CheckpointError, locate_checkpoint, require_verified
+    from txl_dist.training.ranks import broadcast
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     problem = None
@@ -120,9 +110,7 @@ def _verify_once(path: Path, verify: bool) -> None:
         except CheckpointError as error:
             problem = str(error)
     if dist.is_initialized():
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
+        problem = broadcast(problem)
     if problem is not None:
         raise _SharedError(problem)
 
@@ -265,29 +253,26 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         expected_fingerprint=fingerprint,
     ) as streams:
         result = evaluate(model, streams, device, progress=rank == 0 and not args.no_progress)
-    if not math.isfinite(result.loss):
-        # Strict JSON has no NaN; and a non-finite score of finite weights is a fault to report, not a result.
-        raise _SharedError(
-            f"the loss on split {args.split!r} of {shards} is {result.loss}, with finite weights (the "
-            f"forward pass overflowed): no result written"
-        )
-    if result.loss >= math.log(sys.float_info.max):
-        raise _SharedError(
-            f"the loss on split {args.split!r} of {shards} is {result.loss:.1f} nats per token: its "
-            f"perplexity is beyond a float (the model does not predict this text): no result written"
-        )
-    split = manifest.splits[args.split]
-    c = model.config
+    _require_a_score(result.loss, args.split, shards)
+    summary = _summary(args, shards, manifest.splits[args.split], model.config, result, world_size, per_rank)
+    if tokenizer is not None and tokens_are_characters(tokenizer):
+        summary["bits_per_character"] = result.loss / math.log(2)
+    summary["output"] = args.output or str(default_output)
+    return summary if rank == 0 else {}
+
+
+def _summary(args, shards, split, config, result, world_size: int, per_rank: int) -> dict[str, Any]:
+    """The result's record: what was scored, with which settings, and its loss, perplexities and bits."""
     summary: dict[str, Any] = {
         "model": str(args.model),
         "shards": str(shards),
         "split": args.split,
         "ranks": world_size,
         "settings": {
-            "tgt_len": c.tgt_len,
-            "mem_len": c.mem_len,
-            "clamp_len": c.clamp_len,
-            "same_length": c.same_length,
+            "tgt_len": config.tgt_len,
+            "mem_len": config.mem_len,
+            "clamp_len": config.clamp_len,
+            "same_length": config.same_length,
             "batch_size": per_rank * world_size,
         },
         "tokens": result.targets,
@@ -299,10 +284,22 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         # The first word of the split has no context, like the first token.
         summary["words"] = split.words
         summary["word_ppl"] = math.exp(result.nll_sum / (split.words - 1))
-    if tokenizer is not None and tokens_are_characters(tokenizer):
-        summary["bits_per_character"] = result.loss / math.log(2)
-    summary["output"] = args.output or str(default_output)
-    return summary if rank == 0 else {}
+    return summary
+
+
+def _require_a_score(loss: float, split: str, shards: str) -> None:
+    """_SharedError when ``loss`` gives no perplexity to write."""
+    if not math.isfinite(loss):
+        # Strict JSON has no NaN; and a non-finite score of finite weights is a fault to report, not a result.
+        raise _SharedError(
+            f"the loss on split {split!r} of {shards} is {loss}, with finite weights (the "
+            f"forward pass overflowed): no result written"
+        )
+    if loss >= math.log(sys.float_info.max):
+        raise _SharedError(
+            f"the loss on split {split!r} of {shards} is {loss:.1f} nats per token: its "
+            f"perplexity is beyond a float (the model does not predict this text): no result written"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,8 @@ import torch
 
 from txl_dist import fileio
 from txl_dist.training import weights_only
-from txl_dist.training.checkpoint import COMPLETE, verify_checkpoint
+from txl_dist.training.checkpoint_layout import COMPLETE
+from txl_dist.training.checkpoint_verify import verify_checkpoint
 from txl_dist.training.run_lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,7 +222,7 @@ def test_a_lock_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, cap
 
 
 def test_non_finite_mems_are_reset_per_stream_and_counted():
-    from txl_dist.training.trainer import _finite_mems
+    from txl_dist.training.stream_memory import finite_mems as _finite_mems
 
     mems = [torch.randn(4, 3, 5) for _ in range(3)]
     mems[1][2, 1, 3] = float("inf")

@@ -35,7 +35,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 import yaml
@@ -56,6 +56,9 @@ from txl_dist.config_sections import (
     ZeroConfig,
 )
 from txl_dist.model.config import N_TOKEN_FROM_MANIFEST, PRESETS, ModelConfig
+
+if TYPE_CHECKING:
+    from txl_dist.data.format import Manifest
 
 __all__ = [
     "COMMAND_LINE",
@@ -221,14 +224,16 @@ def with_manifest_vocab(cfg: RunConfig, vocab_size: int, manifest_where: str) ->
     return dataclasses.replace(cfg, model=model, key_sources=sources)
 
 
-def with_shards_vocab(cfg: RunConfig) -> RunConfig:
-    """`with_manifest_vocab` with the manifest of data.shards, when there is one; else the config as it is (the
-    command line and the planner check a config before, or without, the shards)."""
+def with_shards_vocab(cfg: RunConfig, manifest: Manifest | None = None) -> RunConfig:
+    """`with_manifest_vocab` with the manifest of data.shards (``manifest``, when the caller has read it), when
+    there is one; else the config as it is (the command line and the planner check a config before, or without,
+    the shards)."""
     from txl_dist.data.format import MANIFEST_NAME, read_manifest
 
-    if cfg.data.shards is None or not os.path.isfile(os.path.join(cfg.data.shards, MANIFEST_NAME)):
-        return cfg
-    manifest = read_manifest(cfg.data.shards)
+    if manifest is None:
+        if cfg.data.shards is None or not os.path.isfile(os.path.join(cfg.data.shards, MANIFEST_NAME)):
+            return cfg
+        manifest = read_manifest(cfg.data.shards)
     return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/{MANIFEST_NAME}")
 
 

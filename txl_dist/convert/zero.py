@@ -3,7 +3,7 @@
 Works offline, on one CPU process, on any machine that can read the folder: no process group, no GPU.
 
 Trust: a checkpoint is verified first (every file against the sizes and CRC-32s of its ``COMPLETE.json``, see
-`txl_dist.training.checkpoint`), so a damaged one is refused rather than converted into plausible weights. Every
+`txl_dist.training.checkpoint_verify`), so a damaged one is refused rather than converted into plausible weights. Every
 file is then read weights-only: ours directly, DeepSpeed's consolidation (``zero_to_fp32``, which asks for a full
 unpickler) inside `txl_dist.training.weights_only.deepspeed_loads_weights_only`, which allows DeepSpeed's own
 classes and nothing else. A crafted pickle is refused, never run.
@@ -20,15 +20,17 @@ import torch
 
 from txl_dist.config import RunConfig
 from txl_dist.training import weights_only
-from txl_dist.training.checkpoint import (
+from txl_dist.training.checkpoint_layout import (
     CLIENT_KEY,
     COMPLETE,
     LATEST,
-    RANK_STATES,
-    CheckpointVerificationError,
-    read_marker,
-    verify_checkpoint,
+    has_optimizer_partitions,
+    is_complete,
+    model_state_files,
+    named_by_latest,
+    rank_state_path,
 )
+from txl_dist.training.checkpoint_verify import CheckpointVerificationError, read_marker, verify_checkpoint
 
 
 class CheckpointError(ValueError):
@@ -63,15 +65,16 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     for candidate in (path, path / "checkpoints"):
-        latest = candidate / LATEST
-        if latest.is_file():
-            tag = latest.read_text(encoding="utf-8").strip()
-            if (candidate / tag / COMPLETE).is_file():
+        tag = named_by_latest(candidate)
+        if tag is not None:
+            if is_complete(candidate / tag):
                 return candidate / tag
-            raise CheckpointError(f"{latest} names {tag}, which is not a complete checkpoint (no {COMPLETE})")
-    if (path / COMPLETE).is_file():
+            raise CheckpointError(
+                f"{candidate / LATEST} names {tag}, which is not a complete checkpoint (no {COMPLETE})"
+            )
+    if is_complete(path):
         return path
-    if path.is_dir() and any(path.glob("*model_states.pt")):
+    if path.is_dir() and model_state_files(path):
         raise CheckpointError(
             f"{path}: a checkpoint folder without {COMPLETE}: its save did not finish, or it was "
             f"not written by txl_dist"
@@ -102,10 +105,10 @@ def read_training_checkpoint(path: str | os.PathLike, verify: bool = True) -> Tr
     except CheckpointVerificationError as error:
         raise CheckpointError(str(error)) from None
     for rank in range(marker["world_size"]):
-        rank_file = tag_dir / RANK_STATES / f"rank{rank:05d}.pt"
+        rank_file = rank_state_path(tag_dir, rank)
         if not rank_file.is_file():
             raise CheckpointError(f"{rank_file}: missing from a checkpoint marked complete")
-    model_states = sorted(tag_dir.glob("*model_states.pt"))
+    model_states = model_state_files(tag_dir)
     if not model_states:
         raise CheckpointError(f"{tag_dir}: no DeepSpeed model-state file (*model_states.pt)")
     state = weights_only.load(model_states[0], map_location="cpu")
@@ -119,13 +122,13 @@ def read_training_checkpoint(path: str | os.PathLike, verify: bool = True) -> Tr
 def consolidate_weights(checkpoint: TrainingCheckpoint) -> dict[str, torch.Tensor]:
     """The full fp32 state dict, gathered from every rank's partitions (tied weights appear once)."""
     tag_dir = checkpoint.tag_dir
-    if any(tag_dir.glob("*optim_states.pt")):
+    if has_optimizer_partitions(tag_dir):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with weights_only.deepspeed_loads_weights_only():
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.checkpoints_dir), tag=checkpoint.tag)
     # ZeRO stage 0: everything is in the model-state file.
-    path = next(tag_dir.glob("*model_states.pt"))
+    path = model_state_files(tag_dir)[0]
     state = weights_only.load(path, map_location="cpu")
     optimizer = state.get("optimizer") or {}
     masters = _fp32_masters(optimizer, checkpoint.run_config.model, path)

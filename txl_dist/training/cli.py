@@ -22,7 +22,7 @@ from pathlib import Path
 
 import deepspeed
 
-from txl_dist.config import RunConfig, load_config, with_manifest_vocab
+from txl_dist.config import RunConfig, load_config, with_shards_vocab
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
 from txl_dist.plan import device_memory_of, plan_comment
 from txl_dist.training.deepspeed_config import build_deepspeed_config
@@ -97,12 +97,7 @@ def parse_run_args(
         if args.deepscale_config is not None:
             raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
         cfg = load_config(args.config, args.overrides)
-        if cfg.data.shards is not None and Path(cfg.data.shards, MANIFEST_NAME).is_file():
-            cfg = with_manifest_vocab(
-                cfg,
-                read_manifest(cfg.data.shards).tokenizer.vocab_size,
-                f"the manifest of data.shards={cfg.data.shards}",
-            )
+        cfg = with_shards_vocab(cfg)
         build_deepspeed_config(
             train=cfg.train,
             optim=cfg.optim,
@@ -229,8 +224,8 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     checkpoint.resume=false, and a newest complete checkpoint of another architecture or ZeRO stage. (The trainer
     checks again on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
     from txl_dist.tokenizer import load_tokenizer
-    from txl_dist.training.checkpoint import (
-        CheckpointManager,
+    from txl_dist.training.checkpoint_layout import complete_tags
+    from txl_dist.training.checkpoint_verify import (
         CheckpointVerificationError,
         read_marker,
         refuse_another_architecture,
@@ -251,7 +246,7 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
                 f"tokenizer"
             )
     directory = Path(cfg.train.output_dir) / "checkpoints"
-    tags = CheckpointManager(directory, rank=0, world_size=1, keep_last=0).complete_tags()
+    tags = complete_tags(directory)
     if not tags:
         return
     if not cfg.checkpoint.resume:

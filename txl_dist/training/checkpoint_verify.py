@@ -1,0 +1,191 @@
+"""Checking a training checkpoint, with no process group: its files against COMPLETE.json, and whether it may resume.
+
+Before a checkpoint is trusted (resume, evaluate, convert) each file COMPLETE.json lists must exist with its size
+and CRC-32, and no other file may be there (DeepSpeed finds some files by pattern). A resuming run also refuses a
+checkpoint of another architecture or ZeRO stage, and a fresh start beside old checkpoints, before it builds
+anything. Nothing here writes, or needs a process group: the ranks' shared reading (`txl_dist.training.checkpoint`)
+deals the files out with `deal_files_to_ranks` and each rank checks its share with `check_files`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, file_checksum
+from txl_dist.training.checkpoint_layout import COMPLETE, FILES_KEY, files_on_disk, step_of_tag
+
+
+class CheckpointVerificationError(ValueError):
+    """A checkpoint whose files do not match its COMPLETE.json; the message lists every problem found."""
+
+
+def read_marker(tag_dir: str | os.PathLike) -> dict[str, Any]:
+    """The COMPLETE.json of a checkpoint folder; a damaged one raises CheckpointVerificationError naming it."""
+    path = Path(tag_dir) / COMPLETE
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointVerificationError(f"{path}: unreadable ({error})") from None
+    if not isinstance(marker, dict):
+        raise CheckpointVerificationError(f"{path}: not a completion marker (a JSON object)")
+    return marker
+
+
+def listed_files(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> dict[str, FileChecksum]:
+    """The files COMPLETE.json lists, by path relative to the checkpoint folder."""
+    files = marker.get(FILES_KEY)
+    if not isinstance(files, dict) or marker.get("checksum") != CHECKSUM_NAME:
+        raise CheckpointVerificationError(
+            f"{Path(tag_dir) / COMPLETE} lists no file checksums (a checkpoint written before txl_dist verified "
+            f"its checkpoints): to trust it anyway, resume with checkpoint.verify=false or convert/evaluate with "
+            f"--no-verify"
+        )
+    try:
+        return {name: FileChecksum.from_json(entry) for name, entry in files.items()}
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointVerificationError(f"{Path(tag_dir) / COMPLETE}: malformed file list ({error})") from None
+
+
+def check_files(
+    tag_dir: str | os.PathLike, expected: dict[str, FileChecksum], threads: int = 1, marker: str = COMPLETE
+) -> list[str]:
+    """The problems of the given files (each names the file): missing, another size, another CRC-32. Sizes are
+    all checked before any file is read, so a truncation is found at once. ``marker`` names the file that
+    records the checksums (a checkpoint's COMPLETE.json, an export's checksums.json) in the messages."""
+    tag_dir = Path(tag_dir)
+    problems, to_read = [], []
+    for name, want in sorted(expected.items()):
+        path = tag_dir / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        except OSError as error:
+            problems.append(f"{path}: unreadable ({error.strerror})")
+            continue
+        if size != want.bytes:
+            problems.append(f"{path}: {size} bytes, {marker} records {want.bytes} (truncated or replaced)")
+        else:
+            to_read.append((name, want))
+
+    def read(item: tuple[str, FileChecksum]) -> str | None:
+        name, want = item
+        try:
+            got = file_checksum(tag_dir / name)
+        except OSError as error:
+            return f"{tag_dir / name}: unreadable ({error.strerror})"
+        if got != want:
+            return f"{tag_dir / name}: CRC-32 {got.crc32}, {marker} records {want.crc32} (damaged)"
+        return None
+
+    if threads > 1 and len(to_read) > 1:
+        with ThreadPoolExecutor(max_workers=threads) as pool:  # zlib.crc32 releases the GIL
+            results = list(pool.map(read, to_read))
+    else:
+        results = [read(item) for item in to_read]
+    return problems + [problem for problem in results if problem]
+
+
+def check_listing(tag_dir: str | os.PathLike, marker: dict[str, Any], expected: dict[str, FileChecksum]) -> list[str]:
+    """The problems that are not a file's bytes: files COMPLETE.json does not list, and a step that is not the
+    folder's."""
+    tag_dir = Path(tag_dir)
+    problems = [
+        f"{tag_dir / name}: not listed in {COMPLETE}" for name in sorted(files_on_disk(tag_dir) - set(expected))
+    ]
+    step = step_of_tag(tag_dir.name)
+    if step is not None and marker.get("step") != step:
+        problems.append(f"{tag_dir / COMPLETE}: records step {marker.get('step')}, the folder is {tag_dir.name}")
+    return problems
+
+
+def verify_checkpoint(tag_dir: str | os.PathLike, threads: int | None = None) -> list[str]:
+    """Every problem of a checkpoint folder (an empty list: it verifies), read by one process with ``threads``
+    threads (default: the CPUs)."""
+    tag_dir = Path(tag_dir)
+    try:
+        marker = read_marker(tag_dir)
+        expected = listed_files(tag_dir, marker)
+    except CheckpointVerificationError as error:
+        return [str(error)]
+    threads = threads or min(8, os.cpu_count() or 1)
+    return check_listing(tag_dir, marker, expected) + check_files(tag_dir, expected, threads)
+
+
+def deal_files_to_ranks(files: dict[str, FileChecksum], world_size: int) -> list[dict[str, FileChecksum]]:
+    """The files each rank reads in a shared verification: dealt out largest first, each to the rank with the
+    fewest bytes so far."""
+    shares: list[dict[str, FileChecksum]] = [{} for _ in range(world_size)]
+    loads = [0] * world_size
+    for name, checksum in sorted(files.items(), key=lambda item: (-item[1].bytes, item[0])):
+        rank = loads.index(min(loads))
+        shares[rank][name] = checksum
+        loads[rank] += checksum.bytes
+    return shares
+
+
+def refuse_fresh_start(directory: str | os.PathLike, newest: str) -> None:
+    """checkpoint.resume=false where ``directory`` holds checkpoints (the newest is ``newest``): a fresh start
+    would interleave its checkpoints with the old run's."""
+    raise ValueError(
+        f"checkpoint.resume=false, but {directory} holds checkpoints (newest {newest}): choose another "
+        f"train.output_dir, or remove them"
+    )
+
+
+def refuse_another_architecture(
+    directory: str | os.PathLike, tag: str, marker: dict[str, Any], architecture: dict[str, Any]
+) -> None:
+    """ValueError naming every key on which the architecture recorded in checkpoint ``tag``'s COMPLETE.json
+    (``marker``) differs from ``architecture``. The command line checks the newest complete checkpoint before any
+    process group starts; the trainer checks the one it resumes from after verifying it."""
+    saved = marker.get("architecture")
+    if not isinstance(saved, dict):
+        raise CheckpointVerificationError(f"{Path(directory) / tag / COMPLETE}: no architecture recorded")
+    differences = [
+        f"{key}: checkpoint {saved.get(key)!r}, config {architecture.get(key)!r}"
+        for key in sorted(set(saved) | set(architecture))
+        if saved.get(key) != architecture.get(key)
+    ]
+    if differences:
+        raise ValueError(f"{Path(directory) / tag} was trained with another architecture: " + "; ".join(differences))
+
+
+def saved_zero_stages(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> tuple[int, ...]:
+    """The ZeRO stage(s) checkpoint ``tag_dir`` may have been written with: the one COMPLETE.json records, else
+    (checkpoints written before it did) what DeepSpeed's file names tell: ZeRO-3 names its model-state files per
+    rank; ZeRO 1 and 2 write optimizer files ``zero_pp_rank_*`` (``bf16_zero_pp_rank_*`` in bf16, as bf16 ZeRO-0
+    does); fp32 ZeRO-0 writes none."""
+    if isinstance(marker.get("zero_stage"), int):
+        return (marker["zero_stage"],)
+    tag_dir = Path(tag_dir)
+    if any(tag_dir.glob("zero_pp_rank_*_model_states.pt")):
+        return (3,)
+    if any(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt")):
+        return (0, 1, 2)
+    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):
+        return (1, 2)
+    return (0,)
+
+
+def refuse_another_zero_stage(directory: str | os.PathLike, tag: str, marker: dict[str, Any], stage: int) -> None:
+    """ValueError when checkpoint ``tag`` cannot be resumed at ZeRO ``stage``. DeepSpeed 0.19 loads a checkpoint
+    only into the optimizer class that wrote it: ZeRO 1 and 2 share one (and their checkpoints load into each other
+    exactly); ZeRO-0 and ZeRO-3 have their own, and its universal checkpoint, which re-partitions for another
+    number of ranks, keeps the optimizer state in the layout of the stage that wrote it."""
+    saved = saved_zero_stages(Path(directory) / tag, marker)
+    family = {1: 1, 2: 1}
+    if any(family.get(stage, stage) == family.get(s, s) for s in saved):
+        return
+    written = " or ".join(str(s) for s in saved) if len(saved) < 3 else "0, 1 or 2"
+    raise ValueError(
+        f"{Path(directory) / tag} was saved with ZeRO stage {written}, this run has zero.stage={stage}: "
+        f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each "
+        f"other's); resume with zero.stage={saved[-1]}, or take its weights without the optimizer state: "
+        f"python launchers/convert.py zero-to-export {Path(directory) / tag} EXPORT"
+    )

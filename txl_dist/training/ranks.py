@@ -1,0 +1,61 @@
+"""This process's place among the ranks: its device, the process group it joins, rank 0's values shared.
+
+The training loop and the multi-rank launchers (evaluate.py) start the same way: the device DeepSpeed's
+accelerator names (DS_ACCELERATOR=cpu forces the CPU), then the world of `txl_dist.training.world.start`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from txl_dist.training import world
+
+log = logging.getLogger("txl_dist.training")
+
+
+class Place(NamedTuple):
+    """This rank's index, the number of ranks and this rank's device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def local_device() -> torch.device:
+    """This rank's device, made current: the accelerator's device of index LOCAL_RANK, modulo the devices this
+    process sees (a launcher that binds one device per task, srun --gpus-per-task, leaves each rank one)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    device_type = accelerator.device_name()
+    if device_type == "cpu":
+        return torch.device("cpu")
+    device_index = int(os.environ.get("LOCAL_RANK", "0")) % max(accelerator.device_count(), 1)
+    accelerator.set_device(device_index)
+    return torch.device(device_type, device_index)
+
+
+def join() -> Place:
+    """Collective: this rank's device, then the process group (`launch_env.apply` has run); rank 0 logs the
+    ranks' environment."""
+    device = local_device()
+    rank, world_size, environments = world.start(device.type)
+    if rank == 0:
+        log.info(
+            "ranks' environment: %s on %s",
+            world.describe_environment(environments[0]),
+            ", ".join(sorted({record["host"] for record in environments})),
+        )
+    return Place(rank, world_size, device)
+
+
+def broadcast(value: Any) -> Any:
+    """Collective: rank 0's value on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

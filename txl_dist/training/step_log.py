@@ -1,0 +1,171 @@
+"""The training loop's log lines: the first, one per window of steps since the last, the last.
+
+The loss and the checksum of the data seen are summed on the device, micro-batch by micro-batch, without a host
+synchronisation; a log line all-reduces them once. The checksum (each row's token sum, weighted by its stream id)
+lets a test compare the data two runs trained on, step window by step window.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from txl_dist.config import RunConfig
+from txl_dist.training.run_logger import RunLogger
+from txl_dist.training.stream_memory import SlotMemories
+
+
+def _resident_memory_mb() -> float:
+    """Current resident set size of this process (Linux), in MiB."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            pages = int(handle.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    if torch.is_tensor(value):
+        value = value.item()
+    return float(value)
+
+
+def _loss_scale(optimizer: Any) -> float | None:
+    """The dynamic loss scale of DeepSpeed's fp16 optimizers (ZeRO 0 keeps it in loss_scale_config)."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    return _as_float(
+        getattr(config, "cur_scale", None) if config is not None else getattr(optimizer, "cur_scale", None)
+    )
+
+
+def _memory() -> dict[str, float]:
+    """This rank's memory for the log line: resident memory on the CPU, the device's peak since the last line."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+        return {"rss_mb": _resident_memory_mb(), "peak_rss_mb": peak_kib / 1024}
+    memory = {"max_allocated_mb": accelerator.max_memory_allocated() / 2**20}
+    accelerator.reset_peak_memory_stats()
+    return memory
+
+
+class StepLog:
+    """The window of steps since the last log line, and the line (`write`) that closes it."""
+
+    def __init__(
+        self,
+        logger: RunLogger,
+        device: torch.device,
+        *,
+        world_size: int,
+        tokens_per_step: int,
+        fp16: bool,
+        character_level: bool,
+    ):
+        self.logger = logger
+        self.world_size, self.tokens_per_step = world_size, tokens_per_step
+        self.fp16, self.character_level = fp16, character_level
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        """The window's summed mean loss per step, on the device."""
+        self.checksum = torch.zeros((), dtype=torch.int64)
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, batch, grad_accum: int) -> None:
+        """One micro-batch's mean loss and inputs."""
+        self.loss += loss.detach().double() / grad_accum
+        self.checksum += (batch.inputs.sum(dim=1) * (batch.stream_ids + 1)).sum()
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def restart_clock(self) -> None:
+        """Keep what came since the last step (an evaluation, a save) out of the window's tokens/s."""
+        self.start = time.perf_counter()
+
+    def write(self, step: int, tokens_seen: int, engine, memories: SlotMemories) -> None:
+        """Collective: the window's line (loss over all ranks, throughput, optimizer state), then a new window."""
+        totals = torch.stack([self.loss, self.checksum.to(self.loss.device, torch.float64)])
+        dist.all_reduce(totals)
+        loss = totals[0].item() / (self.steps * self.world_size)
+        seconds = time.perf_counter() - self.start
+        memory = _memory()
+        values = {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+            "lr": engine.get_lr()[0],
+            "grad_norm": _as_float(engine.get_global_grad_norm()),
+            "loss_scale": _loss_scale(engine.optimizer) if self.fp16 else None,
+            "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+            "tokens": tokens_seen,
+            "tokens_per_s": self.steps * self.tokens_per_step / max(seconds, 1e-9),
+            "step_time_s": seconds / self.steps,
+            "data_checksum": int(totals[1].item()),
+            "mems_reset": memories.reset_total(),
+            **memory,
+        }
+        if self.character_level:
+            values["bpc"] = loss / math.log(2)
+        self.logger.record(step, "train", values)
+        self.logger.info(
+            "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s | %s",
+            step,
+            loss,
+            f"bpc {values['bpc']:.4f}" if self.character_level else f"ppl {values['ppl']:.2f}",
+            values["lr"],
+            "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}",
+            values["tokens_per_s"],
+            " | ".join(f"{k} {v:.0f}" for k, v in memory.items()),
+        )
+        self.loss.zero_()
+        self.checksum.zero_()
+        self.steps = 0
+        self.restart_clock()
+
+
+def log_start(
+    logger: RunLogger, cfg: RunConfig, num_parameters: int, world_size: int, device_type: str, step: int
+) -> None:
+    """The run's first lines: its model, batch layout and steps, then the memory plan of a rank."""
+    from txl_dist.plan import describe, device_memory_of
+
+    layout = cfg.train.batch_layout(world_size)
+    logger.info(
+        "training %s (%d parameters) on %d rank(s): global batch %d = %d ranks x micro-batch %d x %d "
+        "accumulation, %d tokens/step, from step %d to %d",
+        cfg.model_preset or "model",
+        num_parameters,
+        world_size,
+        cfg.train.global_batch,
+        world_size,
+        layout.micro_batch,
+        layout.grad_accum,
+        cfg.train.global_batch * cfg.model.tgt_len,
+        step,
+        cfg.train.max_steps,
+    )
+    logger.info("%s", describe(cfg, world_size, device_type, device_memory_of(device_type)))
+
+
+def log_done(logger: RunLogger, summary: dict[str, Any]) -> None:
+    """The run's last line, from the summary `Trainer.run` returns."""
+    logger.info(
+        "done: %d steps (%d this run) in %.1f s, %.0f tokens/s, stopped by %s%s",
+        summary["steps"],
+        summary["steps_this_run"],
+        summary["seconds"],
+        summary["tokens_per_s"],
+        summary["stopped_by"],
+        f", valid ppl {summary['eval_ppl']:.2f}" if summary["eval_ppl"] is not None else "",
+    )
