@@ -25,7 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from training_runs import launch, metrics, ptb_word_shards  # benchmarks/training_runs.py, beside this script
+from training_runs import (
+    launch,
+    metrics,
+    ptb_word_shards,
+    run_config,
+)  # benchmarks/training_runs.py, beside this script
 
 STEPS = 4
 
@@ -199,8 +204,6 @@ def main() -> None:
 
 def check_case(name: str, index: int, work: Path, tensor_peaks: bool) -> dict:
     """One case's run against its plan (and, with ``tensor_peaks``, its profiled run against the GPU plan)."""
-    from txl_dist.config import load_config, with_manifest_vocab
-    from txl_dist.data.format import read_manifest
     from txl_dist.plan import MiB, plan_memory
 
     config, overrides, kind = CASES[name]
@@ -213,8 +216,7 @@ def check_case(name: str, index: int, work: Path, tensor_peaks: bool) -> dict:
     started = time.perf_counter()
     launch(["launchers/train.py", "--config", config, f"train.output_dir={output}", *settings], 29700 + index)
     measured = max(r["peak_rss_mb"] for r in metrics(output) if r.get("kind") == "train") * MiB
-    cfg = load_config(config, settings)
-    cfg = with_manifest_vocab(cfg, read_manifest(shards).tokenizer.vocab_size, "the manifest")
+    cfg = run_config(config, settings, shards)
     plan = plan_memory(cfg, 2, device="cpu")
     row = {
         "parameters": plan.parameters,

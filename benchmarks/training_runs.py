@@ -68,6 +68,15 @@ def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+def run_config(config: str, overrides: list[str], shards: Path):
+    """The config a run of launchers/train.py trains with: the file, the overrides, the manifest's vocabulary."""
+    from txl_dist.config import load_config, with_manifest_vocab
+    from txl_dist.data.format import read_manifest
+
+    cfg = load_config(config, overrides)
+    return with_manifest_vocab(cfg, read_manifest(shards).tokenizer.vocab_size, "the manifest")
+
+
 def last_json_line(stdout: str) -> dict:
     """The JSON object on the last line of a benchmark process's output."""
     return json.loads(stdout.strip().splitlines()[-1])
