@@ -43,11 +43,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from training_runs import remove_allreduce_buffers, run_config  # benchmarks/training_runs.py, beside this script
+
+# benchmarks/training_runs.py, beside this script
+from training_runs import DEEPSPEED, remove_allreduce_buffers, run_config
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 
 class Measured:

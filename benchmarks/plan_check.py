@@ -25,12 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from training_runs import (
-    launch,
-    metrics,
-    ptb_word_shards,
-    run_config,
-)  # benchmarks/training_runs.py, beside this script
+# benchmarks/training_runs.py, beside this script
+from training_runs import launch, metrics, ptb_word_shards, run_config
 
 STEPS = 4
 
