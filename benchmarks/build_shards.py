@@ -120,58 +120,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as scratch:
         scratch = Path(scratch)
-        tokenizer = scratch / "tokenizer"
-        train_tokenizer.main(
-            [
-                "--kind",
-                "sentencepiece",
-                "--model-type",
-                "unigram",
-                "--vocab-size",
-                "8000",
-                "--character-coverage",
-                "1.0",
-                "--format",
-                "ptb",
-                "--output",
-                str(tokenizer),
-                "--no-progress",
-            ]
-        )
+        tokenizer = train_unigram_tokenizer(scratch / "tokenizer")
         results = {}
         for megabytes in args.sizes_mb:
             text = make_text(scratch, megabytes)
-            size_mb = text.stat().st_size / 1e6
-            runs: dict[str, list] = {key: [] for key in ("build1", "build2", "bare1", "bare2")}
-            for repeat in range(args.repeats):
-                for workers in (1, 2):
-                    seconds, tokens, peak = build(text, tokenizer, scratch / "shards", workers)
-                    runs[f"build{workers}"].append((seconds, tokens, peak))
-                    bare_seconds, bare_tokens = bare_encoding(text, tokenizer / "spm.model", workers)
-                    runs[f"bare{workers}"].append((bare_seconds, bare_tokens))
-                    print(
-                        f"{megabytes} MB, {workers} worker(s), run {repeat + 1}: build {size_mb / seconds:.1f} MB/s "
-                        f"(peak RSS {peak / 2**20:.0f} MiB), bare encoding {size_mb / bare_seconds:.1f} MB/s",
-                        flush=True,
-                    )
-            figures = {}
-            for workers in (1, 2):
-                seconds = statistics.median(r[0] for r in runs[f"build{workers}"])
-                bare_seconds = statistics.median(r[0] for r in runs[f"bare{workers}"])
-                tokens = runs[f"build{workers}"][0][1]
-                figures[f"workers{workers}"] = {
-                    "mb_per_s": round(size_mb / seconds, 2),
-                    "tokens_per_s": round(tokens / seconds),
-                    "peak_rss_mib": round(statistics.median(r[2] for r in runs[f"build{workers}"]) / 2**20, 1),
-                    "bare_mb_per_s": round(size_mb / bare_seconds, 2),
-                    "share_of_bare": round(bare_seconds / seconds, 3),
-                }
-            figures["speedup_2_over_1"] = round(figures["workers2"]["mb_per_s"] / figures["workers1"]["mb_per_s"], 3)
-            figures["bare_speedup_2_over_1"] = round(
-                figures["workers2"]["bare_mb_per_s"] / figures["workers1"]["bare_mb_per_s"], 3
-            )
-            figures["text_mb"] = round(size_mb, 1)
-            results[f"{megabytes}mb"] = figures
+            results[f"{megabytes}mb"] = size_figures(text, tokenizer, scratch, megabytes, args.repeats)
             (scratch / text.name).unlink()
         if len(args.sizes_mb) >= 2:
             small, large = (f"{m}mb" for m in (min(args.sizes_mb), max(args.sizes_mb)))
@@ -184,6 +137,63 @@ def main() -> None:
         for name, figures in results.items():
             print(f"{name}: {figures}")
         print(json.dumps({"benchmark": "build_shards", "repeats": args.repeats, **results}))
+
+
+def train_unigram_tokenizer(output: Path) -> Path:
+    """A unigram SentencePiece model of 8,000 pieces trained on the Penn Treebank."""
+    train_tokenizer.main(
+        [
+            "--kind",
+            "sentencepiece",
+            "--model-type",
+            "unigram",
+            "--vocab-size",
+            "8000",
+            "--character-coverage",
+            "1.0",
+            "--format",
+            "ptb",
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
+    )
+    return output
+
+
+def size_figures(text: Path, tokenizer: Path, scratch: Path, megabytes: int, repeats: int) -> dict:
+    """Builds with 1 and 2 workers alternating with bare encoding over one text, medians over the repeats."""
+    size_mb = text.stat().st_size / 1e6
+    runs: dict[str, list] = {key: [] for key in ("build1", "build2", "bare1", "bare2")}
+    for repeat in range(repeats):
+        for workers in (1, 2):
+            seconds, tokens, peak = build(text, tokenizer, scratch / "shards", workers)
+            runs[f"build{workers}"].append((seconds, tokens, peak))
+            bare_seconds, bare_tokens = bare_encoding(text, tokenizer / "spm.model", workers)
+            runs[f"bare{workers}"].append((bare_seconds, bare_tokens))
+            print(
+                f"{megabytes} MB, {workers} worker(s), run {repeat + 1}: build {size_mb / seconds:.1f} MB/s "
+                f"(peak RSS {peak / 2**20:.0f} MiB), bare encoding {size_mb / bare_seconds:.1f} MB/s",
+                flush=True,
+            )
+    figures = {}
+    for workers in (1, 2):
+        seconds = statistics.median(r[0] for r in runs[f"build{workers}"])
+        bare_seconds = statistics.median(r[0] for r in runs[f"bare{workers}"])
+        tokens = runs[f"build{workers}"][0][1]
+        figures[f"workers{workers}"] = {
+            "mb_per_s": round(size_mb / seconds, 2),
+            "tokens_per_s": round(tokens / seconds),
+            "peak_rss_mib": round(statistics.median(r[2] for r in runs[f"build{workers}"]) / 2**20, 1),
+            "bare_mb_per_s": round(size_mb / bare_seconds, 2),
+            "share_of_bare": round(bare_seconds / seconds, 3),
+        }
+    figures["speedup_2_over_1"] = round(figures["workers2"]["mb_per_s"] / figures["workers1"]["mb_per_s"], 3)
+    figures["bare_speedup_2_over_1"] = round(
+        figures["workers2"]["bare_mb_per_s"] / figures["workers1"]["bare_mb_per_s"], 3
+    )
+    figures["text_mb"] = round(size_mb, 1)
+    return figures
 
 
 if __name__ == "__main__":

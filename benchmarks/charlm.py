@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from training_runs import last_json_line, train  # benchmarks/training_runs.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
@@ -54,88 +56,24 @@ def _run(command: list[str], **kwargs) -> tuple[float, str]:
 
 
 def data_figures(args: argparse.Namespace) -> dict:
-    from data_tools import synthetic_charlm
-    from txl_dist.data.format import read_manifest
-
     scratch = Path(tempfile.mkdtemp(prefix="charlm.", dir=args.scratch))
     try:
-        source = args.input
-        if source is None:
-            started = time.perf_counter()
-            source = synthetic_charlm.write_character_corpus("enwik8", scratch / "enwik8", args.bytes)
-            print(
-                f"synthetic enwik8: {source.stat().st_size:,} bytes in {time.perf_counter() - started:.1f} s",
-                flush=True,
-            )
+        source = args.input if args.input is not None else _synthetic_enwik8(scratch / "enwik8", args.bytes)
         size = Path(source).stat().st_size
-        seconds, _ = _run(
-            [
-                sys.executable,
-                "-m",
-                "data_tools.train_tokenizer",
-                "--preset",
-                "enwik8",
-                "--format",
-                "enwik8",
-                "--input",
-                str(source),
-                "--output",
-                str(scratch / "tok"),
-                "--no-progress",
-            ]
-        )
+        seconds, _ = _run(_tokenizer_command(source, scratch / "tok"))
         figures: dict = {"bytes": size, "tokenizer_seconds": seconds, "build": {"1": [], "2": []}, "read": []}
         print(f"train_tokenizer --preset enwik8: {seconds:.1f} s ({size / seconds / 1e6:.0f} MB/s)", flush=True)
         for repeat in range(args.repeats):
             for workers in ("1", "2"):
-                output = scratch / f"shards_{workers}"
-                seconds, stdout = _run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "data_tools.build_shards",
-                        "--tokenizer",
-                        str(scratch / "tok"),
-                        "--output",
-                        str(output),
-                        "--format",
-                        "enwik8",
-                        "--input",
-                        str(source),
-                        "--workers",
-                        workers,
-                        "--overwrite",
-                        "--no-progress",
-                    ]
-                )
-                manifest = read_manifest(output)
-                tokens = sum(split.tokens for split in manifest.splits.values())
-                inside = float(re.search(r", ([\d.]+) s, [\d.]+ MB/s", stdout).group(1))
-                figures["build"][workers].append(
-                    {"seconds": seconds, "builder_seconds": inside, "tokens": tokens, "tokens_per_s": tokens / seconds}
-                )
+                build = _timed_build(source, scratch / "tok", scratch / f"shards_{workers}", workers)
+                figures["build"][workers].append(build)
                 print(
-                    f"repeat {repeat + 1}: build_shards --workers {workers}: {tokens:,} tokens in {seconds:.1f} s "
-                    f"({tokens / seconds / 1e6:.1f} M tokens/s; {inside:.1f} s inside the builder)",
+                    f"repeat {repeat + 1}: build_shards --workers {workers}: {build['tokens']:,} tokens in "
+                    f"{build['seconds']:.1f} s ({build['tokens_per_s'] / 1e6:.1f} M tokens/s; "
+                    f"{build['builder_seconds']:.1f} s inside the builder)",
                     flush=True,
                 )
-            _, stdout = _run(
-                [
-                    sys.executable,
-                    str(HERE / "stream_throughput.py"),
-                    "--measure",
-                    str(scratch / "shards_1"),
-                    "--micro-batch",
-                    "22",
-                    "--tgt-len",
-                    "512",
-                    "--world-size",
-                    "1",
-                    "--seconds",
-                    str(args.read_seconds),
-                ]
-            )
-            read = json.loads(stdout.strip().splitlines()[-1])
+            read = _timed_read(scratch / "shards_1", args.read_seconds)
             figures["read"].append(read)
             print(
                 f"repeat {repeat + 1}: stream reading (22 x 512): {read['tokens_per_s'] / 1e6:.1f} M tokens/s, "
@@ -153,6 +91,71 @@ def data_figures(args: argparse.Namespace) -> dict:
         return figures
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _synthetic_enwik8(path: Path, size: int) -> Path:
+    from data_tools import synthetic_charlm
+
+    started = time.perf_counter()
+    source = synthetic_charlm.write_character_corpus("enwik8", path, size)
+    print(f"synthetic enwik8: {source.stat().st_size:,} bytes in {time.perf_counter() - started:.1f} s", flush=True)
+    return source
+
+
+def _tokenizer_command(source: Path, output: Path, *extra: str) -> list[str]:
+    """``train_tokenizer --preset enwik8`` over an enwik8 file."""
+    return [
+        sys.executable,
+        "-m",
+        "data_tools.train_tokenizer",
+        "--preset",
+        "enwik8",
+        "--format",
+        "enwik8",
+        "--input",
+        str(source),
+        "--output",
+        str(output),
+        *extra,
+        "--no-progress",
+    ]
+
+
+def _shards_command(source: Path, tokenizer: Path, output: Path, *extra: str) -> list[str]:
+    """``build_shards --format enwik8`` over an enwik8 file."""
+    return [
+        sys.executable,
+        "-m",
+        "data_tools.build_shards",
+        "--tokenizer",
+        str(tokenizer),
+        "--output",
+        str(output),
+        "--format",
+        "enwik8",
+        "--input",
+        str(source),
+        *extra,
+        "--no-progress",
+    ]
+
+
+def _timed_build(source: Path, tokenizer: Path, output: Path, workers: str) -> dict:
+    """One build of the shards: its wall and in-builder seconds, and the manifest's tokens."""
+    from txl_dist.data.format import read_manifest
+
+    seconds, stdout = _run(_shards_command(source, tokenizer, output, "--workers", workers, "--overwrite"))
+    tokens = sum(split.tokens for split in read_manifest(output).splits.values())
+    inside = float(re.search(r", ([\d.]+) s, [\d.]+ MB/s", stdout).group(1))
+    return {"seconds": seconds, "builder_seconds": inside, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+def _timed_read(shards: Path, seconds: float) -> dict:
+    """benchmarks/stream_throughput.py --measure: rank 0 of 1 reading in enwik8_base's micro-batches."""
+    command = [sys.executable, str(HERE / "stream_throughput.py"), "--measure", str(shards)]
+    settings = ["--micro-batch", "22", "--tgt-len", "512", "--world-size", "1", "--seconds", str(seconds)]
+    _, stdout = _run([*command, *settings])
+    return last_json_line(stdout)
 
 
 def eval_figures(args: argparse.Namespace) -> dict:
@@ -203,107 +206,64 @@ def eval_figures(args: argparse.Namespace) -> dict:
     }
 
 
+# The byte model of the train mode: ptb_small's layers with a full softmax over the bytes.
+BYTE_MODEL = [
+    "model.cutoffs=[]",
+    "model.div_val=1",
+    "model.tgt_len=128",
+    "model.mem_len=128",
+    "model.dropout=0.1",
+    "model.dropatt=0.0",
+]
+# Evaluation at the end only, over the whole valid split, with a memory three segments long.
+BYTE_EVAL = [
+    "eval.every=0",
+    "eval.tgt_len=128",
+    "eval.mem_len=384",
+    "eval.same_length=true",
+    "eval.batch_size=8",
+    "eval.max_batches=0",
+]
+
+
 def train_figures(args: argparse.Namespace) -> dict:
     from data_tools import synthetic_charlm
 
     scratch = Path(tempfile.mkdtemp(prefix="charlm_train.", dir=args.scratch))
     try:
         source = synthetic_charlm.write_character_corpus("enwik8", scratch / "enwik8", args.train_bytes)
-        held_out = str(args.train_bytes // 20)
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "data_tools.train_tokenizer",
-                "--preset",
-                "enwik8",
-                "--format",
-                "enwik8",
-                "--input",
-                str(source),
-                "--output",
-                str(scratch / "tok"),
-                "--held-out-bytes",
-                held_out,
-                "--no-progress",
-            ]
-        )
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "data_tools.build_shards",
-                "--tokenizer",
-                str(scratch / "tok"),
-                "--output",
-                str(scratch / "shards"),
-                "--format",
-                "enwik8",
-                "--input",
-                str(source),
-                "--held-out-bytes",
-                held_out,
-                "--no-progress",
-            ]
-        )
-        deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-        run_dir = scratch / "run"
-        command = [
-            deepspeed,
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(args.master_port),
-            "launchers/train.py",
-            "--config",
-            "configs/ptb_small.yaml",
-            f"data.shards={scratch / 'shards'}",
-            f"train.output_dir={run_dir}",
-            "model.cutoffs=[]",
-            "model.div_val=1",
-            "model.tgt_len=128",
-            "model.mem_len=128",
-            "model.dropout=0.1",
-            "model.dropatt=0.0",
+        held_out = ("--held-out-bytes", str(args.train_bytes // 20))
+        _run(_tokenizer_command(source, scratch / "tok", *held_out))
+        _run(_shards_command(source, scratch / "tok", scratch / "shards", *held_out))
+        overrides = [
+            *BYTE_MODEL,
             f"train.max_steps={args.steps}",
             "train.global_batch=16",
             f"optim.lr={args.lr}",
             "schedule.warmup_steps=20",
-            "eval.every=0",
-            "eval.tgt_len=128",
-            "eval.mem_len=384",
-            "eval.same_length=true",
-            "eval.batch_size=8",
-            "eval.max_batches=0",
+            *BYTE_EVAL,
             f"checkpoint.every={args.steps}",
             "log.every=25",
         ]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         started = time.perf_counter()
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        metrics = train("configs/ptb_small.yaml", scratch / "shards", scratch / "run", overrides, port=args.master_port)
         seconds = time.perf_counter() - started
-        if result.returncode != 0:
-            raise SystemExit(f"training exited {result.returncode}:\n{(result.stdout + result.stderr)[-4000:]}")
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        train = [(m["step"], m["bpc"]) for m in metrics if m["kind"] == "train"]
+        train_bpc = [(m["step"], m["bpc"]) for m in metrics if m["kind"] == "train"]
         valid = [m for m in metrics if m["kind"] == "eval"][-1]
-        for step, bpc in train:
+        for step, bpc in train_bpc:
             print(f"step {step:5d}  train bpc {bpc:.3f}", flush=True)
         print(f"valid bpc {valid['bpc']:.3f} over {valid['targets']:,} bytes; {seconds:.0f} s wall", flush=True)
-        tokens_per_s = [m["tokens_per_s"] for m in metrics if m["kind"] == "train"]
         return {
             "train_bytes": args.train_bytes,
             "steps": args.steps,
             "seconds": seconds,
-            "train_bpc": train,
+            "train_bpc": train_bpc,
             "valid_bpc": valid["bpc"],
             "valid_bytes": valid["targets"],
-            "tokens_per_s": statistics.median(tokens_per_s),
+            "tokens_per_s": statistics.median(m["tokens_per_s"] for m in metrics if m["kind"] == "train"),
         }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{args.master_port}_*"):
-            buffer.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> dict:

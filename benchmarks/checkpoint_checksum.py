@@ -122,35 +122,58 @@ def main(argv: list[str] | None = None) -> int:
         f"in {root}",
         file=sys.stderr,
     )
+    try:
+        times, warm, cold, expected = measure(root, files, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = summary(times, warm, cold, expected, parameters, args)
+    print_summary(result, args.repeats, args.ranks)
+    print(json.dumps(result))
+    return 0
+
+
+def measure(
+    root: Path, files: dict[str, dict[str, torch.Tensor]], repeats: int
+) -> tuple[dict[str, list[float]], list[float], list[float], dict[str, FileChecksum]]:
+    """Each repeat's save times of the three ways (in rotating order), and its warm and cold verification times;
+    with the checksums of the set the last write left."""
     kinds = ["plain", "atomic", "checksummed"]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     warm, cold = [], []
     expected: dict[str, FileChecksum] = {}
-    try:
-        for repeat in range(args.repeats):
-            order = kinds[repeat % 3 :] + kinds[: repeat % 3]
-            for kind in order:
-                seconds = write(kind, root, files)
-                times[kind].append(seconds)
-                print(f"repeat {repeat}: {kind:<12} {seconds:6.2f} s", file=sys.stderr)
-            expected = {name: file_checksum(root / name) for name in files}  # of the set the last write left
-            warm.append(verify(root, expected))
-            evict(root)
-            cold.append(verify(root, expected))
-            print(f"repeat {repeat}: verify warm {warm[-1]:.2f} s, cold {cold[-1]:.2f} s", file=sys.stderr)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    for repeat in range(repeats):
+        order = kinds[repeat % 3 :] + kinds[: repeat % 3]
+        for kind in order:
+            seconds = write(kind, root, files)
+            times[kind].append(seconds)
+            print(f"repeat {repeat}: {kind:<12} {seconds:6.2f} s", file=sys.stderr)
+        expected = {name: file_checksum(root / name) for name in files}  # of the set the last write left
+        warm.append(verify(root, expected))
+        evict(root)
+        cold.append(verify(root, expected))
+        print(f"repeat {repeat}: verify warm {warm[-1]:.2f} s, cold {cold[-1]:.2f} s", file=sys.stderr)
+    return times, warm, cold, expected
 
+
+def summary(
+    times: dict[str, list[float]],
+    warm: list[float],
+    cold: list[float],
+    expected: dict[str, FileChecksum],
+    parameters: int,
+    args: argparse.Namespace,
+) -> dict:
+    """The figures of the JSON line: medians over the repeats, the checksum's overhead and the shares."""
     median = {kind: statistics.median(values) for kind, values in times.items()}
     overhead = median["checksummed"] - median["atomic"]
     file_bytes = {name: checksum.bytes for name, checksum in expected.items()}
     largest_share = max(sum(c.bytes for c in share.values()) for share in deal_files_to_ranks(expected, args.ranks))
     share_fraction = largest_share / sum(file_bytes.values())
     speeds = hash_speed()
-    result = {
+    return {
         "parameters": parameters,
         "ranks": args.ranks,
-        "files": len(files),
+        "files": len(expected),
         "bytes": sum(file_bytes.values()),
         "save_plain_s": median["plain"],
         "save_atomic_s": median["atomic"],
@@ -165,20 +188,22 @@ def main(argv: list[str] | None = None) -> int:
         "sha256_gb_per_s": speeds["sha256"],
         "repeats": args.repeats,
     }
+
+
+def print_summary(result: dict, repeats: int, ranks: int) -> None:
     print(
-        f"save, whole set by one process (median of {args.repeats}): plain torch.save {median['plain']:.2f} s, "
-        f"atomic {median['atomic']:.2f} s, atomic + CRC-32 {median['checksummed']:.2f} s -> the checksum adds "
-        f"{overhead:.2f} s ({100 * result['checksum_overhead_share_of_save']:.1f}% of the save)"
+        f"save, whole set by one process (median of {repeats}): plain torch.save {result['save_plain_s']:.2f} s, "
+        f"atomic {result['save_atomic_s']:.2f} s, atomic + CRC-32 {result['save_checksummed_s']:.2f} s -> the "
+        f"checksum adds {result['checksum_overhead_s']:.2f} s "
+        f"({100 * result['checksum_overhead_share_of_save']:.1f}% of the save)"
     )
     print(
         f"verify, one thread over the set: warm {result['verify_warm_s']:.2f} s, "
         f"cold {result['verify_cold_s']:.2f} s "
-        f"({100 * result['verify_cold_share_of_save']:.0f}% of a save); shared by {args.ranks} ranks the largest "
+        f"({100 * result['verify_cold_share_of_save']:.0f}% of a save); shared by {ranks} ranks the largest "
         f"share takes ~{result['verify_cold_largest_rank_share_s']:.2f} s cold"
     )
-    print(f"in memory: CRC-32 {speeds['crc32']:.2f} GB/s, sha256 {speeds['sha256']:.2f} GB/s")
-    print(json.dumps(result))
-    return 0
+    print(f"in memory: CRC-32 {result['crc32_gb_per_s']:.2f} GB/s, sha256 {result['sha256_gb_per_s']:.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -61,49 +61,88 @@ def _last_json(text: str) -> dict:
 
 def section_attention(args: argparse.Namespace) -> dict:
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    from txl_dist.model.attention import (
-        RelPartialLearnableMultiHeadAttn,
-        attention_mask,
-        relative_positions,
-        sinusoid_encoding,
-    )
+    case = _AttentionCase()
+    results: dict = {"shape": case.shape}
+    oracle_out, oracle_grads = case.run("reference", None, None)
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        row: dict = {}
+        for impl, kernel in (("reference", None), ("fused", SDPBackend.EFFICIENT_ATTENTION), ("fused_any", None)):
+            impl_name = "fused" if impl.startswith("fused") else impl
+            try:
+                out, grads = case.run(impl_name, dtype, kernel)
+            except RuntimeError as error:
+                row[impl] = {"error": str(error).splitlines()[0][:300]}
+                continue
+            row[impl] = {
+                "output_rel_err_vs_fp32_reference": _rel_err(out, oracle_out),
+                "max_grad_rel_err_vs_fp32_reference": max(_rel_err(grads[k], oracle_grads[k]) for k in oracle_grads),
+                "fwd_bwd_ms": case.timed(impl_name, dtype, kernel),
+            }
+        results[name] = row
+    # Which kernel the fused path picks on its own under bf16 (profiler kernel names).
+    try:
+        results["bf16_attention_kernels"] = case.bf16_kernels()
+    except Exception as error:  # the profiler is a diagnostic only
+        results["bf16_attention_kernels"] = f"profiler failed: {error}"
+    return results
 
-    device = torch.device("cuda")
-    n_head, d_head, d_model, qlen, mlen, bsz = 8, 128, 1024, 128, 128, 16
-    results: dict = {
-        "shape": {"n_head": n_head, "d_head": d_head, "d_model": d_model, "qlen": qlen, "mlen": mlen, "batch": bsz}
-    }
-    torch.manual_seed(0)
-    layer = RelPartialLearnableMultiHeadAttn(
-        n_head,
-        d_model,
-        d_head,
-        dropout=0.0,
-        dropatt=0.0,
-        pre_lnorm=False,
-        layer_norm_eps=1e-5,
-        attn_impl="reference",
-        own_position_biases=True,
-    ).to(device)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0.0, 0.05)
-        layer.layer_norm.weight.fill_(1.0)
-    w0 = torch.randn(qlen, bsz, d_model, device=device)
-    mem0 = torch.randn(mlen, bsz, d_model, device=device)
-    mask = attention_mask(qlen, mlen, mlen, False, device)
-    r0 = sinusoid_encoding(relative_positions(mlen + qlen, -1, device), d_model)
 
-    def run(impl: str, dtype: torch.dtype | None, kernel: SDPBackend | None):
+def _rel_err(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+class _AttentionCase:
+    """One attention layer at lm1b_base's shape on the GPU, random weights and inputs, run in any precision."""
+
+    def __init__(self):
+        import torch
+
+        from txl_dist.model.attention import (
+            RelPartialLearnableMultiHeadAttn,
+            attention_mask,
+            relative_positions,
+            sinusoid_encoding,
+        )
+
+        device = torch.device("cuda")
+        n_head, d_head, d_model, qlen, mlen, bsz = 8, 128, 1024, 128, 128, 16
+        self.shape = {"n_head": n_head, "d_head": d_head, "d_model": d_model, "qlen": qlen, "mlen": mlen, "batch": bsz}
+        torch.manual_seed(0)
+        self.layer = RelPartialLearnableMultiHeadAttn(
+            n_head,
+            d_model,
+            d_head,
+            dropout=0.0,
+            dropatt=0.0,
+            pre_lnorm=False,
+            layer_norm_eps=1e-5,
+            attn_impl="reference",
+            own_position_biases=True,
+        ).to(device)
+        with torch.no_grad():
+            for p in self.layer.parameters():
+                p.normal_(0.0, 0.05)
+            self.layer.layer_norm.weight.fill_(1.0)
+        self.w0 = torch.randn(qlen, bsz, d_model, device=device)
+        self.mem0 = torch.randn(mlen, bsz, d_model, device=device)
+        self.mask = attention_mask(qlen, mlen, mlen, False, device)
+        self.r0 = sinusoid_encoding(relative_positions(mlen + qlen, -1, device), d_model)
+
+    def run(self, impl: str, dtype, kernel):
+        """Output and gradients (fp32) of one forward and backward with ``impl``, autocast to ``dtype``."""
+        import torch
+        from torch.nn.attention import sdpa_kernel
+
+        layer = self.layer
         layer.attn_impl = impl
         layer.zero_grad(set_to_none=True)
-        w = w0.clone().requires_grad_(True)
-        mem = mem0.clone()
+        w = self.w0.clone().requires_grad_(True)
+        mem = self.mem0.clone()
         ctx = sdpa_kernel(kernel) if kernel is not None else torch.autocast("cuda", enabled=False)
         with ctx, torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = layer(w, r0, mask, mem)
+            out = layer(w, self.r0, self.mask, mem)
         # A static loss scale, as fp16 training applies a dynamic one: unscaled, small fp16 gradients underflow.
         scale = 1024.0 if dtype == torch.float16 else 1.0
         (out.float().pow(2).mean() * scale).backward()
@@ -111,49 +150,31 @@ def section_attention(args: argparse.Namespace) -> dict:
         grads["input"] = w.grad.detach().float() / scale
         return out.detach().float(), grads
 
-    def timed(impl: str, dtype: torch.dtype | None, kernel: SDPBackend | None, repeats: int = 20) -> float:
+    def timed(self, impl: str, dtype, kernel, repeats: int = 20) -> float:
+        """Milliseconds of one forward and backward, after 3 untimed ones."""
+        import torch
+
         for _ in range(3):
-            run(impl, dtype, kernel)
+            self.run(impl, dtype, kernel)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            run(impl, dtype, kernel)
+            self.run(impl, dtype, kernel)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / repeats * 1e3
 
-    def rel_err(a, b):
-        return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-    oracle_out, oracle_grads = run("reference", None, None)
-    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        row: dict = {}
-        for impl, kernel in (("reference", None), ("fused", SDPBackend.EFFICIENT_ATTENTION), ("fused_any", None)):
-            impl_name = "fused" if impl.startswith("fused") else impl
-            try:
-                out, grads = run(impl_name, dtype, kernel)
-            except RuntimeError as error:
-                row[impl] = {"error": str(error).splitlines()[0][:300]}
-                continue
-            row[impl] = {
-                "output_rel_err_vs_fp32_reference": rel_err(out, oracle_out),
-                "max_grad_rel_err_vs_fp32_reference": max(rel_err(grads[k], oracle_grads[k]) for k in oracle_grads),
-                "fwd_bwd_ms": timed(impl_name, dtype, kernel),
-            }
-        results[name] = row
-    # Which kernel the fused path picks on its own under bf16 (profiler kernel names).
-    try:
+    def bf16_kernels(self) -> list[str]:
+        """The attention kernels the profiler sees the fused path launch under bf16 autocast."""
+        import torch
         from torch.profiler import ProfilerActivity, profile
 
-        layer.attn_impl = "fused"
+        self.layer.attn_impl = "fused"
         with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.autocast("cuda", dtype=torch.bfloat16):
-            layer(w0, r0, mask, mem0).float().sum().backward()
+            self.layer(self.w0, self.r0, self.mask, self.mem0).float().sum().backward()
         names = {e.key for e in prof.key_averages()}
-        results["bf16_attention_kernels"] = sorted(
+        return sorted(
             n for n in names if any(s in n.lower() for s in ("fmha", "flash", "attention", "efficient", "cudnn"))
         )[:10]
-    except Exception as error:  # the profiler is a diagnostic only
-        results["bf16_attention_kernels"] = f"profiler failed: {error}"
-    return results
 
 
 # ---- host syncs -------------------------------------------------------------------------------------------------
@@ -544,24 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     failed = []
     for section in sections:
-        start = time.perf_counter()
-        command = [sys.executable, __file__, "--section", section, "--train-overrides", *args.train_overrides]
-        try:
-            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LIMITS[section])
-            log = result.stdout + result.stderr
-            value = (
-                _last_json(result.stdout)
-                if result.returncode == 0
-                else {"error": f"exited {result.returncode}", "tail": log[-3000:]}
-            )
-        except subprocess.TimeoutExpired as error:
-            log = (
-                (error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else str(error.stdout)
-            )
-            value = {"error": f"stopped after {LIMITS[section]} s"}
-        except ValueError as error:
-            value = {"error": str(error), "tail": log[-3000:]}
-        value["seconds"] = round(time.perf_counter() - start, 1)
+        value, log = _run_section(section, args.train_overrides)
         if "error" in value or value.get("returncode", 0) != 0:
             failed.append(section)
         figures["sections"][section] = value
@@ -573,6 +577,27 @@ def main(argv: list[str] | None = None) -> int:
         (out / "gpu_check.json").write_text(json.dumps(figures, indent=1), encoding="utf-8")
     print(json.dumps(figures))
     return 1 if failed else 0
+
+
+def _run_section(section: str, train_overrides: list[str]) -> tuple[dict, str]:
+    """One section in its own process under its time limit: its figures (or error) with the seconds, and its log."""
+    start = time.perf_counter()
+    command = [sys.executable, __file__, "--section", section, "--train-overrides", *train_overrides]
+    try:
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LIMITS[section])
+        log = result.stdout + result.stderr
+        value = (
+            _last_json(result.stdout)
+            if result.returncode == 0
+            else {"error": f"exited {result.returncode}", "tail": log[-3000:]}
+        )
+    except subprocess.TimeoutExpired as error:
+        log = (error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else str(error.stdout)
+        value = {"error": f"stopped after {LIMITS[section]} s"}
+    except ValueError as error:
+        value = {"error": str(error), "tail": log[-3000:]}
+    value["seconds"] = round(time.perf_counter() - start, 1)
+    return value, log
 
 
 if __name__ == "__main__":

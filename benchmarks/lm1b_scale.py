@@ -44,9 +44,11 @@ from pathlib import Path
 
 import psutil
 
+# benchmarks/training_runs.py, beside this script
+from training_runs import DEEPSPEED, remove_allreduce_buffers, run_config
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 
 class Measured:
@@ -66,46 +68,13 @@ class Measured:
         kill every process of the command once they hold more in all (``killed_at_rss`` records it)."""
         self.killed_at_rss: int | None = None
         self.command = command
+        self.peak_rss = 0
+        self._stop_when, self._memory_limit, self._stopped = stop_when, memory_limit, False
         children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        root = psutil.Process(process.pid)
-        self.peak_rss = 0
         done = threading.Event()
-        stopped = False
-
-        def sample() -> None:
-            nonlocal stopped
-            while not done.is_set():
-                try:
-                    members = [root, *root.children(recursive=True)]
-                except psutil.NoSuchProcess:
-                    return
-                if stop_when is not None and not stopped and stop_when():
-                    stopped = True
-                    for member in members:
-                        try:
-                            if any(a.startswith("--local_rank") for a in member.cmdline()):
-                                member.send_signal(signal.SIGTERM)
-                        except psutil.NoSuchProcess:
-                            pass
-                total = 0
-                for member in members:
-                    try:
-                        total += member.memory_info().rss
-                    except psutil.NoSuchProcess:
-                        pass
-                self.peak_rss = max(self.peak_rss, total)
-                if memory_limit is not None and total > memory_limit and self.killed_at_rss is None:
-                    self.killed_at_rss = total
-                    for member in reversed(members):
-                        try:
-                            member.kill()
-                        except psutil.NoSuchProcess:
-                            pass
-                done.wait(0.05)
-
-        sampler = threading.Thread(target=sample, daemon=True)
+        sampler = threading.Thread(target=self._sample, args=(psutil.Process(process.pid), done), daemon=True)
         sampler.start()
         self.stdout, self.stderr = process.communicate()
         done.set()
@@ -117,6 +86,37 @@ class Measured:
         self.cpu_seconds = children.ru_utime + children.ru_stime - children_before.ru_utime - children_before.ru_stime
         if process.returncode != 0 and self.killed_at_rss is None:
             raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{self.stderr[-3000:]}")
+
+    def _sample(self, root: psutil.Process, done: threading.Event) -> None:
+        """Every 50 ms until ``done``: the summed resident memory of the tree, and the stop and memory rules."""
+        while not done.is_set():
+            try:
+                members = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            if self._stop_when is not None and not self._stopped and self._stop_when():
+                self._stopped = True
+                for member in members:
+                    try:
+                        if any(a.startswith("--local_rank") for a in member.cmdline()):
+                            member.send_signal(signal.SIGTERM)
+                    except psutil.NoSuchProcess:
+                        pass
+            total = 0
+            for member in members:
+                try:
+                    total += member.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+            self.peak_rss = max(self.peak_rss, total)
+            if self._memory_limit is not None and total > self._memory_limit and self.killed_at_rss is None:
+                self.killed_at_rss = total
+                for member in reversed(members):
+                    try:
+                        member.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+            done.wait(0.05)
 
     def figures(self, megabytes: float | None = None, tokens: int | None = None) -> dict:
         out = {
@@ -302,17 +302,8 @@ def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
         "data.verify_sha256=false",
         *args.train_overrides,
     ]
-    command = [
-        DEEPSPEED,
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(args.port),
-        "launchers/train.py",
-        "--config",
-        args.train_config,
-        *overrides,
-    ]
+    command = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(args.port), "launchers/train.py"]
+    command += ["--config", args.train_config, *overrides]
     metrics = output / "metrics.jsonl"
 
     def enough_steps() -> bool:
@@ -322,19 +313,31 @@ def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
     try:
         run = Measured(command, environment(args.repo), args.repo, stop_when=enough_steps, memory_limit=limit)
     finally:
-        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{args.port}*"):
-            path.unlink(missing_ok=True)
+        remove_allreduce_buffers(args.port)
     if run.killed_at_rss is not None:
-        log = [line for line in (run.stdout + run.stderr).splitlines() if "[rank" in line or "Time to load" in line]
-        return {
-            "config": args.train_config,
-            "overrides": args.train_overrides,
-            "killed_at_rss_mib_all_processes": round(run.killed_at_rss / 2**20),
-            "memory_limit_gib": args.memory_limit,
-            "seconds_until_killed": round(run.seconds, 1),
-            "steps_done": metrics.read_text().count('"kind": "train"') if metrics.is_file() else 0,
-            "last_log_lines": log[-4:],
-        }
+        return _killed_figures(args, run, metrics)
+    figures = _training_figures(args, run, metrics)
+    if args.repo == REPO:
+        figures.update(_planned_figures(args.train_config, overrides, shards, figures["peak_rss_mib_rank0"]))
+    return figures
+
+
+def _killed_figures(args: argparse.Namespace, run: Measured, metrics: Path) -> dict:
+    """What a training stage killed at --memory-limit got to."""
+    log = [line for line in (run.stdout + run.stderr).splitlines() if "[rank" in line or "Time to load" in line]
+    return {
+        "config": args.train_config,
+        "overrides": args.train_overrides,
+        "killed_at_rss_mib_all_processes": round(run.killed_at_rss / 2**20),
+        "memory_limit_gib": args.memory_limit,
+        "seconds_until_killed": round(run.seconds, 1),
+        "steps_done": metrics.read_text().count('"kind": "train"') if metrics.is_file() else 0,
+        "last_log_lines": log[-4:],
+    }
+
+
+def _training_figures(args: argparse.Namespace, run: Measured, metrics: Path) -> dict:
+    """Step time, throughput and memory over the first --train-steps steps of the run's metrics."""
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if r.get("kind") == "train"][: args.train_steps]
     later = steps[1:] or steps  # the first step includes the warm-up of every kernel
@@ -352,17 +355,15 @@ def training_stage(args: argparse.Namespace, shards: Path, work: Path) -> dict:
     match = re.search(r"training (\S+) \((\d+) parameters\)", run.stderr + run.stdout)
     if match:
         figures["parameters"] = int(match.group(2))
-    if args.repo == REPO:
-        from txl_dist.config import load_config, with_manifest_vocab
-        from txl_dist.data.format import read_manifest
-        from txl_dist.plan import MiB, plan_memory
-
-        cfg = load_config(args.train_config, overrides)
-        cfg = with_manifest_vocab(cfg, read_manifest(shards).tokenizer.vocab_size, "the manifest")
-        planned = plan_memory(cfg, 2, device="cpu").peak
-        figures["planned_peak_mib"] = round(planned / MiB)
-        figures["planned_over_measured"] = round(planned / (figures["peak_rss_mib_rank0"] * MiB), 3)
     return figures
+
+
+def _planned_figures(config: str, overrides: list[str], shards: Path, measured_mib: int) -> dict:
+    """The memory plan (`txl_dist.plan`) of the run's config, against rank 0's measured peak."""
+    from txl_dist.plan import MiB, plan_memory
+
+    planned = plan_memory(run_config(config, overrides, shards), 2, device="cpu").peak
+    return {"planned_peak_mib": round(planned / MiB), "planned_over_measured": round(planned / (measured_mib * MiB), 3)}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -104,58 +104,22 @@ def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, 
     tgt_len. Throughput counts each model's own scored tokens, which favours HuggingFace by 1/tgt_len.
     With one thread the clock is this thread's CPU time (``time.thread_time``): on a shared machine it leaves
     out the time the thread waits for a core, which wall-clock time would charge to whichever model ran then."""
-    import warnings
-
     import torch
-    from transformers import TransfoXLConfig, TransfoXLLMHeadModel
-
-    from txl_dist.convert.hf import to_hf_config, to_hf_state_dict
-    from txl_dist.model import ModelConfig, TransformerXLLM
 
     torch.set_num_threads(threads)
     clock = time.thread_time if threads == 1 else time.perf_counter
-    config = ModelConfig(**{**COMPARE_MODEL, "dropout": dropout}).validate()
-    torch.manual_seed(0)
-    ours = TransformerXLLM(config).train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = TransfoXLLMHeadModel(TransfoXLConfig(**to_hf_config(config))).train()
-    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), config), strict=True)
+    ours, hf = _same_weights(dropout)
+    tgt_len = ours.config.tgt_len
     segments = warmup + steps
     data = torch.randint(
-        0, config.n_token, (batch, repeats * segments * config.tgt_len + 1), generator=torch.Generator().manual_seed(1)
+        0, ours.config.n_token, (batch, repeats * segments * tgt_len + 1), generator=torch.Generator().manual_seed(1)
     )
-
-    def ours_step(inputs, targets, mems):
-        loss, mems = ours(inputs, targets, mems)
-        loss.mean().backward()
-        ours.zero_grad(set_to_none=True)
-        return mems
-
-    def hf_step(inputs, targets, mems):
-        labels = torch.cat([inputs[:, :1], targets], dim=1)[:, :-1]  # HF scores labels[:, t + 1] at t
-        out = hf(input_ids=inputs, labels=labels, mems=mems)
-        out.losses.mean().backward()
-        hf.zero_grad(set_to_none=True)
-        return out.mems
-
-    # The two models take turns step by step (each with its own memory), so that a burst of load on the machine
-    # falls on both; a repeat's throughput counts its own timed steps.
     ours_runs, hf_runs = [], []
     for repeat in range(repeats):
-        mems = {"ours": None, "hf": None}
-        seconds = {"ours": 0.0, "hf": 0.0}
-        for index in range(segments):
-            start_token = (repeat * segments + index) * config.tgt_len
-            inputs = data[:, start_token : start_token + config.tgt_len]
-            targets = data[:, start_token + 1 : start_token + config.tgt_len + 1]
-            for name, step in (("ours", ours_step), ("hf", hf_step)):
-                started = clock()
-                mems[name] = step(inputs, targets, mems[name])
-                if index >= warmup:
-                    seconds[name] += clock() - started
-        ours_runs.append(batch * config.tgt_len * steps / seconds["ours"])
-        hf_runs.append(batch * (config.tgt_len - 1) * steps / seconds["hf"])
+        window = data[:, repeat * segments * tgt_len : (repeat + 1) * segments * tgt_len + 1]
+        seconds = _alternating_steps(ours, hf, window, tgt_len, warmup, clock)
+        ours_runs.append(batch * tgt_len * steps / seconds["ours"])
+        hf_runs.append(batch * (tgt_len - 1) * steps / seconds["hf"])
         print(
             f"repeat {repeat + 1}/{repeats}: ours {ours_runs[-1]:8.0f} tokens/s   HuggingFace {hf_runs[-1]:8.0f} "
             f"tokens/s   ratio {ours_runs[-1] / hf_runs[-1]:.3f}",
@@ -182,7 +146,87 @@ def compare_hf(batch: int, steps: int, warmup: int, repeats: int, threads: int, 
     return figures
 
 
+def _same_weights(dropout: float):
+    """Our model of COMPARE_MODEL in training mode, and HuggingFace's TransfoXL holding the same weights."""
+    import warnings
+
+    import torch
+    from transformers import TransfoXLConfig, TransfoXLLMHeadModel
+
+    from txl_dist.convert.hf import to_hf_config, to_hf_state_dict
+    from txl_dist.model import ModelConfig, TransformerXLLM
+
+    config = ModelConfig(**{**COMPARE_MODEL, "dropout": dropout}).validate()
+    torch.manual_seed(0)
+    ours = TransformerXLLM(config).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = TransfoXLLMHeadModel(TransfoXLConfig(**to_hf_config(config))).train()
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), config), strict=True)
+    return ours, hf
+
+
+def _alternating_steps(ours, hf, data, tgt_len: int, warmup: int, clock) -> dict[str, float]:
+    """Seconds of each model's timed steps over the segments of ``data`` (after ``warmup`` untimed ones).
+
+    The two models take turns step by step (each with its own memory), so that a burst of load on the machine
+    falls on both."""
+    import torch
+
+    def ours_step(inputs, targets, mems):
+        loss, mems = ours(inputs, targets, mems)
+        loss.mean().backward()
+        ours.zero_grad(set_to_none=True)
+        return mems
+
+    def hf_step(inputs, targets, mems):
+        labels = torch.cat([inputs[:, :1], targets], dim=1)[:, :-1]  # HF scores labels[:, t + 1] at t
+        out = hf(input_ids=inputs, labels=labels, mems=mems)
+        out.losses.mean().backward()
+        hf.zero_grad(set_to_none=True)
+        return out.mems
+
+    mems = {"ours": None, "hf": None}
+    seconds = {"ours": 0.0, "hf": 0.0}
+    for index in range((data.size(1) - 1) // tgt_len):
+        inputs = data[:, index * tgt_len : (index + 1) * tgt_len]
+        targets = data[:, index * tgt_len + 1 : (index + 1) * tgt_len + 1]
+        for name, step in (("ours", ours_step), ("hf", hf_step)):
+            started = clock()
+            mems[name] = step(inputs, targets, mems[name])
+            if index >= warmup:
+                seconds[name] += clock() - started
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
+    if args.compare_hf:
+        figures = compare_hf(args.batch, args.steps, args.warmup, args.repeats, args.threads, args.dropout)
+        print(json.dumps(figures))
+        return figures
+
+    if args.worker:
+        print(json.dumps(measure(*args.worker, args.batch, args.steps, args.warmup, args.device, args.dtype)))
+        return {}
+
+    configs, impls = args.configs.split(","), args.impls.split(",")
+    runs: dict[tuple[str, str], list[dict]] = {(c, i): [] for c in configs for i in impls}
+    for repeat in range(args.repeats):
+        for config in configs:
+            for impl in impls:
+                runs[(config, impl)].append(_measure_in_process(config, impl, args))
+                print(
+                    f"repeat {repeat + 1}/{args.repeats} {config:10s} {impl:9s} "
+                    f"{runs[(config, impl)][-1]['tokens_per_s']:10.0f} tokens/s",
+                    flush=True,
+                )
+    figures = _summary(runs, configs, impls, args)
+    print(json.dumps(figures))
+    return figures
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="tiny,ptb_small", help="comma-separated model presets")
     parser.add_argument("--impls", default="reference,fused", help="attention implementations to compare")
@@ -201,47 +245,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for --compare-hf")
     parser.add_argument("--dropout", type=float, default=0.1, help="dropout for --compare-hf")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "IMPL"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    if args.compare_hf:
-        figures = compare_hf(args.batch, args.steps, args.warmup, args.repeats, args.threads, args.dropout)
-        print(json.dumps(figures))
-        return figures
 
-    if args.worker:
-        print(json.dumps(measure(*args.worker, args.batch, args.steps, args.warmup, args.device, args.dtype)))
-        return {}
+def _measure_in_process(config: str, impl: str, args: argparse.Namespace) -> dict:
+    """`measure` in a fresh process of this script, so that its peak memory is that variant's alone."""
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        config,
+        impl,
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
-    configs, impls = args.configs.split(","), args.impls.split(",")
-    runs: dict[tuple[str, str], list[dict]] = {(c, i): [] for c in configs for i in impls}
-    for repeat in range(args.repeats):
-        for config in configs:
-            for impl in impls:
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    config,
-                    impl,
-                    "--batch",
-                    str(args.batch),
-                    "--steps",
-                    str(args.steps),
-                    "--warmup",
-                    str(args.warmup),
-                    "--device",
-                    args.device,
-                    "--dtype",
-                    args.dtype,
-                ]
-                out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-                runs[(config, impl)].append(json.loads(out.strip().splitlines()[-1]))
-                print(
-                    f"repeat {repeat + 1}/{args.repeats} {config:10s} {impl:9s} "
-                    f"{runs[(config, impl)][-1]['tokens_per_s']:10.0f} tokens/s",
-                    flush=True,
-                )
 
+def _summary(runs: dict, configs: list[str], impls: list[str], args: argparse.Namespace) -> dict:
+    """Medians over the repeats and the per-repeat ratios to the first implementation, printed as a table."""
     figures: dict = {
         "device": args.device,
         "dtype": args.dtype,
@@ -273,7 +304,6 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{config}: {impl} / {baseline} throughput = {statistics.median(per_repeat):.3f} "
                 f"(median of per-repeat ratios)"
             )
-    print(json.dumps(figures))
     return figures
 
 

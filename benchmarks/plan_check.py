@@ -21,14 +21,13 @@ import json
 import os
 import resource
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+# benchmarks/training_runs.py, beside this script
+from training_runs import launch, metrics, ptb_word_shards, run_config
+
 STEPS = 4
 
 # name -> (config, overrides, shards kind). "ptb": the Penn Treebank's 10,000 words; "lm1b": a synthetic corpus
@@ -127,9 +126,6 @@ def shards_of(kind: str, work: Path) -> Path:
     from data_tools import build_shards, synthetic_lm1b, train_tokenizer
 
     if kind == "ptb":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from training_runs import ptb_word_shards
-
         return ptb_word_shards(work / "ptb")[1]
     # "lm1b": a flatter law than One Billion Word's over 400k ranks, the lm1b preset's vocabulary (words seen 3
     # times: 95k); "lm1b_935k": flatter still over 1.2M ranks, every word seen (935k: lm1b_base's size).
@@ -183,21 +179,6 @@ def shards_of(kind: str, work: Path) -> Path:
     return shards
 
 
-def launch(script: list[str], port: int) -> None:
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
-    command = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), *script]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{port}*"):
-        path.unlink(missing_ok=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES))
@@ -208,80 +189,75 @@ def main() -> None:
     if args.probe:
         probe(args.probe, [a for a in rest if not a.startswith("--local_rank")])
         return
-    from txl_dist.config import load_config, with_manifest_vocab
-    from txl_dist.data.format import read_manifest
-    from txl_dist.plan import MiB, plan_memory
-
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="plan_check."))
     results = {}
     for index, name in enumerate(args.cases.split(",")):
-        config, overrides, kind = CASES[name]
-        shards = shards_of(kind, work)
-        output = work / "runs" / name
-        # Each case starts afresh: a run left by an earlier call would resume instead of measuring a start.
-        for leftover in (output, work / "runs" / f"{name}_probe_run"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        settings = [f"data.shards={shards}", *overrides, *RUN_SETTINGS]
-        started = time.perf_counter()
-        launch(["launchers/train.py", "--config", config, f"train.output_dir={output}", *settings], 29700 + index)
-        records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-        measured = max(r["peak_rss_mb"] for r in records if r.get("kind") == "train") * MiB
-        cfg = load_config(config, settings)
-        cfg = with_manifest_vocab(cfg, read_manifest(shards).tokenizer.vocab_size, "the manifest")
-        plan = plan_memory(cfg, 2, device="cpu")
-        row = {
-            "parameters": plan.parameters,
-            "micro_batch": plan.micro_batch,
-            "grad_accum": plan.grad_accum,
-            "planned_mib": round(plan.peak / MiB),
-            "measured_peak_rss_mib": round(measured / MiB),
-            "planned_over_measured": round(plan.peak / measured, 3),
-            "seconds": round(time.perf_counter() - started, 1),
-        }
-        if args.tensor_peaks:
-            out = work / "runs" / f"{name}_probe"
-            launch(
-                [
-                    "benchmarks/plan_check.py",
-                    "--probe",
-                    str(out),
-                    "--config",
-                    config,
-                    f"train.output_dir={out}_run",
-                    *settings,
-                ],
-                29800 + index,
-            )
-            probes = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
-            tensors = max(p["tensor_peak_bytes"] for p in probes)
-            # Allocated bytes, as a GPU counts them (DeepSpeed's reduction bucket whole, for one).
-            allocated = plan_memory(cfg, 2, device="cuda").peak
-            row.update(
-                {
-                    "planned_tensors_mib": round(allocated / MiB),
-                    "measured_tensor_peak_mib": round(tensors / MiB),
-                    "planned_over_measured_tensors": round(allocated / tensors, 3),
-                    "rss_before_model_mib": [round(p["rss_before_model_bytes"] / MiB) for p in probes],
-                }
-            )
-        results[name] = row
-        print(f"{name:22s} {json.dumps(row)}", flush=True)
+        results[name] = check_case(name, index, work, args.tensor_peaks)
+        print(f"{name:22s} {json.dumps(results[name])}", flush=True)
+    _print_table(results, args.tensor_peaks)
+    print(json.dumps({"benchmark": "plan_check", "ranks": 2, "device": "cpu", "steps": STEPS, "results": results}))
+
+
+def check_case(name: str, index: int, work: Path, tensor_peaks: bool) -> dict:
+    """One case's run against its plan (and, with ``tensor_peaks``, its profiled run against the GPU plan)."""
+    from txl_dist.plan import MiB, plan_memory
+
+    config, overrides, kind = CASES[name]
+    shards = shards_of(kind, work)
+    output = work / "runs" / name
+    # Each case starts afresh: a run left by an earlier call would resume instead of measuring a start.
+    for leftover in (output, work / "runs" / f"{name}_probe_run"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    settings = [f"data.shards={shards}", *overrides, *RUN_SETTINGS]
+    started = time.perf_counter()
+    launch(["launchers/train.py", "--config", config, f"train.output_dir={output}", *settings], 29700 + index)
+    measured = max(r["peak_rss_mb"] for r in metrics(output) if r.get("kind") == "train") * MiB
+    cfg = run_config(config, settings, shards)
+    plan = plan_memory(cfg, 2, device="cpu")
+    row = {
+        "parameters": plan.parameters,
+        "micro_batch": plan.micro_batch,
+        "grad_accum": plan.grad_accum,
+        "planned_mib": round(plan.peak / MiB),
+        "measured_peak_rss_mib": round(measured / MiB),
+        "planned_over_measured": round(plan.peak / measured, 3),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    if tensor_peaks:
+        out = work / "runs" / f"{name}_probe"
+        script = ["benchmarks/plan_check.py", "--probe", str(out), "--config", config, f"train.output_dir={out}_run"]
+        launch([*script, *settings], 29800 + index)
+        probes = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
+        tensors = max(p["tensor_peak_bytes"] for p in probes)
+        # Allocated bytes, as a GPU counts them (DeepSpeed's reduction bucket whole, for one).
+        allocated = plan_memory(cfg, 2, device="cuda").peak
+        row.update(
+            {
+                "planned_tensors_mib": round(allocated / MiB),
+                "measured_tensor_peak_mib": round(tensors / MiB),
+                "planned_over_measured_tensors": round(allocated / tensors, 3),
+                "rss_before_model_mib": [round(p["rss_before_model_bytes"] / MiB) for p in probes],
+            }
+        )
+    return row
+
+
+def _print_table(results: dict[str, dict], tensor_peaks: bool) -> None:
     print(
         f"\n{'case':22s} {'params':>12s} {'planned MiB':>12s} {'peak RSS MiB':>13s} {'ratio':>7s}"
-        + (f" {'plan tensors':>13s} {'tensor peak':>12s} {'ratio':>7s}" if args.tensor_peaks else "")
+        + (f" {'plan tensors':>13s} {'tensor peak':>12s} {'ratio':>7s}" if tensor_peaks else "")
     )
     for name, row in results.items():
         line = (
             f"{name:22s} {row['parameters']:12,d} {row['planned_mib']:12d} {row['measured_peak_rss_mib']:13d} "
             f"{row['planned_over_measured']:7.2f}"
         )
-        if args.tensor_peaks:
+        if tensor_peaks:
             line += (
                 f" {row['planned_tensors_mib']:13d} {row['measured_tensor_peak_mib']:12d} "
                 f"{row['planned_over_measured_tensors']:7.2f}"
             )
         print(line)
-    print(json.dumps({"benchmark": "plan_check", "ranks": 2, "device": "cpu", "steps": STEPS, "results": results}))
 
 
 if __name__ == "__main__":

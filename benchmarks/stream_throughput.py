@@ -100,18 +100,7 @@ def measure(directory: str, micro_batch: int, tgt_len: int, world_size: int, shu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=float, nargs="+", default=[100e6, 300e6], help="corpus sizes to build")
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--tgt-len", type=int, default=32)
-    parser.add_argument("--world-size", type=int, default=1, help="the measured rank is rank 0 of this many")
-    parser.add_argument("--block-tokens", type=int, default=65536)
-    parser.add_argument("--tokens-per-shard", type=int, default=64 * 2**20)
-    parser.add_argument("--seconds", type=float, default=60.0, help="reading time cap per measurement (one epoch)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: run one measurement in this process
-    parser.add_argument("--shuffle", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = _parse_args()
     if args.measure:
         print(
             json.dumps(
@@ -134,39 +123,14 @@ def main() -> None:
             started = time.perf_counter()
             num_tokens = build_ptb_shards(directory, int(min_tokens), args.block_tokens, args.tokens_per_shard)
             print(f"built {num_tokens:,} tokens of PTB in {time.perf_counter() - started:.1f} s", flush=True)
-            piped = Path(scratch) / f"ptb_{int(min_tokens)}_pipe"
-            piped.mkdir()
-            manifest = read_manifest(directory)
-            for shard in manifest.splits["train"].shards:
-                shard.path = f"pipe:cat {directory / shard.path}"
-            write_manifest(piped, manifest)
+            piped = piped_copy(directory, Path(scratch) / f"ptb_{int(min_tokens)}_pipe")
             corpus = {"tokens": num_tokens}
             for order, source, shuffle in (
                 ("sequential", directory, False),
                 ("shuffled", directory, True),
                 ("pipe_sequential", piped, False),
             ):
-                runs = []
-                for _ in range(args.repeats):
-                    command = [
-                        sys.executable,
-                        __file__,
-                        "--measure",
-                        str(source),
-                        "--micro-batch",
-                        str(args.micro_batch),
-                        "--tgt-len",
-                        str(args.tgt_len),
-                        "--world-size",
-                        str(args.world_size),
-                        "--seconds",
-                        str(args.seconds),
-                    ] + (["--shuffle"] if shuffle else [])
-                    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-                    runs.append(json.loads(output.strip().splitlines()[-1]))
-                summary = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-                summary["tokens_per_s_runs"] = [round(run["tokens_per_s"]) for run in runs]
-                corpus[order] = summary
+                corpus[order] = summary = _measured_order(source, shuffle, args)
                 print(
                     f"  {order:15s} {summary['tokens_per_s'] / 1e6:6.1f} M tokens/s per rank "
                     f"(runs: {', '.join(f'{r / 1e6:.1f}' for r in summary['tokens_per_s_runs'])}); "
@@ -176,6 +140,56 @@ def main() -> None:
                 )
             figures["corpora"].append(corpus)
     print(json.dumps(figures))
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=float, nargs="+", default=[100e6, 300e6], help="corpus sizes to build")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--tgt-len", type=int, default=32)
+    parser.add_argument("--world-size", type=int, default=1, help="the measured rank is rank 0 of this many")
+    parser.add_argument("--block-tokens", type=int, default=65536)
+    parser.add_argument("--tokens-per-shard", type=int, default=64 * 2**20)
+    parser.add_argument("--seconds", type=float, default=60.0, help="reading time cap per measurement (one epoch)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: run one measurement in this process
+    parser.add_argument("--shuffle", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def piped_copy(directory: Path, piped: Path) -> Path:
+    """A manifest in ``piped`` whose shards are the same files read through ``pipe:cat`` URLs."""
+    piped.mkdir()
+    manifest = read_manifest(directory)
+    for shard in manifest.splits["train"].shards:
+        shard.path = f"pipe:cat {directory / shard.path}"
+    write_manifest(piped, manifest)
+    return piped
+
+
+def _measured_order(source: Path, shuffle: bool, args: argparse.Namespace) -> dict:
+    """Medians over ``args.repeats`` measurements, each in a fresh process, and each run's tokens/s."""
+    runs = []
+    for _ in range(args.repeats):
+        command = [
+            sys.executable,
+            __file__,
+            "--measure",
+            str(source),
+            "--micro-batch",
+            str(args.micro_batch),
+            "--tgt-len",
+            str(args.tgt_len),
+            "--world-size",
+            str(args.world_size),
+            "--seconds",
+            str(args.seconds),
+        ] + (["--shuffle"] if shuffle else [])
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        runs.append(json.loads(output.strip().splitlines()[-1]))
+    summary = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    summary["tokens_per_s_runs"] = [round(run["tokens_per_s"]) for run in runs]
+    return summary
 
 
 if __name__ == "__main__":

@@ -26,48 +26,18 @@ from training_runs import ptb_word_shards, train  # benchmarks/training_runs.py,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="tiny_cpu,ptb_small")
-    parser.add_argument("--stages", default="0,1,2,3")
-    parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16 (fp16 needs CUDA)")
-    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--work-dir", help="where to keep shards and runs (default: a temporary folder)")
-    args = parser.parse_args(argv)
-
+    args = _parse_args(argv)
     configs, stages = args.configs.split(","), [int(s) for s in args.stages.split(",")]
     precisions = args.precisions.split(",")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="train_throughput."))
     _, shards = ptb_word_shards(work / "ptb")
-    log_every = max(1, args.steps // 6)
     variants = [(c, s, p) for c in configs for s in stages for p in precisions]
     runs: dict[tuple[str, int, str], list[dict]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         for config, stage, precision in variants:
-            out = work / f"{config}_zero{stage}_{precision}_{repeat}"
-            records = train(
-                f"configs/{config}.yaml",
-                shards,
-                out,
-                [
-                    f"zero.stage={stage}",
-                    f"precision.dtype={precision}",
-                    f"train.max_steps={args.steps}",
-                    f"log.every={log_every}",
-                    "schedule.warmup_steps=1",
-                    "eval.every=0",
-                    "checkpoint.every=0",
-                    "log.tensorboard=false",
-                ],
+            figures = _run(
+                config, stage, precision, args.steps, shards, work / f"{config}_zero{stage}_{precision}_{repeat}"
             )
-            train_records = [r for r in records if r["kind"] == "train"]
-            windows = train_records[1:]
-            figures = {
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
-                "peak_rss_mb": max(r.get("peak_rss_mb", r.get("max_allocated_mb", 0)) for r in windows),
-                "losses": [r["loss"] for r in train_records],
-                "eval_loss": next((r["loss"] for r in reversed(records) if r["kind"] == "eval"), None),
-            }
             runs[(config, stage, precision)].append(figures)
             print(
                 f"repeat {repeat + 1}/{args.repeats} {config:10s} ZeRO-{stage} {precision:4s} "
@@ -75,7 +45,52 @@ def main(argv: list[str] | None = None) -> dict:
                 f"valid loss {figures['eval_loss']:.4f}",
                 flush=True,
             )
+    summary = _summary(runs, variants, stages, precisions, args)
+    print(json.dumps(summary))
+    return summary
 
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="tiny_cpu,ptb_small")
+    parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16 (fp16 needs CUDA)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--work-dir", help="where to keep shards and runs (default: a temporary folder)")
+    return parser.parse_args(argv)
+
+
+def _run(config: str, stage: int, precision: str, steps: int, shards: Path, out: Path) -> dict:
+    """One training run's figures: tokens/s (median over the logging windows after the first), peak memory, the
+    training losses and the last validation loss."""
+    records = train(
+        f"configs/{config}.yaml",
+        shards,
+        out,
+        [
+            f"zero.stage={stage}",
+            f"precision.dtype={precision}",
+            f"train.max_steps={steps}",
+            f"log.every={max(1, steps // 6)}",
+            "schedule.warmup_steps=1",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "log.tensorboard=false",
+        ],
+    )
+    train_records = [r for r in records if r["kind"] == "train"]
+    windows = train_records[1:]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
+        "peak_rss_mb": max(r.get("peak_rss_mb", r.get("max_allocated_mb", 0)) for r in windows),
+        "losses": [r["loss"] for r in train_records],
+        "eval_loss": next((r["loss"] for r in reversed(records) if r["kind"] == "eval"), None),
+    }
+
+
+def _summary(runs: dict, variants: list, stages: list[int], precisions: list[str], args: argparse.Namespace) -> dict:
+    """Medians over the repeats and the ratios to ZeRO stage 0 and to the first precision, printed as a table."""
     summary: dict = {"ranks": 2, "device": "cpu", "steps": args.steps, "repeats": args.repeats, "results": {}}
     print(
         f"\n{'config':10s} {'stage':>5s} {'dtype':>5s} {'tokens/s':>10s} {'vs ZeRO-0':>9s} {'vs ' + precisions[0]:>9s} "
@@ -93,22 +108,27 @@ def main(argv: list[str] | None = None) -> dict:
                 r["tokens_per_s"] / base["tokens_per_s"] for r, base in zip(results, runs[(config, 0, precision)])
             )
         if precision != precisions[0]:
-            bases = runs[(config, stage, precisions[0])]
-            row[f"vs_{precisions[0]}"] = statistics.median(
-                r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(results, bases)
-            )
-            row["max_train_loss_gap"] = max(
-                abs(a - b) for r, base in zip(results, bases) for a, b in zip(r["losses"], base["losses"])
-            )
-            row["eval_loss_gap"] = statistics.median(r["eval_loss"] - b["eval_loss"] for r, b in zip(results, bases))
+            row.update(_precision_gaps(results, runs[(config, stage, precisions[0])], precisions[0]))
         summary["results"].setdefault(config, {})[f"zero{stage}_{precision}"] = row
         print(
             f"{config:10s} {stage:5d} {precision:>5s} {row['tokens_per_s']:10.0f} "
             f"{row.get('vs_stage0', float('nan')):9.2f} {row.get('vs_' + precisions[0], float('nan')):9.2f} "
             f"{row['peak_rss_mb']:12.0f} {row.get('max_train_loss_gap', float('nan')):12.4f}"
         )
-    print(json.dumps(summary))
     return summary
+
+
+def _precision_gaps(results: list[dict], bases: list[dict], base_precision: str) -> dict:
+    """Throughput ratio and loss gaps of one precision's runs against the first precision's, repeat by repeat."""
+    return {
+        f"vs_{base_precision}": statistics.median(
+            r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(results, bases)
+        ),
+        "max_train_loss_gap": max(
+            abs(a - b) for r, base in zip(results, bases) for a, b in zip(r["losses"], base["losses"])
+        ),
+        "eval_loss_gap": statistics.median(r["eval_loss"] - b["eval_loss"] for r, b in zip(results, bases)),
+    }
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What the training benchmarks share: Penn Treebank shards and real runs of launchers/train.py.
+"""What the benchmarks share: Penn Treebank shards, real runs of launchers/train.py and their outputs.
 
 Runs go through the shipped `deepspeed` launcher on CPU ranks (DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1), exactly
 as users start them; the figures come from the run's own metrics.jsonl.
@@ -35,27 +35,51 @@ def train(
     config: str, shards: Path, output_dir: Path, overrides: list[str], ranks: int = 2, port: int = 29561
 ) -> list[dict]:
     """Run launchers/train.py to the end; return its metrics.jsonl records."""
-    command = [
-        DEEPSPEED,
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(port),
-        "launchers/train.py",
-        "--config",
-        config,
-        f"data.shards={shards}",
-        f"train.output_dir={output_dir}",
-        *overrides,
-    ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    script = ["launchers/train.py", "--config", config, f"data.shards={shards}", f"train.output_dir={output_dir}"]
+    launch([*script, *overrides], port, ranks)
+    return metrics(output_dir)
+
+
+def launch(script: list[str], port: int, ranks: int = 2) -> None:
+    """Run ``script`` (a path and its arguments) on ``ranks`` CPU ranks through the deepspeed launcher."""
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    command = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port), *script]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    remove_allreduce_buffers(port)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+
+
+def remove_allreduce_buffers(port: int) -> None:
+    """Unlink the shared-memory files that DeepSpeed's CPU all-reduce leaves behind
+    (``deepspeed_allreduce_buffer_{...}_{master address}_{master port}_{rank}``), this port's only."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
         path.unlink(missing_ok=True)
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
     lines = (output_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines]
+
+
+def run_config(config: str, overrides: list[str], shards: Path):
+    """The config a run of launchers/train.py trains with: the file, the overrides, the manifest's vocabulary."""
+    from txl_dist.config import load_config, with_manifest_vocab
+    from txl_dist.data.format import read_manifest
+
+    cfg = load_config(config, overrides)
+    return with_manifest_vocab(cfg, read_manifest(shards).tokenizer.vocab_size, "the manifest")
+
+
+def last_json_line(stdout: str) -> dict:
+    """The JSON object on the last line of a benchmark process's output."""
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def evaluate(model_dir: Path, split: str, name: str, *extra: str) -> dict:
