@@ -70,11 +70,9 @@ def metrics(output_dir: Path) -> list[dict]:
 
 def run_config(config: str, overrides: list[str], shards: Path):
     """The config a run of launchers/train.py trains with: the file, the overrides, the manifest's vocabulary."""
-    from txl_dist.config import load_config, with_manifest_vocab
-    from txl_dist.data.format import read_manifest
+    from txl_dist.config import load_config, with_shards_vocab
 
-    cfg = load_config(config, overrides)
-    return with_manifest_vocab(cfg, read_manifest(shards).tokenizer.vocab_size, "the manifest")
+    return with_shards_vocab(load_config(config, [*overrides, f"data.shards={shards}"]))
 
 
 def last_json_line(stdout: str) -> dict:
