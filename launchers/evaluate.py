@@ -141,11 +141,12 @@ def _load(
 ) -> tuple[Any, Any, str | None, Path]:
     """(model, tokenizer or None, recorded shards or None, default output file)."""
     from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_export_tokenizer, load_model
+    from txl_dist.fileio import read_json
 
     if (path / CONFIG_FILE).is_file():
+        training = read_json(path / TRAINING_FILE) if (path / TRAINING_FILE).is_file() else {}
         if eval_settings:
-            training = path / TRAINING_FILE
-            run_config = json.loads(training.read_text()).get("run_config") if training.is_file() else None
+            run_config = training.get("run_config")
             overrides = _with_eval_section(overrides, (run_config or {}).get("eval"), str(path))
         if not verify and int(os.environ.get("RANK", "0")) == 0:
             print(
@@ -154,8 +155,7 @@ def _load(
             )
         model = load_model(path, device=device, verify=verify, **overrides)
         tokenizer = load_export_tokenizer(path)
-        training = path / TRAINING_FILE
-        shards = json.loads(training.read_text())["data"]["shards"] if training.is_file() else None
+        shards = training["data"]["shards"] if training else None
         return model, tokenizer, shards, path / f"eval_{split}.json"
     from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
     from txl_dist.export import apply_eval_overrides, model_from_state_dict

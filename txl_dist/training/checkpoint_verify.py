@@ -9,13 +9,12 @@ deals the files out with `deal_files_to_ranks` and each rank checks its share wi
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, file_checksum
+from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, file_checksum, read_json
 from txl_dist.training.checkpoint_layout import COMPLETE, FILES_KEY, files_on_disk, step_of_tag
 
 
@@ -26,10 +25,7 @@ class CheckpointVerificationError(ValueError):
 def read_marker(tag_dir: str | os.PathLike) -> dict[str, Any]:
     """The COMPLETE.json of a checkpoint folder; a damaged one raises CheckpointVerificationError naming it."""
     path = Path(tag_dir) / COMPLETE
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointVerificationError(f"{path}: unreadable ({error})") from None
+    marker = read_json(path, CheckpointVerificationError, "unreadable")
     if not isinstance(marker, dict):
         raise CheckpointVerificationError(f"{path}: not a completion marker (a JSON object)")
     return marker
