@@ -435,14 +435,17 @@ def test_decoding_a_damaged_shard_is_one_line(ptb_word_shards, ptb_word_tokenize
 # ---- no orphaned ranks: what a rank watches ----------------------------------------------------------------------
 
 _RANK = """
-import sys, time
+import os, sys, time
 from txl_dist.training.run_guard import RunGuard
 guard = RunGuard(install_signals=False)
 print("ready", flush=True)
 deadline = time.monotonic() + 30
 while guard.reason is None and time.monotonic() < deadline:
     time.sleep(0.05)
-open(sys.argv[1], "w").write(str(guard.reason))
+# Written whole, then renamed: the test reads the file as soon as it exists.
+with open(sys.argv[1] + ".partial", "w") as out:
+    out.write(str(guard.reason))
+os.replace(sys.argv[1] + ".partial", sys.argv[1])
 """
 # Stands in for DeepSpeed's per-node launcher: its command line names it, as the ranks look for.
 _LAUNCH = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]])"
