@@ -234,7 +234,8 @@ def with_shards_vocab(cfg: RunConfig, manifest: Manifest | None = None) -> RunCo
         if cfg.data.shards is None or not os.path.isfile(os.path.join(cfg.data.shards, MANIFEST_NAME)):
             return cfg
         manifest = read_manifest(cfg.data.shards)
-    return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, f"{cfg.data.shards}/{MANIFEST_NAME}")
+    where = f"the manifest {os.path.join(cfg.data.shards, MANIFEST_NAME)}"
+    return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, where)
 
 
 def load_config(
