@@ -243,7 +243,7 @@ def load_config(
 ) -> RunConfig:
     """Build the run config: defaults, then each file in ``paths`` (with its includes) left to right, then the
     ``key.path=value`` overrides. Raises ValueError naming the key, the value, what is allowed and its source."""
-    return _config_from_data(*read_layers(paths, overrides))
+    return _config_from_data(*read_layers(paths, overrides, SECTIONS))
 
 
 def _config_from_data(data: dict[str, Any], sources: dict[str, str]) -> RunConfig:

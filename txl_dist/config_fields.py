@@ -75,8 +75,12 @@ NOT_A_BOOLEAN = BeforeValidator(_refuse_bool)
 TUPLE_AS_LIST = BeforeValidator(_tuple_as_list)
 """For list fields given a tuple in Python."""
 
-Positive = Annotated[int, Field(ge=1)]
-NonNegative = Annotated[int, Field(ge=0)]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The range of every integer field unless its own is narrower: the counts, sizes and positions of a run end up in
+torch's and numpy's int64 (tensors, the data state, DeepSpeed's buffers and counters), which hold no more."""
+Integer = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Positive = Annotated[int, Field(ge=1, le=INT64_MAX)]
+NonNegative = Annotated[int, Field(ge=0, le=INT64_MAX)]
 PositiveNumber = Annotated[Number, Field(gt=0)]
 NonNegativeNumber = Annotated[Number, Field(ge=0.0)]
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -84,10 +88,11 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "string_too_short"}
+_BOUND_OPS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 _SCALAR_NAMES = {
     bool: ("a boolean (true or false)", "booleans"),
     int: ("an integer", "integers"),
-    float: ("a number", "numbers"),
+    float: ("a finite number", "numbers"),
     str: ("a string (quote it if it looks like a number)", "strings"),
 }
 
@@ -148,6 +153,9 @@ def _config_error(cls: type, error: pydantic.ValidationError, given: dict[str, A
         # pydantic reports the value given; the message names the value as the field holds it (1 -> 1.0)
         value = _read_number(detail["input"]) if _scalar(field.annotation) is float else detail["input"]
         return ConfigError(key, value, _range_text(field, value))
+    if detail["type"] in _RANGE_ERRORS and len(detail["loc"]) == 2:  # an item of a list
+        bound = ", ".join(f"{op} {detail['ctx'][name]}" for name, op in _BOUND_OPS.items() if name in detail["ctx"])
+        return ConfigError(key, given.get(name, detail["input"]), f"{_type_text(field.annotation)}, each {bound}")
     return ConfigError(key, given.get(name, detail["input"]), _type_text(field.annotation))
 
 
@@ -167,7 +175,10 @@ def _range_text(field: FieldInfo, value: Any) -> str:
         return "a non-empty string" + (" or null" if optional else "")
     bounds = {type(item): item for item in constraints if isinstance(item, annotated_types.BaseMetadata)}
     is_int = isinstance(value, int)
-    if annotated_types.Ge in bounds:
+    low = bounds[annotated_types.Ge].ge if annotated_types.Ge in bounds else None
+    if is_int and annotated_types.Le in bounds and (value > bounds[annotated_types.Le].le or low not in (0, 1)):
+        text = _int_range_text(low, bounds[annotated_types.Le].le)
+    elif annotated_types.Ge in bounds:
         ge = bounds[annotated_types.Ge].ge
         text = ("a positive integer" if ge == 1 else f"an integer >= {ge}") if is_int else f"a number >= {ge}"
     elif annotated_types.Gt in bounds:
@@ -176,6 +187,19 @@ def _range_text(field: FieldInfo, value: Any) -> str:
     else:
         raise TypeError(f"no message for the constraints {field.metadata} of a config field")
     return text + (", or null" if optional else "")
+
+
+def _int_range_text(low: int, high: int) -> str:
+    """``an integer from 1 to 9223372036854775807 (2**63 - 1, the largest int64)``."""
+    if high == INT64_MAX:
+        power = " (2**63 - 1, the largest int64)"
+    elif high > 2**16 and (high + 1).bit_count() == 1:
+        power = f" (2**{high.bit_length()} - 1)"
+    elif high > 2**16 and high.bit_count() == 1:
+        power = f" (2**{high.bit_length() - 1})"
+    else:
+        power = ""
+    return f"an integer from {low} to {high}{power}"
 
 
 def _scalar(hint: Any) -> Any:

@@ -1,24 +1,34 @@
 """Reading the run config's YAML files and ``key.path=value`` overrides into plain data, with where each key path was
-set: includes (resolved relative to the including file, cycles refused), mappings merged key by key."""
+set: includes (resolved relative to the including file, cycles refused), mappings merged key by key.
+
+Each layer (a file, an override) is checked as it is read, so that no later layer can hide its mistakes: a section
+must be a mapping of keys, or empty (``train:`` with every key commented out reads as null, and means that the
+layer changes nothing in that section); YAML's merge keys (``<<: *anchor``) are read as YAML defines them, and a
+key written twice in one mapping is refused. Errors are one line naming the file (or the override) and the key."""
 
 from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from txl_dist.config_fields import ConfigError
+
 COMMAND_LINE = "on the command line"
 
 
 def read_layers(
-    paths: str | os.PathLike | Sequence[str | os.PathLike] | None, overrides: Sequence[str] = ()
+    paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
+    overrides: Sequence[str] = (),
+    sections: Collection[str] = (),
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Each file in ``paths`` (with its includes) merged left to right, then the overrides; and for every key path
-    where it was last set (``in configs/x.yaml``, ``on the command line``)."""
+    where it was last set (``in configs/x.yaml``, ``on the command line``). A value of one of ``sections`` that is
+    neither a mapping nor null raises ConfigError naming the file and the key; a null section is dropped."""
     if paths is None:
         paths = []
     elif isinstance(paths, (str, os.PathLike)):
@@ -26,63 +36,123 @@ def read_layers(
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for path in paths:
-        data, data_sources = _read_config_file(Path(path), ())
+        data, data_sources = _read_config_file(Path(path), (), sections)
         merge_mappings(merged, data)
         sources.update(data_sources)
     for override in overrides:
-        data = _parse_override(override)
+        data = _sections_of(_parse_override(override), sections, COMMAND_LINE)
         merge_mappings(merged, data)
         sources.update({path: COMMAND_LINE for path in key_paths(data)})
     return merged, sources
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key repeated in one mapping (PyYAML would keep the last silently)."""
+    """SafeLoader that refuses a key repeated in one mapping (PyYAML would keep the last silently). The keys that a
+    merge key (``<<``) brings in are not repeats: the mapping's own keys override them, as YAML defines."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
+            # A merge key has no constructor of its own: flatten_mapping (in construct_mapping) reads it.
+            key = _MERGE_KEY if key_node.tag == _MERGE_TAG else self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # SafeConstructor refuses it in its own words
+                continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
 
-def _read_config_file(path: Path, including: tuple[Path, ...]) -> tuple[dict[str, Any], dict[str, str]]:
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _MergeKey:
+    def __repr__(self) -> str:
+        return "'<<' (a merge key)"
+
+
+_MERGE_KEY = _MergeKey()
+
+
+def _describe_yaml_error(error: yaml.YAMLError) -> str:
+    """One line (PyYAML's messages take four, and name no file: the text was read first)."""
+    if isinstance(error, yaml.MarkedYAMLError):
+        mark = error.problem_mark or error.context_mark
+        problem = error.problem or error.context or "malformed"
+        if error.context and error.problem:
+            problem += f" ({error.context})"
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
+    if isinstance(error, yaml.reader.ReaderError):
+        code = error.character if isinstance(error.character, int) else ord(error.character)
+        return f"the character U+{code:04X} at offset {error.position} is not allowed in YAML (a binary file?)"
+    return str(error).splitlines()[0]
+
+
+def _read_yaml(path: Path, shown: str, including: tuple[Path, ...]) -> Any:
+    """The YAML document in ``path``; ValueError naming it when it is absent, not a UTF-8 text file or not YAML."""
+    parent = f" (included from {os.path.normpath(including[-1])})" if including else ""
+    if path.is_dir():
+        raise ValueError(f"{shown}: a folder, not a config file{parent}")
+    if not path.is_file():
+        raise ValueError(f"{shown}: no such config file{parent}")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as error:
+        raise ValueError(f"{shown}: cannot read the config file{parent}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{shown}: not a text config file{parent}: byte 0x{error.object[error.start]:02x} at offset "
+            f"{error.start} is not UTF-8 (config files are UTF-8 YAML)"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{shown}: not valid YAML{parent}: {_describe_yaml_error(error)}") from None
+
+
+def _read_config_file(
+    path: Path, including: tuple[Path, ...], sections: Collection[str]
+) -> tuple[dict[str, Any], dict[str, str]]:
     """A file's data merged over its includes, and where each key path was set."""
     shown = os.path.normpath(path)
     resolved = path.resolve()
     if resolved in including:
         chain = " -> ".join([os.path.normpath(p) for p in including] + [shown])
         raise ValueError(f"include cycle: {chain}")
-    if not path.is_file():
-        parent = f" (included from {os.path.normpath(including[-1])})" if including else ""
-        raise ValueError(f"{shown}: no such config file{parent}")
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as error:
-        raise ValueError(f"{shown}: not valid YAML: {error}") from None
+    data = _read_yaml(path, shown, including)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{shown}: the top level must be a mapping of sections, got {type(data).__name__}")
-    includes = data.pop("include", [])
-    if isinstance(includes, str):
+    includes = data.pop("include", None)
+    if includes is None:  # ``include:`` with its entries commented out
+        includes = []
+    elif isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(item, str) for item in includes):
         raise ValueError(
             f"{shown}: include={includes!r} is not allowed: a path or a list of paths (relative to {shown})"
         )
+    data = _sections_of(data, sections, f"in {shown}")
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for item in includes:
-        included, included_sources = _read_config_file(path.parent / item, including + (resolved,))
+        included, included_sources = _read_config_file(path.parent / item, including + (resolved,), sections)
         merge_mappings(merged, included)
         sources.update(included_sources)
     merge_mappings(merged, data)
     sources.update({key: f"in {shown}" for key in key_paths(data)})
     return merged, sources
+
+
+def _sections_of(data: dict[str, Any], sections: Collection[str], source: str) -> dict[str, Any]:
+    """One layer's data without its empty (null) sections; ConfigError naming the key and ``source`` for a value of
+    one of ``sections`` that is not a mapping (it would replace the section that earlier layers built)."""
+    for name, value in data.items():
+        if name in sections and value is not None and not isinstance(value, dict):
+            allowed = f"a mapping of {name} keys (e.g. {name}: {{key: value}}), or nothing"
+            raise ConfigError(str(name), value, allowed, source)
+    return {name: value for name, value in data.items() if not (name in sections and value is None)}
 
 
 def _parse_override(text: str) -> dict[str, Any]:
@@ -92,9 +162,9 @@ def _parse_override(text: str) -> dict[str, Any]:
     if not sep or not all(parts) or len(parts) > 2:
         raise ValueError(f"override {text!r} is not section.key=value (e.g. train.max_steps=100)")
     try:
-        value = yaml.safe_load(raw_value)
+        value = yaml.load(raw_value, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
-        raise ValueError(f"override {text!r}: the value is not valid YAML: {error}") from None
+        raise ValueError(f"override {text!r}: the value is not valid YAML: {_describe_yaml_error(error)}") from None
     return {parts[0]: value} if len(parts) == 1 else {parts[0]: {parts[1]: value}}
 
 

@@ -15,6 +15,7 @@ from txl_dist.config_fields import (
     NOT_A_BOOLEAN,
     TUPLE_AS_LIST,
     ConfigError,
+    Integer,
     NonEmpty,
     NonNegative,
     NonNegativeNumber,
@@ -24,6 +25,8 @@ from txl_dist.config_fields import (
     config_dataclass,
 )
 from txl_dist.model.config import ModelConfig
+
+SEED_MAX = 2**32 - 1
 
 
 @config_dataclass
@@ -66,8 +69,9 @@ class TrainConfig:
 
     output_dir: NonEmpty | None = None
     """Directory of the run: checkpoints, TensorBoard events, the resolved config. Required to train."""
-    seed: NonNegative = 1111
-    """Seed of parameter initialisation, dropout and the per-epoch block order."""
+    seed: Annotated[int, Field(ge=0, le=SEED_MAX)] = 1111
+    """Seed of parameter initialisation, dropout and the per-epoch block order: 0 to 2**32 - 1, the seeds that
+    every generator involved takes (numpy's, and torch's once each rank and step is added to it)."""
     max_steps: Positive = 1000
     """Optimizer steps to train for; training stops at the first of max_steps and max_epochs."""
     max_epochs: Positive | None = None
@@ -184,8 +188,8 @@ class PrecisionConfig:
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """"fp32"; "bf16" (DeepSpeed bf16, fp32 master weights); "fp16" (CUDA only; dynamic loss scaling)."""
-    initial_scale_power: NonNegative = 16
-    """fp16 only: the dynamic loss scale starts at 2**initial_scale_power."""
+    initial_scale_power: Annotated[int, Field(ge=0, le=127)] = 16
+    """fp16 only: the dynamic loss scale starts at 2**initial_scale_power (at most 2**127, which float32 holds)."""
     loss_scale_window: Positive = 1000
     """fp16 only: steps without overflow before the loss scale doubles."""
     hysteresis: Positive = 2
@@ -230,7 +234,7 @@ class EvalConfig:
     """Tokens per evaluation segment; null means model.tgt_len."""
     mem_len: NonNegative | None = None
     """Memory length during evaluation; null means model.mem_len."""
-    clamp_len: int | None = None
+    clamp_len: Integer | None = None
     """Relative distances beyond this share one encoding; <= 0 disables; null means model.clamp_len."""
     same_length: bool | None = None
     """Every query attends to the same number of keys (the paper's evaluation); null means model.same_length."""

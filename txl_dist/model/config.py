@@ -14,9 +14,11 @@ import pydantic
 from pydantic import Field
 
 from txl_dist.config_fields import (
+    INT64_MAX,
     TUPLE_AS_LIST,
     Allowed,
     ConfigError,
+    Integer,
     NonNegative,
     Number,
     Positive,
@@ -38,8 +40,9 @@ class ModelConfig:
 
     SECTION: ClassVar[str] = "model"
 
-    n_token: Positive = 10000
-    """Vocabulary size. Training runs take it from the shards' manifest."""
+    n_token: Annotated[int, Field(ge=1, le=2**32)] = 10000
+    """Vocabulary size (at most 2**32: the shards store token ids as uint32). Training runs take it from the
+    shards' manifest."""
     n_layer: Positive = 16
     """Number of decoder layers."""
     n_head: Positive = 10
@@ -50,11 +53,13 @@ class ModelConfig:
     """Width of the residual stream (and of the memory)."""
     d_inner: Positive = 2100
     """Hidden width of the position-wise feed-forward network."""
-    d_embed: Annotated[int | None, Field(ge=1), Allowed("a positive integer or null (= d_model)")] = None
+    d_embed: Annotated[
+        int | None, Field(ge=1, le=INT64_MAX), Allowed("a positive integer (at most 2**63 - 1) or null (= d_model)")
+    ] = None
     """Width of the first embedding cluster before its projection to d_model; None means d_model."""
     div_val: Positive = 1
     """Adaptive embedding/softmax: cluster i has width d_embed // div_val**i. 1 keeps one width for all clusters."""
-    cutoffs: Annotated[list[int], TUPLE_AS_LIST] = field(default_factory=list)
+    cutoffs: Annotated[list[Integer], TUPLE_AS_LIST] = field(default_factory=list)
     """Ascending vocabulary cut points of the adaptive softmax clusters; empty means a full softmax."""
     tie_weight: bool = True
     """Share each output cluster's weight matrix with the matching input embedding cluster."""
@@ -74,7 +79,7 @@ class ModelConfig:
     """Tokens per segment (the length of each training window)."""
     mem_len: NonNegative = 150
     """Cached hidden states per layer carried to the next segment; 0 gives a vanilla Transformer."""
-    clamp_len: int = -1
+    clamp_len: Integer = -1
     """Relative distances beyond this use the encoding of clamp_len; <= 0 disables clamping."""
     same_length: bool = False
     """Every query attends to the same number of keys (mem_len, itself included), as in the paper's evaluation."""
