@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import shutil
-import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -264,14 +263,32 @@ def describe_os_error(error: OSError, path: str | os.PathLike | None = None) -> 
     """One line: the path and the cause in words ("runs/x/metrics.jsonl: read-only file system")."""
     where = path if path is not None else error.filename
     cause = _CAUSES.get(error.errno) or error.strerror or str(error)
+    target = dangling_link(where) if where is not None and error.errno == errno.EEXIST else None
+    if target is not None:  # mkdir's "File exists" for a link whose target is missing
+        cause = f"a symbolic link to {target}, which leads nowhere: create its target or remove the link"
     if error.filename2 is not None:
         where = f"{where} -> {error.filename2}"
     return f"{where}: {cause}" if where is not None else cause
 
 
+def dangling_link(path: str | os.PathLike) -> str | None:
+    """What a symbolic link ``path`` points to when that leads nowhere (a missing target, a loop of links); None
+    for anything else."""
+    if os.path.islink(path) and not os.path.exists(path):
+        try:
+            return os.readlink(path)
+        except OSError:
+            return "?"
+    return None
+
+
 def ensure_directory(path: str | os.PathLike) -> Path:
-    """``mkdir -p``: a file in the way, a read-only parent, ... raise OSError naming the path."""
+    """``mkdir -p``: a file in the way, a read-only parent, a dangling symbolic link ... raise OSError naming the
+    path."""
     path = Path(path)
+    for folder in (path, *path.parents):
+        if dangling_link(folder) is not None:
+            raise FileExistsError(errno.EEXIST, "File exists", str(folder))  # as mkdir says it
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(path))
     try:
@@ -344,6 +361,46 @@ def mark_output(directory: str | os.PathLike, description: str) -> None:
     Path(directory, OUTPUT_MARKER).write_text(json.dumps({"written_by": description}) + "\n", encoding="utf-8")
 
 
+def make_temporary_directory(parent: str | os.PathLike, prefix: str, suffix: str = ".tmp") -> Path:
+    """A new, uniquely named folder in ``parent``, made as ``mkdir`` makes one: mode 0777 less the umask (what
+    ``tempfile.mkdtemp`` gives is 0700, which a staging folder would keep once renamed into place, and the other
+    accounts of a shared cluster could not read the result)."""
+    while True:
+        path = Path(parent, f"{prefix}{secrets.token_hex(8)}{suffix}")
+        try:
+            path.mkdir(0o777)
+            return path
+        except FileExistsError:  # somebody else's folder of that name
+            continue
+
+
+def chmod_as_new_file(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode that ``open()`` would give a new file beside it (0666 less the umask), for files
+    that a library writes with modes of its own (safetensors' 0600). The mode is read from a file made there, as
+    the umask cannot be read without changing it (a race with every other thread)."""
+    path = Path(path)
+    probe = path.parent / f".{path.name}.{secrets.token_hex(8)}.mode"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        mode = os.fstat(fd).st_mode
+    finally:
+        os.close(fd)
+        _remove_quietly(probe)
+    os.chmod(path, mode & 0o777)
+
+
+def copy_tree(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Copy a folder of files and folders as new ones (the modes the umask gives), where ``shutil.copytree`` would
+    copy the source's modes as well."""
+    source, destination = Path(source), Path(destination)
+    destination.mkdir()
+    for item in sorted(source.iterdir()):
+        if item.is_dir():
+            copy_tree(item, destination / item.name)
+        else:
+            shutil.copyfile(item, destination / item.name)
+
+
 @contextmanager
 def staged_output(out_dir: str | os.PathLike, written_by: str) -> Iterator[Path]:
     """A folder to write ``out_dir``'s files into: a staging folder beside it, marked as ours (``written_by``)
@@ -353,7 +410,7 @@ def staged_output(out_dir: str | os.PathLike, written_by: str) -> Iterator[Path]
     out_dir = Path(out_dir)
     try:
         ensure_directory(out_dir.parent)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+        staging = make_temporary_directory(out_dir.parent, f".{out_dir.name}.")
     except OSError as error:
         raise with_path(error, out_dir, replace=True) from error
     try:
@@ -374,7 +431,7 @@ def publish_directory(staging: str | os.PathLike, output: str | os.PathLike) -> 
     if not output.exists():
         os.replace(staging, output)
         return output
-    aside = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
+    aside = make_temporary_directory(output.parent, f".{output.name}.", ".old")
     os.replace(output, aside / output.name)
     try:
         os.replace(staging, output)

@@ -20,7 +20,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from txl_dist.convert.keymap import KeyMap
-from txl_dist.fileio import check_output_path, staged_output
+from txl_dist.fileio import check_output_path, copy_tree, staged_output
 from txl_dist.model.config import ModelConfig
 
 # Our keys and HuggingFace's TransfoXLLMHeadModel keys.
@@ -206,7 +205,7 @@ def write_hf_folder(
     with staged_output(out_dir, "txl_dist.convert.hf.write_hf_folder") as staging:
         save_safetensors(weights, staging / HF_WEIGHTS, metadata={"format": "pt"})
         if (export_dir / TOKENIZER_DIR).is_dir():
-            shutil.copytree(export_dir / TOKENIZER_DIR, staging / TOKENIZER_DIR)
+            copy_tree(export_dir / TOKENIZER_DIR, staging / TOKENIZER_DIR)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n", encoding="utf-8")
     return out_dir
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from txl_dist.fileio import chmod_as_new_file
 from txl_dist.model import ModelConfig, TransformerXLLM
 
 WEIGHTS_FILE = "model.safetensors"
@@ -105,9 +106,11 @@ def require_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
 
 
 def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file``, whose I/O failures (no space left, ...) become the OSError they are."""
+    """``safetensors.torch.save_file``, whose I/O failures (no space left, ...) become the OSError they are, and whose
+    file gets the mode that the umask gives."""
     try:
         save_file(dict(tensors), str(path), metadata=metadata)
+        chmod_as_new_file(path)  # safetensors makes its files 0600, whatever the umask
     except SafetensorError as error:
         code = re.search(r"os error (\d+)", str(error))
         if code is None:

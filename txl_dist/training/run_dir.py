@@ -13,12 +13,12 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from txl_dist.fileio import make_temporary_directory
 from txl_dist.training.ranks import broadcast
 from txl_dist.training.run_guard import RunFailure, RunGuard
 from txl_dist.training.run_lock import LOCK_NAME, RunLock, read_holder
@@ -80,7 +80,7 @@ class RunDirectory:
             return
         tokenizer = load_tokenizer(source)
         self.path.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=self.path))
+        staging = make_temporary_directory(self.path, ".tokenizer.")
         for name in [*tokenizer.files, "tokenizer.json"]:
             shutil.copyfile(source / name, staging / name)
         shutil.rmtree(target, ignore_errors=True)
