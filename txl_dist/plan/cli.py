@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -61,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--vocab-size",
         type=int,
-        help="model.n_token when the config gives no data.shards manifest (default: the preset's)",
+        help="model.n_token when no data.shards is given (default: the preset's); with data.shards it must "
+        "agree with the manifest's vocabulary",
     )
     args = parser.parse_args(argv)
     try:
@@ -80,7 +82,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _with_vocabulary(cfg: RunConfig, vocab_size: int | None) -> RunConfig:
-    """``cfg`` with model.n_token from ``--vocab-size``, else from the manifest of data.shards when there is one."""
-    if vocab_size is not None:
-        return with_manifest_vocab(cfg, vocab_size, "--vocab-size")
-    return with_shards_vocab(cfg)
+    """``cfg`` with model.n_token from the manifest of data.shards when it is set (as the trainer: a data.shards
+    without a manifest, or a ``--vocab-size`` that disagrees with it, is refused), else from ``--vocab-size``."""
+    if cfg.data.shards is None:
+        return cfg if vocab_size is None else with_manifest_vocab(cfg, vocab_size, "--vocab-size")
+    from txl_dist.data.format import MANIFEST_NAME, read_manifest
+
+    manifest = read_manifest(cfg.data.shards)
+    manifest_vocab = manifest.tokenizer.vocab_size
+    if vocab_size is not None and vocab_size != manifest_vocab:
+        raise ValueError(
+            f"--vocab-size {vocab_size} disagrees with the manifest "
+            f"{os.path.join(cfg.data.shards, MANIFEST_NAME)}: vocab_size {manifest_vocab}; leave --vocab-size out "
+            f"to take it from the manifest"
+        )
+    return with_shards_vocab(cfg, manifest)
