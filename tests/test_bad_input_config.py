@@ -289,9 +289,13 @@ def _plan(capsys, *args: str) -> tuple[int, str, str]:
 def test_the_planner_refuses_a_vocab_size_that_disagrees_with_the_manifest(capsys, ptb_word_shards):
     status, out, err = _plan(capsys, "--vocab-size", "5000", f"data.shards={ptb_word_shards}")
     assert status == 2 and out == ""
-    assert err.strip().splitlines()[-1].endswith(
-        f"error: --vocab-size 5000 disagrees with the manifest {ptb_word_shards / 'manifest.json'}: vocab_size "
-        f"10000; leave --vocab-size out to take it from the manifest"
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"error: --vocab-size 5000 disagrees with the manifest {ptb_word_shards / 'manifest.json'}: vocab_size "
+            f"10000; leave --vocab-size out to take it from the manifest"
+        )
     )
     for agreeing in (["--vocab-size", "10000"], []):
         status, out, _ = _plan(capsys, *agreeing, f"data.shards={ptb_word_shards}")
