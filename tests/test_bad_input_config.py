@@ -3,7 +3,9 @@ planner's vocabulary, and messages that name the right thing."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 import textwrap
 from pathlib import Path
@@ -308,3 +310,122 @@ def test_the_planner_refuses_data_shards_without_a_manifest(capsys, tmp_path):
     assert f"{tmp_path / 'manifest.json'}: no manifest" in err.strip().splitlines()[-1]
     status, out, _ = _plan(capsys, "--vocab-size", "5000")
     assert status == 0 and "n_token 5,000)" in out
+
+
+# --- messages that name the right thing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["itself", "its parent"])
+def test_a_dangling_symbolic_link_as_output_dir_is_named_before_anything_starts(
+    tmp_path, capsys, where, ptb_word_shards
+):
+    from txl_dist.training.cli import parse_run_args
+
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "elsewhere" / "runs")
+    output_dir = link if where == "itself" else link / "tiny"
+    argv = ["--config", str(TINY), f"data.shards={ptb_word_shards}", f"train.output_dir={output_dir}"]
+    with pytest.raises(SystemExit) as exited:
+        parse_run_args(argv, world_size=1, device="cpu")
+    assert exited.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"train.output_dir={str(output_dir)!r}: {link} is a symbolic link to {tmp_path / 'elsewhere' / 'runs'}, "
+            f"which leads nowhere: create its target or remove the link"
+        )
+    )
+
+
+def test_making_a_folder_at_a_dangling_link_says_so(tmp_path):
+    from txl_dist.fileio import describe_os_error, ensure_directory
+
+    link = tmp_path / "out"
+    link.symlink_to("missing")
+    for path in (link, link / "sub"):
+        with pytest.raises(FileExistsError) as caught:
+            ensure_directory(path)
+        assert describe_os_error(caught.value) == (
+            f"{link}: a symbolic link to missing, which leads nowhere: create its target or remove the link"
+        )
+
+
+def _checkpoint(tag_dir: Path) -> Path:
+    from txl_dist import fileio
+
+    tag_dir.mkdir(parents=True)
+    written = fileio.atomic_write_checksummed(tag_dir / "mp_rank_00_model_states.pt", lambda h: h.write(b"x" * 99))
+    marker = {
+        "step": 5,
+        "world_size": 1,
+        "streams_per_rank": 2,
+        "checksum": "crc32",
+        "files": {"mp_rank_00_model_states.pt": written.to_json()},
+    }
+    (tag_dir / "COMPLETE.json").write_text(json.dumps(marker))
+    return tag_dir
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"checksum": "sha512"}, r"checksum 'sha512' is not one that txl_dist checks \(it records 'crc32'\)"),
+        ({"checksum": None}, r"lists no file checksums \(a checkpoint written before txl_dist verified"),
+        ({"files": ["mp_rank_00_model_states.pt"]}, r"'files' is list .*, not a mapping of file names"),
+        (
+            {"files": {"mp_rank_00_model_states.pt": {"bytes": "99", "crc32": "0"}}},
+            r"entry of 'mp_rank_00.*\"bytes\" is '99'",
+        ),
+        (
+            {"files": {"mp_rank_00_model_states.pt": {"bytes": 99, "crc32": 7}}},
+            r"\"crc32\" is 7, not eight hexadecimal",
+        ),
+        (
+            {"files": {"mp_rank_00_model_states.pt": 99}},
+            r"entry of 'mp_rank_00_model_states.pt' is malformed: 99 is not",
+        ),
+        ({"world_size": "2"}, r"'world_size' is '2', not a number of ranks \(a damaged marker\)"),
+        ({"step": 5.0}, r"'step' is 5.0, not a step number"),
+        ({"streams_per_rank": True}, r"'streams_per_rank' is True, not a number of streams"),
+    ],
+)
+def test_a_completion_marker_with_a_field_of_another_kind_is_named(tmp_path, change, message):
+    from txl_dist.training.checkpoint_verify import verify_checkpoint
+
+    tag_dir = _checkpoint(tmp_path / "step00000005")
+    assert verify_checkpoint(tag_dir) == []
+    marker = json.loads((tag_dir / "COMPLETE.json").read_text())
+    marker.update(change)
+    if change.get("checksum", "") is None:
+        del marker["checksum"]
+    (tag_dir / "COMPLETE.json").write_text(json.dumps(marker))
+    problems = verify_checkpoint(tag_dir)
+    assert len(problems) == 1 and problems[0].startswith(f"{tag_dir / 'COMPLETE.json'}")
+    assert re.search(message, problems[0]), problems[0]
+
+
+@pytest.mark.parametrize("kept", [0, 10, 0.5, -100])
+def test_a_truncated_original_state_dict_is_named_by_original_to_export(tmp_path, capsys, kept):
+    from launchers import convert
+    from txl_dist.convert.original import save_original, to_original_state_dict
+    from txl_dist.export import write_export
+    from txl_dist.model import TransformerXLLM, preset
+
+    config = preset("tiny")
+    model = TransformerXLLM(config)
+    write_export(model, config, tmp_path / "export")
+    save_original(to_original_state_dict(model.state_dict(), config), tmp_path / "model.pt")
+    data = (tmp_path / "model.pt").read_bytes()
+    size = int(len(data) * kept) if isinstance(kept, float) else kept % len(data)
+    (tmp_path / "truncated.pt").write_bytes(data[:size])
+    argv = ["original-to-export", str(tmp_path / "truncated.pt"), str(tmp_path / "export" / "config.json")]
+    assert convert.main([*argv, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(
+        f"convert.py original-to-export: error: {tmp_path / 'truncated.pt'}: not a readable torch checkpoint "
+        f"({size:,} bytes): truncated, damaged or not written by torch.save (torch.load: "
+    )
+    assert not (tmp_path / "out").exists()

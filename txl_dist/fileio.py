@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import zlib
@@ -208,8 +209,17 @@ class FileChecksum:
         return {"bytes": self.bytes, CHECKSUM_NAME: self.crc32}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> FileChecksum:
-        return cls(int(data["bytes"]), str(data[CHECKSUM_NAME]))
+    def from_json(cls, data: Any) -> FileChecksum:
+        """The checksum a JSON record holds (``{"bytes": N, "crc32": "8 hexadecimal digits"}``); ValueError saying
+        what is wrong with any other value (a size given as a string or a float is not read as a number)."""
+        if not isinstance(data, dict):
+            raise ValueError(f'{data!r} is not {{"bytes": N, "{CHECKSUM_NAME}": "8 hexadecimal digits"}}')
+        size, crc = data.get("bytes"), data.get(CHECKSUM_NAME)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f'"bytes" is {size!r}, not a size (a whole number of bytes)')
+        if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-fA-F]{8}", crc):
+            raise ValueError(f'"{CHECKSUM_NAME}" is {crc!r}, not eight hexadecimal digits')
+        return cls(size, crc.lower())
 
 
 def file_checksum(path: str | os.PathLike, block_bytes: int = 1 << 22) -> FileChecksum:

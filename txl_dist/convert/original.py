@@ -131,6 +131,8 @@ def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        if _WEIGHTS_ONLY_REFUSAL not in str(error):  # pickle's own complaint: bytes that are no pickle
+            raise _unreadable(path, error) from error
         raise ValueError(
             f"{path}: not a plain state dict; it looks like a whole pickled module (the authors' train.py saves "
             f"model.pt with torch.save(model, f)), which could run arbitrary code when loaded. On a machine where "
@@ -139,6 +141,9 @@ def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"torch.save(m.state_dict(), 'state_dict.pt')\"\n"
             f"and convert state_dict.pt instead. (Unpickler said: {str(error).splitlines()[0]})"
         ) from error
+    except (EOFError, OSError, RuntimeError, KeyError, ValueError, IndexError) as error:
+        # A truncated or damaged file: torch says "Invalid argument", "failed finding central directory", ...
+        raise _unreadable(path, error) from error
     if not isinstance(loaded, Mapping) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
     ):
@@ -148,6 +153,22 @@ def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             + (f" with keys {sorted(map(str, loaded))[:8]}" if isinstance(loaded, Mapping) else "")
         )
     return dict(loaded)
+
+
+_WEIGHTS_ONLY_REFUSAL = "Unsupported global"
+"""What torch's weights-only unpickler says of a class it refuses (a whole pickled module holds many)."""
+
+
+def _unreadable(path: Path, error: BaseException) -> ValueError:
+    text = str(error)
+    if "WeightsUnpickler error:" in text:  # after torch's paragraph about weights_only: what it could not read
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    cause = lines[0].split(". ")[0] if lines else type(error).__name__  # miniz's advice follows its first sentence
+    return ValueError(
+        f"{path}: not a readable torch checkpoint ({path.stat().st_size:,} bytes): truncated, damaged or not "
+        f"written by torch.save (torch.load: {cause})"
+    )
 
 
 def save_original(state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> Path:

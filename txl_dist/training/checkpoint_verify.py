@@ -28,22 +28,55 @@ def read_marker(tag_dir: str | os.PathLike) -> dict[str, Any]:
     marker = read_json(path, CheckpointVerificationError, "unreadable")
     if not isinstance(marker, dict):
         raise CheckpointVerificationError(f"{path}: not a completion marker (a JSON object)")
+    for key, (allowed, what) in _MARKER_FIELDS.items():
+        if key in marker and not allowed(marker[key]):
+            raise CheckpointVerificationError(f"{path}: {key!r} is {marker[key]!r:.80}, not {what} (a damaged marker)")
     return marker
 
 
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+_MARKER_FIELDS = {
+    "step": (lambda v: _whole(v, 0), "a step number"),
+    "world_size": (lambda v: _whole(v, 1), "a number of ranks"),
+    "streams_per_rank": (lambda v: _whole(v, 1), "a number of streams"),
+    "architecture": (lambda v: isinstance(v, dict), "a mapping of the model's architecture"),
+    "rank_states": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of file names"),
+}
+"""The fields of COMPLETE.json that txl_dist reads, when present: a value of another type is a damaged marker,
+refused by name before a reader trips over it."""
+
+
 def listed_files(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> dict[str, FileChecksum]:
-    """The files COMPLETE.json lists, by path relative to the checkpoint folder."""
-    files = marker.get(FILES_KEY)
-    if not isinstance(files, dict) or marker.get("checksum") != CHECKSUM_NAME:
+    """The files COMPLETE.json lists, by path relative to the checkpoint folder; CheckpointVerificationError naming
+    the marker and what is wrong with it (no list at all, another checksum, a malformed entry)."""
+    path = Path(tag_dir) / COMPLETE
+    files, algorithm = marker.get(FILES_KEY), marker.get("checksum")
+    trust_anyway = "to trust it anyway, resume with checkpoint.verify=false or convert/evaluate with --no-verify"
+    if algorithm is None:
         raise CheckpointVerificationError(
-            f"{Path(tag_dir) / COMPLETE} lists no file checksums (a checkpoint written before txl_dist verified "
-            f"its checkpoints): to trust it anyway, resume with checkpoint.verify=false or convert/evaluate with "
-            f"--no-verify"
+            f"{path} lists no file checksums (a checkpoint written before txl_dist verified its checkpoints): "
+            f"{trust_anyway}"
         )
-    try:
-        return {name: FileChecksum.from_json(entry) for name, entry in files.items()}
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointVerificationError(f"{Path(tag_dir) / COMPLETE}: malformed file list ({error})") from None
+    if algorithm != CHECKSUM_NAME:
+        raise CheckpointVerificationError(
+            f"{path}: checksum {algorithm!r} is not one that txl_dist checks (it records {CHECKSUM_NAME!r}): the "
+            f"marker was written by another tool or damaged; {trust_anyway}"
+        )
+    if not isinstance(files, dict):
+        raise CheckpointVerificationError(
+            f"{path}: {FILES_KEY!r} is {type(files).__name__} {files!r:.60}, not a mapping of file names to their "
+            f"sizes and checksums (a damaged marker)"
+        )
+    checksums = {}
+    for name, entry in files.items():
+        try:
+            checksums[name] = FileChecksum.from_json(entry)
+        except ValueError as error:
+            raise CheckpointVerificationError(f"{path}: the entry of {name!r} is malformed: {error}") from None
+    return checksums
 
 
 def check_files(

@@ -179,10 +179,16 @@ def _require_writable_directory(output_dir: Path) -> None:
     tell a read-only mount or a root-squashed NFS export)."""
     import tempfile
 
-    from txl_dist.fileio import describe_os_error
+    from txl_dist.fileio import dangling_link, describe_os_error
 
     existing = output_dir
     while not existing.exists() and existing != existing.parent:
+        target = dangling_link(existing)
+        if target is not None:  # mkdir would fail on it with "File exists"
+            raise ValueError(
+                f"train.output_dir={str(output_dir)!r}: {existing} is a symbolic link to {target}, which leads "
+                f"nowhere: create its target or remove the link"
+            )
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"train.output_dir={str(output_dir)!r}: {existing} is a file, not a directory")
