@@ -429,3 +429,22 @@ def test_a_truncated_original_state_dict_is_named_by_original_to_export(tmp_path
         f"({size:,} bytes): truncated, damaged or not written by torch.save (torch.load: "
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"checksum": "md5"}, r"checksum 'md5' is not one that txl_dist checks \(it records 'crc32'\)"),
+        ({"files": {"model.safetensors": {"bytes": 1.5, "crc32": "00000000"}}}, r"\"bytes\" is 1.5, not a size"),
+    ],
+)
+def test_an_export_whose_checksums_file_is_of_another_kind_is_named(tmp_path, change, message):
+    from txl_dist.export import load_model, write_export
+    from txl_dist.model import TransformerXLLM, preset
+
+    config = preset("tiny")
+    write_export(TransformerXLLM(config), config, tmp_path / "export")
+    record = json.loads((tmp_path / "export" / "checksums.json").read_text())
+    (tmp_path / "export" / "checksums.json").write_text(json.dumps({**record, **change}))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'export' / 'checksums.json'}: .*{message}"):
+        load_model(tmp_path / "export")

@@ -56,7 +56,8 @@ def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         if record.get("checksum") != CHECKSUM_NAME:
-            raise ValueError(f"checksum {record.get('checksum')!r}, expected {CHECKSUM_NAME!r}")
+            algorithm = record.get("checksum")
+            return [f"{path}: checksum {algorithm!r} is not one that txl_dist checks (it records {CHECKSUM_NAME!r})"]
         expected = {name: FileChecksum.from_json(entry) for name, entry in record[FILES_KEY].items()}
     except (
         OSError,
