@@ -448,3 +448,26 @@ def test_an_export_whose_checksums_file_is_of_another_kind_is_named(tmp_path, ch
     (tmp_path / "export" / "checksums.json").write_text(json.dumps({**record, **change}))
     with pytest.raises(ValueError, match=rf"{tmp_path / 'export' / 'checksums.json'}: .*{message}"):
         load_model(tmp_path / "export")
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_conversion_into_a_dangling_symbolic_link_names_it(tmp_path, capsys, overwrite):
+    from launchers import convert
+
+    state = tmp_path / "model.pt"
+    torch.save({}, state)
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    argv = ["original-to-export", str(state), str(tmp_path / "config.json"), str(tmp_path / "out"), *overwrite]
+    assert convert.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"convert.py original-to-export: error: {tmp_path / 'out'}: a symbolic link to {tmp_path / 'gone'}, which "
+        f"leads nowhere: remove the link or choose another output\n"
+    )
+
+
+def test_an_empty_section_in_a_file_between_two_includes_keeps_the_innermost(tmp_path):
+    middle = write(tmp_path / "sub" / "middle.yaml", f"include: [{TINY}]\ntrain:\noptim: ~\n")
+    outer = write(tmp_path / "outer.yaml", "include: [sub/middle.yaml]\ntrain: {seed: 5}\n")
+    cfg = load_config(outer)
+    assert (cfg.train.seed, cfg.train.max_steps, cfg.optim.lr) == (5, 20, 1e-3)
+    assert cfg.key_sources["train.max_steps"] == f"in {TINY}" and middle.is_file()

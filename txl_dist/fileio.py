@@ -341,13 +341,19 @@ def check_output_path(
 ) -> Path:
     """Refuse, before any work, an output that would lose data; return it.
 
-    Refused: an output that is one of ``inputs``, contains one, or lies inside one (symbolic links followed); an
-    existing output without ``overwrite``; with ``overwrite``, a folder that is neither empty nor marked with
-    `OUTPUT_MARKER` (so unrelated files are never deleted), or a file where a folder is expected and the reverse.
+    Refused: an output that is one of ``inputs``, contains one, or lies inside one (symbolic links followed); a
+    dangling symbolic link; an existing output without ``overwrite``; with ``overwrite``, a folder that is neither
+    empty nor marked with `OUTPUT_MARKER` (so unrelated files are never deleted), or a file where a folder is
+    expected and the reverse.
     """
     given = Path(output)
     refuse_output_over_inputs(given, inputs)
-    if not (given.exists() or given.is_symlink()):
+    target = dangling_link(given)
+    if target is not None:
+        raise OutputPathError(
+            f"{given}: a symbolic link to {target}, which leads nowhere: remove the link or choose another output"
+        )
+    if not given.exists():
         return given
     if not overwrite:
         raise OutputPathError(f"{given}: already exists (pass --overwrite to replace it)")
