@@ -471,3 +471,16 @@ def test_an_empty_section_in_a_file_between_two_includes_keeps_the_innermost(tmp
     cfg = load_config(outer)
     assert (cfg.train.seed, cfg.train.max_steps, cfg.optim.lr) == (5, 20, 1e-3)
     assert cfg.key_sources["train.max_steps"] == f"in {TINY}" and middle.is_file()
+
+
+def test_a_folder_or_a_zip_archive_given_as_the_original_state_dict_is_named(tmp_path):
+    import zipfile
+
+    from txl_dist.convert.original import load_original
+
+    with pytest.raises(ValueError, match=rf"^{tmp_path}: a folder, not a state dict file"):
+        load_original(tmp_path)
+    with zipfile.ZipFile(tmp_path / "archive.pt", "w") as archive:
+        archive.writestr("readme.txt", "not a checkpoint")
+    with pytest.raises(ValueError, match=r"archive.pt: not a readable torch checkpoint \(.* bytes\): .*torch.load: "):
+        load_original(tmp_path / "archive.pt")

@@ -126,6 +126,8 @@ def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     ``train.py`` writes as ``model.pt``, is refused with the command that turns it into a state dict.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: a folder, not a state dict file (.pt)")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     try:
