@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import textwrap
 from pathlib import Path
 
@@ -214,102 +213,6 @@ def test_a_seed_too_large_stops_the_launcher_in_one_line_with_status_2(tmp_path,
     assert last.endswith(
         f"train.seed=99999999999999999999 is not allowed: an integer from 0 to 4294967295 (2**32 - 1) (set in {path})"
     )
-
-
-# --- the modes of written files -------------------------------------------------------------------------------------
-
-
-def _write_every_output(text: Path, out: Path) -> None:
-    """Each writer of txl_dist's outputs, through its command line where it has one."""
-    from data_tools import build_shards, train_tokenizer
-    from launchers import convert
-    from txl_dist.convert.original import save_original, to_original_state_dict
-    from txl_dist.export import write_export
-    from txl_dist.model import TransformerXLLM, preset
-    from txl_dist.tokenizer import load_tokenizer
-    from txl_dist.training.run_dir import RunDirectory
-
-    quiet = ["--no-progress"]
-    assert train_tokenizer.main(["--kind", "word", "--input", str(text), "--output", str(out / "words"), *quiet]) == 0
-    pieces = ["--kind", "sentencepiece", "--vocab-size", "30", "--input", str(text), "--output", str(out / "pieces")]
-    assert train_tokenizer.main(pieces + quiet) == 0
-    shards = ["--tokenizer", str(out / "words"), "--output", str(out / "shards"), "--split", f"train={text}"]
-    assert build_shards.main(shards + ["--holdout", "valid=0.2", *quiet]) == 0
-    tokenizer = load_tokenizer(out / "words")
-    config = preset("tiny", n_token=tokenizer.vocab_size, cutoffs=[])
-    model = TransformerXLLM(config)
-    write_export(model, config, out / "export", tokenizer_dir=out / "words")
-    assert convert.main(["export-to-hf", str(out / "export"), str(out / "hf")]) == 0
-    assert convert.main(["export-to-hf", str(out / "export"), str(out / "hf"), "--overwrite"]) == 0
-    original = out / "original" / "model.pt"
-    save_original(to_original_state_dict(model.state_dict(), config), original)
-    config_json = str(out / "export" / "config.json")
-    command = ["original-to-export", str(original), config_json, str(out / "from_original")]
-    assert convert.main([*command, "--tokenizer", str(out / "words")]) == 0
-    RunDirectory(out / "run", None).keep_tokenizer(tokenizer.fingerprint, [out / "pieces", out / "words"])
-
-
-@pytest.mark.parametrize("umask", [0o022, 0o002])
-def test_every_writer_gives_its_files_and_folders_the_modes_the_umask_gives(tmp_path, umask):
-    words = [f"{a}{b}" for a in "bcdfghklmnprst" for b in "aeiou"]
-    text = write(tmp_path / "corpus.txt", "".join(f"{' '.join(words[i % 61 :: 7])} .\n" for i in range(300)))
-    out = tmp_path / "out"
-    out.mkdir()
-    out.chmod(0o777 & ~umask)
-    # In this process (a subprocess would start torch again): nothing else runs while the umask is changed.
-    old_umask = os.umask(umask)
-    try:
-        _write_every_output(text, out)
-    finally:
-        os.umask(old_umask)
-    wrong = []
-    for path in sorted(out.rglob("*")):
-        want = (0o777 if path.is_dir() else 0o666) & ~umask
-        if stat.S_IMODE(path.lstat().st_mode) != want:
-            wrong.append(f"{path.relative_to(out)} {oct(stat.S_IMODE(path.lstat().st_mode))} != {oct(want)}")
-    assert not wrong
-    written = {p.relative_to(out).as_posix() for p in out.rglob("*")}
-    assert {"export/model.safetensors", "hf/tokenizer/tokenizer.json", "run/tokenizer/tokenizer.json"} <= written
-    assert {"shards/manifest.json", "from_original/model.safetensors", "pieces/tokenizer.json"} <= written
-
-
-# --- the planner's vocabulary ---------------------------------------------------------------------------------------
-
-
-def _plan(capsys, *args: str) -> tuple[int, str, str]:
-    from txl_dist import plan
-
-    base = ["--config", str(TINY), "--world-size", "2", "--device", "cpu"]
-    try:
-        status = plan.main([*base, *args])
-    except SystemExit as exited:
-        status = exited.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-def test_the_planner_refuses_a_vocab_size_that_disagrees_with_the_manifest(capsys, ptb_word_shards):
-    status, out, err = _plan(capsys, "--vocab-size", "5000", f"data.shards={ptb_word_shards}")
-    assert status == 2 and out == ""
-    assert (
-        err.strip()
-        .splitlines()[-1]
-        .endswith(
-            f"error: --vocab-size 5000 disagrees with the manifest {ptb_word_shards / 'manifest.json'}: vocab_size "
-            f"10000; leave --vocab-size out to take it from the manifest"
-        )
-    )
-    for agreeing in (["--vocab-size", "10000"], []):
-        status, out, _ = _plan(capsys, *agreeing, f"data.shards={ptb_word_shards}")
-        assert status == 0 and "n_token 10,000)" in out
-
-
-def test_the_planner_refuses_data_shards_without_a_manifest(capsys, tmp_path):
-    status, out, err = _plan(capsys, "--vocab-size", "5000", f"data.shards={tmp_path}")
-    assert status == 2 and out == ""
-    assert f"{tmp_path / 'manifest.json'}: no manifest" in err.strip().splitlines()[-1]
-    status, out, _ = _plan(capsys, "--vocab-size", "5000")
-    assert status == 0 and "n_token 5,000)" in out
 
 
 # --- messages that name the right thing -----------------------------------------------------------------------------

@@ -214,3 +214,41 @@ def test_print_config_shows_the_plan_as_comments(capsys):
     out = capsys.readouterr().out
     comments = [line for line in out.splitlines() if line.startswith("# ")]
     assert comments[0].startswith("# memory plan: lm1b_large") and any("peak per rank" in c for c in comments)
+
+
+# --- the planner's vocabulary ---------------------------------------------------------------------------------------
+
+
+def _plan(capsys, *args: str) -> tuple[int, str, str]:
+
+    base = ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--world-size", "2", "--device", "cpu"]
+    try:
+        status = plan.main([*base, *args])
+    except SystemExit as exited:
+        status = exited.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_the_planner_refuses_a_vocab_size_that_disagrees_with_the_manifest(capsys, ptb_word_shards):
+    status, out, err = _plan(capsys, "--vocab-size", "5000", f"data.shards={ptb_word_shards}")
+    assert status == 2 and out == ""
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"error: --vocab-size 5000 disagrees with the manifest {ptb_word_shards / 'manifest.json'}: vocab_size "
+            f"10000; leave --vocab-size out to take it from the manifest"
+        )
+    )
+    for agreeing in (["--vocab-size", "10000"], []):
+        status, out, _ = _plan(capsys, *agreeing, f"data.shards={ptb_word_shards}")
+        assert status == 0 and "n_token 10,000)" in out
+
+
+def test_the_planner_refuses_data_shards_without_a_manifest(capsys, tmp_path):
+    status, out, err = _plan(capsys, "--vocab-size", "5000", f"data.shards={tmp_path}")
+    assert status == 2 and out == ""
+    assert f"{tmp_path / 'manifest.json'}: no manifest" in err.strip().splitlines()[-1]
+    status, out, _ = _plan(capsys, "--vocab-size", "5000")
+    assert status == 0 and "n_token 5,000)" in out

@@ -284,12 +284,7 @@ def describe_os_error(error: OSError, path: str | os.PathLike | None = None) -> 
 def dangling_link(path: str | os.PathLike) -> str | None:
     """What a symbolic link ``path`` points to when that leads nowhere (a missing target, a loop of links); None
     for anything else."""
-    if os.path.islink(path) and not os.path.exists(path):
-        try:
-            return os.readlink(path)
-        except OSError:
-            return "?"
-    return None
+    return os.readlink(path) if os.path.islink(path) and not os.path.exists(path) else None
 
 
 def ensure_directory(path: str | os.PathLike) -> Path:
@@ -406,15 +401,10 @@ def chmod_as_new_file(path: str | os.PathLike) -> None:
 
 
 def copy_tree(source: str | os.PathLike, destination: str | os.PathLike) -> None:
-    """Copy a folder of files and folders as new ones (the modes the umask gives), where ``shutil.copytree`` would
-    copy the source's modes as well."""
-    source, destination = Path(source), Path(destination)
-    destination.mkdir()
-    for item in sorted(source.iterdir()):
-        if item.is_dir():
-            copy_tree(item, destination / item.name)
-        else:
-            shutil.copyfile(item, destination / item.name)
+    """Copy a folder as new files and folders (the modes the umask gives; ``shutil.copytree`` copies the modes)."""
+    Path(destination).mkdir()
+    for item in sorted(Path(source).iterdir()):
+        (copy_tree if item.is_dir() else shutil.copyfile)(item, Path(destination) / item.name)
 
 
 @contextmanager
