@@ -1,5 +1,5 @@
-"""Bad input, round three (issue 27): the configuration's layers and ranges, the modes of written files, the
-planner's vocabulary, and messages that name the right thing."""
+"""Bad input, round three (issue 27): the configuration's layers, YAML and ranges, and messages that name the right
+thing (dangling links, completion markers, checksums files, truncated state dicts)."""
 
 from __future__ import annotations
 
