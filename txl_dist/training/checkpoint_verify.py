@@ -55,7 +55,7 @@ def listed_files(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> dict[str
     path = Path(tag_dir) / COMPLETE
     files, algorithm = marker.get(FILES_KEY), marker.get("checksum")
     trust_anyway = "to trust it anyway, resume with checkpoint.verify=false or convert/evaluate with --no-verify"
-    if algorithm is None:
+    if algorithm is None or files is None:
         raise CheckpointVerificationError(
             f"{path} lists no file checksums (a checkpoint written before txl_dist verified its checkpoints): "
             f"{trust_anyway}"
