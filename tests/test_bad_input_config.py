@@ -145,6 +145,8 @@ def test_a_folder_or_a_utf8_bom_as_config_file(tmp_path):
     with pytest.raises(ValueError, match=rf"^{tmp_path}: a folder, not a config file$"):
         load_config(tmp_path)
     assert load_config(write(tmp_path / "bom.yaml", "\ufefftrain: {seed: 4}\n")).train.seed == 4
+    with pytest.raises(ValueError, match=r"^/dev/null: not a regular file \(a device, a pipe, ...\)$"):
+        load_config("/dev/null")
 
 
 def test_an_unreadable_config_file_is_named(tmp_path):

@@ -94,7 +94,8 @@ def _read_yaml(path: Path, shown: str, including: tuple[Path, ...]) -> Any:
     if path.is_dir():
         raise ValueError(f"{shown}: a folder, not a config file{parent}")
     if not path.is_file():
-        raise ValueError(f"{shown}: no such config file{parent}")
+        problem = "not a regular file (a device, a pipe, ...)" if path.exists() else "no such config file"
+        raise ValueError(f"{shown}: {problem}{parent}")
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except OSError as error:
