@@ -17,7 +17,9 @@ precision, offload) meant to be layered this way::
     deepspeed launchers/train.py --config configs/lm1b_base.yaml --config configs/variants/zero3.yaml \\
         data.shards=/data/lm1b/shards train.output_dir=runs/lm1b_z3 train.max_steps=2000
 
-Mappings merge key by key; any other value (lists included) replaces the earlier one. An override's value is read
+Mappings merge key by key; any other value (lists included) replaces the earlier one. A section left empty
+(``train:`` with its keys commented out, or ``train=null``) changes nothing; a section given as anything but a
+mapping is refused, naming the file or the command line. An override's value is read
 as YAML: ``train.max_steps=100`` is an int, ``model.cutoffs=[20000,40000]`` a list, ``model.d_embed=null`` None.
 Every value is checked against its field's type and range when its section is made, and the rules that join
 sections after (pydantic, see `txl_dist.config_fields`); an error is a ``ValueError`` naming the key path, the value
