@@ -36,17 +36,15 @@ import sys
 
 def _launch_environment() -> None:
     """Rank, world and rendezvous address from whichever launcher started this process (torchrun, deepspeed,
-    srun, mpirun; a plain ``python launchers/train.py`` is a world of one), written as torch's variables."""
+    srun, mpirun; a plain ``python launchers/train.py`` is a world of one), checked and written as torch's
+    variables; ValueError (one line) for a launch that cannot form one world, before anything has started."""
     from txl_dist import launch_env
 
+    # Before `apply` writes RANK: a process alone in the batch script of an allocation of several tasks most
+    # likely lacks its `srun`, and would train on one task of the allocation.
+    launch_env.refuse_lone_batch_process(os.environ)
     launch = launch_env.apply()
-    tasks = launch_env.single_task_in_multi_task_allocation(os.environ)
-    if tasks:
-        logging.getLogger("txl_dist.training").warning(
-            "running as one process inside a Slurm allocation of %d tasks: start the ranks with "
-            "`srun python launchers/train.py ...` (or sbatch launchers/slurm.sbatch) to train on all of them",
-            tasks,
-        )
+    launch_env.require_resolvable_address(launch)
     if launch.launcher != "torch":
         os.environ.setdefault("TXL_LAUNCHER", launch.launcher)
 

@@ -62,6 +62,7 @@ def test_an_srun_task_is_a_rank_of_the_step_with_the_first_node_as_rendezvous():
             {
                 **SRUN_TASK_1,
                 "SLURM_STEP_TASKS_PER_NODE": "4(x2),2",
+                "SLURM_STEP_NODELIST": "txlnode[1-3]",
                 "SLURM_NODEID": "2",
                 "SLURM_STEP_NUM_TASKS": "10",
                 "SLURM_PROCID": "9",
