@@ -139,6 +139,7 @@ def _slurm(environ: Mapping[str, str]) -> LaunchEnvironment:
     if world_key not in environ:
         raise LaunchError("started by srun (SLURM_PROCID is set) but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is")
     world, rank = _int(environ, world_key), _int(environ, "SLURM_PROCID")
+    _slurm_port(environ)  # the job and step ids, read even where MASTER_PORT makes the port
     local_rank = _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
     node_index = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
     if node_index < 0:
@@ -379,6 +380,7 @@ def single_task_in_multi_task_allocation(environ: Mapping[str, str]) -> int | No
     alone, started by no launcher, when the allocation has more than one task; else None."""
     if "SLURM_JOB_ID" not in environ or _in_slurm_step(environ) or _launch(environ)[0].launcher != "single":
         return None
+    _int(environ, "SLURM_JOB_ID")
     tasks = _allocation_tasks(environ)
     return tasks if tasks > 1 else None
 

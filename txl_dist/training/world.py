@@ -9,11 +9,12 @@
    so a node whose PATH differs does not compile again; builds are serialised by a lock that the kernel releases
    when its holder dies, so the lock file left by a build that was killed is recognised as stale and removed
    (torch's own lock would make every later launch wait for it forever, printing nothing).
-3. The rendezvous store (``env://``), within ``TXL_RENDEZVOUS_TIMEOUT`` seconds (180 by default; a rank that cannot
-   reach it, or a rank 0 whose peers never come, says so in one line naming the address), then every rank's environment compared through it before the process group
-   is made: ranks that disagree on the accelerator, the threads or the op cache stop with one message that names
-   the variable and the ranks (a remote rank that never got the user's variables is the usual cause:
-   ``deepspeed --hostfile`` forwards only a few variable families and ``.deepspeed_env``).
+3. The rendezvous store (``env://``), within ``TXL_RENDEZVOUS_TIMEOUT`` seconds (180 by default: a rank that
+   cannot reach it, or a rank 0 whose peers never come, says so in one line naming the address and the rank), then
+   every rank's environment compared through it before the process group is made: ranks that disagree on the
+   accelerator, the threads or the op cache stop with one message that names the variable and the ranks (a remote
+   rank that never got the user's variables is the usual cause: ``deepspeed --hostfile`` forwards only a few
+   variable families and ``.deepspeed_env``).
 4. The process group, on that store, and DeepSpeed's communication wrapper around it.
 """
 
