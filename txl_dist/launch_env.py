@@ -22,7 +22,14 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from txl_dist.launch_formats import LaunchError, expand_hostlist, tasks_per_node
+from txl_dist.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.training.world
+    COMPARED_VARIABLES,
+    FORWARDED_BY_DEEPSPEED,
+    RUN_VARIABLES,
+    LaunchError,
+    expand_hostlist,
+    tasks_per_node,
+)
 
 DEFAULT_MASTER_PORT = 29500
 RENDEZVOUS_TIMEOUT_VARIABLE = "TXL_RENDEZVOUS_TIMEOUT"
@@ -59,14 +66,10 @@ class LaunchEnvironment:
         }
 
 
-def _value(environ: Mapping[str, str], key: str) -> str:
+def _int(environ: Mapping[str, str], key: str) -> int:
     if key not in environ:
         raise LaunchError(f"{key} is not set")
-    return environ[key]
-
-
-def _int(environ: Mapping[str, str], key: str) -> int:
-    value = _value(environ, key)
+    value = environ[key]
     if re.fullmatch(r"\s*[+-]?\d+\s*", value) is None:
         raise LaunchError(f"the launcher set {key}={value!r}, which is not a whole number")
     return int(value)
@@ -395,22 +398,6 @@ def refuse_lone_batch_process(environ: Mapping[str, str], command: str = "python
             f"tasks: start the ranks with `srun {command}` (or sbatch launchers/slurm.sbatch); to run one process "
             f"anyway, set {SINGLE_RANK_VARIABLE}=1"
         )
-
-
-FORWARDED_BY_DEEPSPEED = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
-"""Variable families that ``deepspeed --hostfile`` (pdsh over ssh) forwards to remote ranks by itself."""
-COMPARED_VARIABLES = (
-    "DS_ACCELERATOR",
-    "OMP_NUM_THREADS",
-    "TORCH_EXTENSIONS_DIR",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
-    "NCCL_SOCKET_IFNAME",
-    "GLOO_SOCKET_IFNAME",
-)
-"""The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces): the ranks
-compare them at start-up (`txl_dist.training.world`)."""
-RUN_VARIABLES = (*COMPARED_VARIABLES, "DEEPSPEED_TIMEOUT", "HF_HOME", "TMPDIR")
-"""What a user sets for a run that must reach every rank (written into .deepspeed_env)."""
 
 
 def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, extra: tuple[str, ...] = (), **kwargs):

@@ -12,6 +12,21 @@ import stat
 import sys
 from collections.abc import Mapping
 
+FORWARDED_BY_DEEPSPEED = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
+"""Variable families that ``deepspeed --hostfile`` (pdsh over ssh) forwards to remote ranks by itself."""
+COMPARED_VARIABLES = (
+    "DS_ACCELERATOR",
+    "OMP_NUM_THREADS",
+    "TORCH_EXTENSIONS_DIR",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+)
+"""The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces): the ranks
+compare them at start-up (`txl_dist.training.world`)."""
+RUN_VARIABLES = (*COMPARED_VARIABLES, "DEEPSPEED_TIMEOUT", "HF_HOME", "TMPDIR")
+"""What a user sets for a run that must reach every rank (written into .deepspeed_env)."""
+
 
 class LaunchError(ValueError):
     """A launch whose ranks cannot form one world (printed as one line)."""
@@ -200,8 +215,6 @@ def write_deepspeed_env(
     """Write (or update) DeepSpeed's ``.deepspeed_env``: the run variables set here, one ``KEY=VALUE`` a line,
     encoded for ``launcher`` (`encode_value`), so that ``deepspeed --hostfile`` exports them on every node. Lines for
     other keys are kept; the file is replaced whole, keeping its mode (a link is followed). Returns the keys."""
-    from txl_dist.launch_env import RUN_VARIABLES
-
     environ = os.environ if environ is None else environ
     keys = list(dict.fromkeys(key for key in (*RUN_VARIABLES, *extra) if environ.get(key)))
     for key in extra:
