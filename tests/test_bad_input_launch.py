@@ -49,6 +49,8 @@ REFUSED = [
     ({"RANK": "1"}, r"RANK='1' is set but WORLD_SIZE is not"),
     ({"WORLD_SIZE": "4"}, r"WORLD_SIZE='4' is set but RANK is not"),
     ({"WORLD_SIZE": "4", **TORCH}, r"WORLD_SIZE='4' is set but RANK is not"),
+    ({**PMI, "WORLD_SIZE": "4"}, r"WORLD_SIZE='4' disagrees with PMI_SIZE='2' of mpich"),
+    ({**STEP, "RANK": "0"}, r"RANK='0' disagrees with SLURM_PROCID='3' of slurm"),
     ({"LOCAL_RANK": "1"}, r"LOCAL_RANK='1' is set but RANK and WORLD_SIZE are not"),
     ({"LOCAL_WORLD_SIZE": "8"}, r"LOCAL_WORLD_SIZE='8' is set but RANK and WORLD_SIZE"),
     (without(OMPI, "OMPI_COMM_WORLD_RANK"), r"OMPI_COMM_WORLD_SIZE='2' is set but OMPI_COMM_WORLD_RANK is not"),
@@ -92,7 +94,8 @@ REFUSED = [
     ({**STEP, "SLURM_STEP_NODELIST": ""}, r"SLURM_STEP_NODELIST='': no host"),
     ({**STEP, "SLURM_STEP_NODELIST": "node[]"}, r"SLURM_STEP_NODELIST='node\[\]'"),
     ({**STEP, "SLURM_STEP_NODELIST": "node]1"}, r"SLURM_STEP_NODELIST='node\]1': a '\]' without its '\['"),
-    ({**STEP, "SLURM_STEP_NODELIST": "a,,b"}, r"SLURM_STEP_NODELIST='a,,b': an empty"),
+    ({**STEP, "SLURM_STEP_NODELIST": "a,,b"}, r"SLURM_STEP_NODELIST='a,,b': an empty name"),
+    ({**STEP, "SLURM_STEP_NODELIST": "node 1,node2"}, r"SLURM_STEP_NODELIST='node 1,node2': an empty name, or white"),
     ({**STEP, "SLURM_STEP_NODELIST": "n[1-x]"}, r"SLURM_STEP_NODELIST='n\[1-x\]' \(range '1-x'"),
     ({**STEP, "SLURM_STEP_NODELIST": "n[1-999999999]"}, r"more than 100000 hosts"),
     ({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4(x)"}, r"SLURM_STEP_TASKS_PER_NODE='4\(x\)'"),
@@ -131,6 +134,8 @@ def test_the_consistent_neighbours_of_the_refused_launches_are_read_as_given():
     assert resolve({**STEP, "PMI_RANK": "3"}).launcher == "slurm"
     assert resolve({"RANK": "0", "WORLD_SIZE": "1", **TORCH, "MASTER_PORT": "1"}).master_port == 1
     assert resolve({"LOCAL_RANK": "0"}).world_size == 1
+    # DeepSpeed's mpich and impi launchers export WORLD_SIZE beside the MPI's own rank and size.
+    assert resolve({**PMI, "WORLD_SIZE": "2", "MASTER_PORT": "29500"}).launcher == "mpich"
     # A world of one takes the address and port it is given; 0 picks a free one, which torch then reads.
     single = {"MASTER_ADDR": "localhost", "MASTER_PORT": "0"}
     launch = launch_env.apply(single)
@@ -460,7 +465,7 @@ def test_a_good_hostfile_reads_as_deepspeeds_runner_reads_it_and_the_command_lin
     from deepspeed.launcher.runner import fetch_hostfile
 
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("# two nodes\nnode-001 slots=8\n\n  node-002   slots=4   # the small one\n")
+    hostfile.write_text("# two nodes\nnode-001 slots=8 max_slots=8\n\n  node-002   slots=4   # the small one\n")
     assert launch_formats.read_hostfile(str(hostfile)) == dict(fetch_hostfile(str(hostfile)))
     result = _launch_env("--hostfile", str(hostfile))
     assert result.returncode == 0 and result.stdout == f"{hostfile}: 2 host(s), 12 rank(s) (node-001 8, node-002 4)\n"

@@ -250,10 +250,9 @@ def _single(environ: Mapping[str, str]) -> LaunchEnvironment:
     return LaunchEnvironment("single", 0, 1, 0, 1, environ.get("MASTER_ADDR") or "127.0.0.1", port)
 
 
-def _launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, str, str, str]]:
-    """The launch, and the names of the variables its rank, world, local rank and local world came from."""
-    if _pair(environ, "RANK", "WORLD_SIZE", "torchrun or deepspeed"):
-        return _torch(environ), ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+def _launcher_launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, str, str, str]] | None:
+    """An MPI's or a Slurm step's launch, with the names of its rank, world, local rank and local world variables;
+    None where neither started this process."""
     in_step = _in_slurm_step(environ)
     for launcher, *keys in MPI_FAMILIES:
         # Slurm's own PMI plugins set PMI_RANK in a step; the step's variables then say the rest.
@@ -265,7 +264,26 @@ def _launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, s
         world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
         per_node = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ else "SLURM_TASKS_PER_NODE"
         return _slurm(environ), ("SLURM_PROCID", world_key, "SLURM_LOCALID", per_node)
-    return _single(environ), ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    return None
+
+
+def _launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, str, str, str]]:
+    """The launch, and the names of the variables its rank, world, local rank and local world came from."""
+    torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    lone = [key for key in ("RANK", "WORLD_SIZE") if key in environ]
+    if len(lone) == 2:
+        return _torch(environ), torch_keys
+    found = _launcher_launch(environ)
+    if found is None:
+        _pair(environ, "RANK", "WORLD_SIZE", "torchrun or deepspeed")
+        return _single(environ), torch_keys
+    if lone:
+        # DeepSpeed's mpich and impi launchers export WORLD_SIZE beside the MPI's own variables: it must agree.
+        launch, keys = found
+        key, own = lone[0], keys[0] if lone[0] == "RANK" else keys[1]
+        if _int(environ, key) != (launch.rank if key == "RANK" else launch.world_size):
+            raise LaunchError(f"{key}={environ[key]!r} disagrees with {own}={environ[own]!r} of {launch.launcher}")
+    return found
 
 
 def _shown(environ: Mapping[str, str], *keys: str) -> str:

@@ -80,8 +80,8 @@ def expand_hostlist(hostlist: str, name: str = "") -> list[str]:
         raise LaunchError(f"cannot read {where}: no host in it")
     hosts: list[str] = []
     for part in _split_top_level(hostlist.strip(), where):
-        if not part.strip() or part != part.strip():
-            raise LaunchError(f"cannot read {where}: an empty or blank-padded name between commas")
+        if not part or re.search(r"\s", part):
+            raise LaunchError(f"cannot read {where}: an empty name, or white space in one")
         names = [""]
         for literal, bracket in re.findall(r"([^\[\]]*)(\[[^\]]*\])?", part):
             suffixes = [n for item in bracket[1:-1].split(",") for n in _expand_range(item, where)] if bracket else [""]
@@ -121,7 +121,8 @@ def read_hostfile(path: str) -> dict[str, int]:
         text = line.strip()
         if not text or text.startswith("#"):
             continue
-        match = re.fullmatch(r"(\S+)\s+slots=(\d+)\s*(?:#.*)?", text)
+        # Open MPI's max_slots may follow (DeepSpeed's openmpi launcher hands mpirun the file itself).
+        match = re.fullmatch(r"(\S+)\s+slots=(\d+)(?:\s+max_slots=\d+)?\s*(?:#.*)?", text)
         if match is None:
             raise LaunchError(f"{path}:{number}: {text!r} is not `HOST slots=N` (N a whole number of ranks)")
         host, slots = match.group(1), int(match.group(2))
