@@ -22,7 +22,9 @@ Rerunning the same command resumes from the newest checkpoint in train.output_di
 directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the process
 that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank stops every
 rank with one message; a rank that dies or stops making progress (train.stall_timeout) is named. The rank and world
-come from whichever launcher started the process (txl_dist.launch_env). `--print-config` prints the resolved
+come from whichever launcher started the process (txl_dist.launch_env); one that cannot form one world, or a
+process alone in the batch script of a Slurm allocation of several tasks (start it with srun; TXL_SINGLE_RANK=1
+to run it alone), stops with one line before anything starts. `--print-config` prints the resolved
 configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and ``tensorboard --logdir
 {output_dir}/tensorboard``.
 """

@@ -469,6 +469,8 @@ def test_a_good_hostfile_reads_as_deepspeeds_runner_reads_it_and_the_command_lin
     assert launch_formats.read_hostfile(str(hostfile)) == dict(fetch_hostfile(str(hostfile)))
     result = _launch_env("--hostfile", str(hostfile))
     assert result.returncode == 0 and result.stdout == f"{hostfile}: 2 host(s), 12 rank(s) (node-001 8, node-002 4)\n"
+    result = _launch_env("--hostfile", str(hostfile), "--launcher", "openmpi")  # a flag of another action
+    assert result.returncode == 2 and "--launcher applies to --write-deepspeed-env only" in result.stderr
     hostfile.write_text("node-001 slots=0\n")
     for target in (hostfile, tmp_path / "missing"):
         result = _launch_env("--hostfile", str(target))

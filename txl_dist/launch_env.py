@@ -441,28 +441,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--path",
-        default=".deepspeed_env",
         help="the file to write (default: ./.deepspeed_env, "
         "which deepspeed reads from the directory it is started in; ~/.deepspeed_env works too)",
     )
-    parser.add_argument("--also", nargs="*", default=[], metavar="KEY", help="more variables to forward")
+    parser.add_argument("--also", nargs="*", metavar="KEY", help="more variables to forward")
     parser.add_argument(
         "--launcher",
         choices=launch_formats.RUNNER_LAUNCHERS,
-        default="pdsh",
         help="the `deepspeed --launcher` that will read the file (default pdsh, the runner's): values are written "
         "so that it carries them unchanged, or refused",
     )
     parser.add_argument("--hostfile", metavar="H", help="check a hostfile as `deepspeed --hostfile H` reads it")
     args = parser.parse_args(argv)
+    writing_only = [flag for flag in ("path", "also", "launcher") if getattr(args, flag) is not None]
+    if args.hostfile and args.write_deepspeed_env:
+        parser.error("--hostfile checks a hostfile and --write-deepspeed-env writes .deepspeed_env: give one")
+    if writing_only and not args.write_deepspeed_env:
+        parser.error(f"--{writing_only[0]} applies to --write-deepspeed-env only")
     try:
         if args.hostfile:
             hosts = launch_formats.read_hostfile(args.hostfile)
             slots = ", ".join(f"{host} {count}" for host, count in hosts.items())
             print(f"{args.hostfile}: {len(hosts)} host(s), {sum(hosts.values())} rank(s) ({slots})")
         elif args.write_deepspeed_env:
-            keys = launch_formats.write_deepspeed_env(args.path, extra=tuple(args.also), launcher=args.launcher)
-            print(f"{args.path}: {', '.join(keys) if keys else 'nothing set to forward'}")
+            path, also, launcher = args.path or ".deepspeed_env", tuple(args.also or ()), args.launcher or "pdsh"
+            keys = launch_formats.write_deepspeed_env(path, extra=also, launcher=launcher)
+            print(f"{path}: {', '.join(keys) if keys else 'nothing set to forward'}")
         else:
             launch = resolve(os.environ)
             require_resolvable_address(launch)
