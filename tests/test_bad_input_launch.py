@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -298,6 +299,14 @@ def test_a_rank_0_whose_peers_never_come_says_so_in_one_line_within_its_timeout(
     assert message.startswith(f"rank 0 of 2 waited at most 2 s at 127.0.0.1:{port} for the other ranks"), message
     assert "1/2 clients joined" in message and "\n" not in message
     assert time.monotonic() - started < 30
+    with socket.socket() as taken:  # another program holds the port: one line at once, not a wait
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        with pytest.raises(
+            LaunchError, match=r"^rank 0 of 2 cannot open the rendezvous at 127.0.0.1:\d+ \(MASTER_PORT\)"
+        ):
+            world._rendezvous(launch_env.apply())
 
 
 CARRIED = {
@@ -467,6 +476,8 @@ def test_a_good_hostfile_reads_as_deepspeeds_runner_reads_it_and_the_command_lin
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two nodes\nnode-001 slots=8 max_slots=8\n\n  node-002   slots=4   # the small one\n")
     assert launch_formats.read_hostfile(str(hostfile)) == dict(fetch_hostfile(str(hostfile)))
+    shipped = str(REPO / "launchers" / "hostfile.example")
+    assert launch_formats.read_hostfile(shipped) == {"node-001": 8, "node-002": 8} == dict(fetch_hostfile(shipped))
     result = _launch_env("--hostfile", str(hostfile))
     assert result.returncode == 0 and result.stdout == f"{hostfile}: 2 host(s), 12 rank(s) (node-001 8, node-002 4)\n"
     result = _launch_env("--hostfile", str(hostfile), "--launcher", "openmpi")  # a flag of another action

@@ -193,10 +193,14 @@ def _rendezvous(launch: launch_env.LaunchEnvironment):
         )
     except dist.DistError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f"{launch.master_addr}:{launch.master_port}"
+        if not client and isinstance(error, dist.DistNetworkError):  # the port is taken, or not this host's
+            raise launch_env.LaunchError(
+                f"rank 0 of {launch.world_size} cannot open the rendezvous at {where} (MASTER_PORT): {reason}"
+            ) from None
         role = "for the other ranks" if not client else "for the store"
         raise launch_env.LaunchError(
-            f"rank {launch.rank} of {launch.world_size} waited at most {timeout_s:g} s at "
-            f"{launch.master_addr}:{launch.master_port} {role}: {reason} "
+            f"rank {launch.rank} of {launch.world_size} waited at most {timeout_s:g} s at {where} {role}: {reason} "
             f"({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE} sets the wait)"
         ) from None
     # Later store operations (heartbeats, the failure record) keep the long timeout they always had.
