@@ -102,6 +102,10 @@ REFUSED = [
     ({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4(x)"}, r"SLURM_STEP_TASKS_PER_NODE='4\(x\)'"),
     ({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4(x0)"}, r"SLURM_STEP_TASKS_PER_NODE='4\(x0\)'"),
     ({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4,3"}, r"SLURM_STEP_TASKS_PER_NODE='4,3' makes 7 tasks, but SLURM_STEP"),
+    (
+        {**STEP, "SLURM_STEP_TASKS_PER_NODE": "4,2(x2)", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8"},
+        r"SLURM_STEP_TASKS_PER_NODE='4,2\(x2\)' counts 3 node\(s\), but SLURM_STEP_NODELIST='node\[01-02\]' lists 2",
+    ),
     ({**STEP, "SLURM_STEP_NUM_NODES": "3"}, r"SLURM_STEP_NUM_NODES=3, but SLURM_STEP_NODELIST='node\[01-02\]'"),
     ({**STEP, "SLURM_NTASKS": "many", "SLURM_STEP_NUM_TASKS": "many"}, r"SLURM_STEP_NUM_TASKS='many'"),
     (without(STEP, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"), r"neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS"),

@@ -22,13 +22,14 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
+from txl_dist import slurm_env
 from txl_dist.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.training.world
     COMPARED_VARIABLES,
     FORWARDED_BY_DEEPSPEED,
     RUN_VARIABLES,
     LaunchError,
+    env_int,
     expand_hostlist,
-    tasks_per_node,
 )
 
 DEFAULT_MASTER_PORT = 29500
@@ -66,15 +67,6 @@ class LaunchEnvironment:
         }
 
 
-def _int(environ: Mapping[str, str], key: str) -> int:
-    if key not in environ:
-        raise LaunchError(f"{key} is not set")
-    value = environ[key]
-    if re.fullmatch(r"\s*[+-]?\d+\s*", value) is None:
-        raise LaunchError(f"the launcher set {key}={value!r}, which is not a whole number")
-    return int(value)
-
-
 def _pair(environ: Mapping[str, str], first: str, second: str, launcher: str) -> bool:
     """Whether the pair of variables is there; LaunchError when only one of the two is (a world half given)."""
     present = [key for key in (first, second) if key in environ]
@@ -87,67 +79,17 @@ def _pair(environ: Mapping[str, str], first: str, second: str, launcher: str) ->
     return len(present) == 2
 
 
-def _slurm_port(environ: Mapping[str, str]) -> int:
-    """A port all tasks of a step agree on without talking: derived from the job and step ids (two steps of one
-    job, or two jobs on one node, get different ports unless their ids collide modulo 20,000)."""
-    job = _int(environ, "SLURM_JOB_ID") if "SLURM_JOB_ID" in environ else 0
-    step = _int(environ, "SLURM_STEP_ID") if "SLURM_STEP_ID" in environ else 0
-    return 20000 + (job * 7 + step) % 20000
-
-
-_SLURM_SPECIAL_STEPS = 0xFFFFFFF0
-"""Step ids from here up are Slurm's own (the batch script is 0xFFFFFFFE, the extern step 0xFFFFFFFC)."""
-
-
-def _in_slurm_step(environ: Mapping[str, str]) -> bool:
-    """srun's tasks have a step id of their own; the batch script (also SLURM_PROCID=0) has none, or a special one."""
-    if "SLURM_PROCID" not in environ or "SLURM_STEP_ID" not in environ:
-        return False
-    return _int(environ, "SLURM_STEP_ID") < _SLURM_SPECIAL_STEPS
-
-
-def _slurm_placement(environ: Mapping[str, str], node_index: int) -> tuple[int | None, str | None]:
-    """(tasks on this node, first host of the step) from the step's lists, each checked against the node id and
-    the other lists; None where Slurm gave no list."""
-    step = "SLURM_STEP_TASKS_PER_NODE" in environ
-    per_node_key = "SLURM_STEP_TASKS_PER_NODE" if step else "SLURM_TASKS_PER_NODE"
-    nodes_key = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_JOB_NODELIST"
-    counts = tasks_per_node(environ[per_node_key], per_node_key) if environ.get(per_node_key) else None
-    hosts = expand_hostlist(environ[nodes_key], nodes_key) if nodes_key in environ else None
-    for listed, key in ((counts, per_node_key), (hosts, nodes_key)):
-        if listed is not None and node_index >= len(listed):
-            raise LaunchError(
-                f"SLURM_NODEID={node_index}, but {key}={environ[key]!r} lists {len(listed)} node(s): "
-                "the step's variables disagree"
-            )
-    for count_key, listed, key in (
-        ("SLURM_STEP_NUM_NODES", hosts if nodes_key == "SLURM_STEP_NODELIST" else None, nodes_key),
-        ("SLURM_JOB_NUM_NODES", hosts if nodes_key == "SLURM_JOB_NODELIST" else None, nodes_key),
-    ):
-        if count_key in environ and listed is not None and _int(environ, count_key) != len(listed):
-            raise LaunchError(
-                f"{count_key}={environ[count_key]}, but {key}={environ[key]!r} lists {len(listed)} node(s)"
-            )
-    if step and "SLURM_STEP_NUM_TASKS" in environ and counts is not None:
-        if sum(counts) != _int(environ, "SLURM_STEP_NUM_TASKS"):
-            raise LaunchError(
-                f"SLURM_STEP_TASKS_PER_NODE={environ[per_node_key]!r} makes {sum(counts)} tasks, but "
-                f"SLURM_STEP_NUM_TASKS={environ['SLURM_STEP_NUM_TASKS']}"
-            )
-    return (counts[node_index] if counts else None), (hosts[0] if hosts else None)
-
-
 def _slurm(environ: Mapping[str, str]) -> LaunchEnvironment:
     world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
     if world_key not in environ:
         raise LaunchError("started by srun (SLURM_PROCID is set) but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is")
-    world, rank = _int(environ, world_key), _int(environ, "SLURM_PROCID")
-    _slurm_port(environ)  # the job and step ids, read even where MASTER_PORT makes the port
-    local_rank = _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
-    node_index = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    world, rank = env_int(environ, world_key), env_int(environ, "SLURM_PROCID")
+    slurm_env.step_port(environ)  # the job and step ids, read even where MASTER_PORT makes the port
+    local_rank = env_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
+    node_index = env_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
     if node_index < 0:
         raise LaunchError(f"the launcher set SLURM_NODEID={node_index}, a node id below 0")
-    local_world, first_host = _slurm_placement(environ, node_index)
+    local_world, first_host = slurm_env.placement(environ, node_index)
     if local_world is None:
         if local_rank:
             raise LaunchError(
@@ -164,7 +106,7 @@ def _slurm(environ: Mapping[str, str]) -> LaunchEnvironment:
             )
         address_from = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_JOB_NODELIST"
         master = first_host
-    port = _int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else _slurm_port(environ)
+    port = env_int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else slurm_env.step_port(environ)
     return LaunchEnvironment("slurm", rank, world, local_rank, local_world, master, port, address_from)
 
 
@@ -202,9 +144,11 @@ MPI_FAMILIES = (
 
 def _mpi(environ: Mapping[str, str], launcher: str, keys: tuple[str, str, str, str]) -> LaunchEnvironment:
     rank_key, size_key, local_rank_key, local_size_key = keys
-    rank, world = _int(environ, rank_key), _int(environ, size_key)
+    rank, world = env_int(environ, rank_key), env_int(environ, size_key)
     has_local = _pair(environ, local_rank_key, local_size_key, launcher)
-    local_rank, local_world = (_int(environ, local_rank_key), _int(environ, local_size_key)) if has_local else (0, 1)
+    local_rank, local_world = (
+        (env_int(environ, local_rank_key), env_int(environ, local_size_key)) if has_local else (0, 1)
+    )
     master, address_from = environ.get("MASTER_ADDR"), "MASTER_ADDR"
     if not master and launcher == "openmpi":
         master, address_from = _hnp_address(environ), "OMPI_MCA_orte_hnp_uri"
@@ -219,7 +163,7 @@ def _mpi(environ: Mapping[str, str], launcher: str, keys: tuple[str, str, str, s
             f"started by {launcher}'s mpirun without MASTER_ADDR: pass the first host of the hostfile, "
             "e.g. `mpirun -x MASTER_ADDR=<host> ...` or a line MASTER_ADDR=<host> in .deepspeed_env"
         )
-    port = _int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else DEFAULT_MASTER_PORT
+    port = env_int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else DEFAULT_MASTER_PORT
     return LaunchEnvironment(launcher, rank, world, local_rank, local_world, master, port, address_from)
 
 
@@ -229,31 +173,31 @@ def _torch(environ: Mapping[str, str]) -> LaunchEnvironment:
             raise LaunchError(
                 f"RANK and WORLD_SIZE are set but {key} is not: start the ranks with torchrun or deepspeed, or set it"
             )
-    local_rank = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
+    local_rank = env_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
     # DeepSpeed's per-node launcher does not set LOCAL_WORLD_SIZE.
-    local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else local_rank + 1
-    rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+    local_world = env_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else local_rank + 1
+    rank, world = env_int(environ, "RANK"), env_int(environ, "WORLD_SIZE")
     return LaunchEnvironment(
-        "torch", rank, world, local_rank, local_world, environ["MASTER_ADDR"], _int(environ, "MASTER_PORT")
+        "torch", rank, world, local_rank, local_world, environ["MASTER_ADDR"], env_int(environ, "MASTER_PORT")
     )
 
 
 def _single(environ: Mapping[str, str]) -> LaunchEnvironment:
     """A process alone: LOCAL_RANK/LOCAL_WORLD_SIZE without RANK and WORLD_SIZE describe no world of one."""
     for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        if key in environ and _int(environ, key) != (0 if key == "LOCAL_RANK" else 1):
+        if key in environ and env_int(environ, key) != (0 if key == "LOCAL_RANK" else 1):
             raise LaunchError(
                 f"{key}={environ[key]!r} is set but RANK and WORLD_SIZE are not: a process alone is local rank 0 "
                 "of 1; start the ranks with torchrun or deepspeed, or unset it"
             )
-    port = _int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else 0  # 0: `apply` picks a free port
+    port = env_int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else 0  # 0: `apply` picks a free port
     return LaunchEnvironment("single", 0, 1, 0, 1, environ.get("MASTER_ADDR") or "127.0.0.1", port)
 
 
 def _launcher_launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, str, str, str]] | None:
     """An MPI's or a Slurm step's launch, with the names of its rank, world, local rank and local world variables;
     None where neither started this process."""
-    in_step = _in_slurm_step(environ)
+    in_step = slurm_env.in_step(environ)
     for launcher, *keys in MPI_FAMILIES:
         # Slurm's own PMI plugins set PMI_RANK in a step; the step's variables then say the rest.
         if launcher == "mpich" and in_step and "PMI_SIZE" not in environ:
@@ -281,7 +225,7 @@ def _launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, s
         # DeepSpeed's mpich and impi launchers export WORLD_SIZE beside the MPI's own variables: it must agree.
         launch, keys = found
         key, own = lone[0], keys[0] if lone[0] == "RANK" else keys[1]
-        if _int(environ, key) != (launch.rank if key == "RANK" else launch.world_size):
+        if env_int(environ, key) != (launch.rank if key == "RANK" else launch.world_size):
             raise LaunchError(f"{key}={environ[key]!r} disagrees with {own}={environ[own]!r} of {launch.launcher}")
     return found
 
@@ -384,25 +328,13 @@ def rendezvous_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     return seconds
 
 
-def _allocation_tasks(environ: Mapping[str, str]) -> int:
-    """The task count of the Slurm allocation this process runs in (SLURM_NTASKS, else its nodes' task counts)."""
-    if "SLURM_NTASKS" in environ:
-        return _int(environ, "SLURM_NTASKS")
-    if environ.get("SLURM_TASKS_PER_NODE"):
-        return sum(tasks_per_node(environ["SLURM_TASKS_PER_NODE"], "SLURM_TASKS_PER_NODE"))
-    for key in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
-        if key in environ:
-            return _int(environ, key)
-    return 1
-
-
 def single_task_in_multi_task_allocation(environ: Mapping[str, str]) -> int | None:
     """The task count of a Slurm allocation in whose batch script (or salloc shell: not a step) this process runs
     alone, started by no launcher, when the allocation has more than one task; else None."""
-    if "SLURM_JOB_ID" not in environ or _in_slurm_step(environ) or _launch(environ)[0].launcher != "single":
+    if "SLURM_JOB_ID" not in environ or slurm_env.in_step(environ) or _launch(environ)[0].launcher != "single":
         return None
-    _int(environ, "SLURM_JOB_ID")
-    tasks = _allocation_tasks(environ)
+    env_int(environ, "SLURM_JOB_ID")
+    tasks = slurm_env.allocation_tasks(environ)
     return tasks if tasks > 1 else None
 
 

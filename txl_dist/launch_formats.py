@@ -32,6 +32,16 @@ class LaunchError(ValueError):
     """A launch whose ranks cannot form one world (printed as one line)."""
 
 
+def env_int(environ: Mapping[str, str], key: str) -> int:
+    """The whole number in variable ``key``; LaunchError naming it when it is unset or not a number."""
+    if key not in environ:
+        raise LaunchError(f"{key} is not set")
+    value = environ[key]
+    if re.fullmatch(r"\s*[+-]?\d+\s*", value) is None:
+        raise LaunchError(f"the launcher set {key}={value!r}, which is not a whole number")
+    return int(value)
+
+
 MAX_HOSTS = 100_000
 """More names than any cluster has: a host list that expands beyond it is refused rather than held in memory."""
 
