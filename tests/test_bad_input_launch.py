@@ -198,12 +198,13 @@ BATCH_STEP = {  # the batch script of `sbatch --ntasks 4 --nodes 2`: the job's v
 
 
 def _launch_variables_cleared(monkeypatch) -> None:
+    """No launcher's variable in this process, and every variable `apply` writes given back after the test."""
+    written = (*launch_env.LaunchEnvironment("single", 0, 1, 0, 1, "", 0).torch_variables(), "TXL_LAUNCHER")
+    for key in (*written, launch_env.SINGLE_RANK_VARIABLE, launch_env.RENDEZVOUS_TIMEOUT_VARIABLE):
+        monkeypatch.setenv(key, "")  # records the original value (or its absence) for the test's end
+        monkeypatch.delenv(key)
     for key in list(os.environ):
-        if key.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "TORCHELASTIC")) or key in (
-            *launch_env.LaunchEnvironment("single", 0, 1, 0, 1, "", 0).torch_variables(),
-            launch_env.SINGLE_RANK_VARIABLE,
-            "TXL_LAUNCHER",
-        ):
+        if key.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "TORCHELASTIC")):
             monkeypatch.delenv(key)
 
 
