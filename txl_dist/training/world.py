@@ -212,7 +212,8 @@ def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
     """Publish this rank's record and read everyone's; ValueError (the same on every rank) when they differ."""
     store.set(ENVIRONMENT_KEY.format(rank=rank), json.dumps(environment_record()))
     keys = [ENVIRONMENT_KEY.format(rank=r) for r in range(world_size)]
-    timeout_s = launch_env.rendezvous_timeout_s()
+    # A rank that joined early waits here while rank 0 still waits (up to the timeout) for the last to join.
+    timeout_s = 2 * launch_env.rendezvous_timeout_s()
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception as error:  # torch raises a DistStoreError or a RuntimeError, by version
