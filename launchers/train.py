@@ -22,7 +22,9 @@ Rerunning the same command resumes from the newest checkpoint in train.output_di
 directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the process
 that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank stops every
 rank with one message; a rank that dies or stops making progress (train.stall_timeout) is named. The rank and world
-come from whichever launcher started the process (txl_dist.launch_env). `--print-config` prints the resolved
+come from whichever launcher started the process (txl_dist.launch_env); one that cannot form one world, or a
+process alone in the batch script of a Slurm allocation of several tasks (start it with srun; TXL_SINGLE_RANK=1
+to run it alone), stops with one line before anything starts. `--print-config` prints the resolved
 configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and ``tensorboard --logdir
 {output_dir}/tensorboard``.
 """
@@ -36,17 +38,15 @@ import sys
 
 def _launch_environment() -> None:
     """Rank, world and rendezvous address from whichever launcher started this process (torchrun, deepspeed,
-    srun, mpirun; a plain ``python launchers/train.py`` is a world of one), written as torch's variables."""
+    srun, mpirun; a plain ``python launchers/train.py`` is a world of one), checked and written as torch's
+    variables; ValueError (one line) for a launch that cannot form one world, before anything has started."""
     from txl_dist import launch_env
 
+    # Before `apply` writes RANK: a process alone in the batch script of an allocation of several tasks most
+    # likely lacks its `srun`, and would train on one task of the allocation.
+    launch_env.refuse_lone_batch_process(os.environ)
     launch = launch_env.apply()
-    tasks = launch_env.single_task_in_multi_task_allocation(os.environ)
-    if tasks:
-        logging.getLogger("txl_dist.training").warning(
-            "running as one process inside a Slurm allocation of %d tasks: start the ranks with "
-            "`srun python launchers/train.py ...` (or sbatch launchers/slurm.sbatch) to train on all of them",
-            tasks,
-        )
+    launch_env.require_resolvable_address(launch)
     if launch.launcher != "torch":
         os.environ.setdefault("TXL_LAUNCHER", launch.launcher)
 

@@ -1,12 +1,22 @@
 """Which launcher started a rank (txl_dist.launch_env): the variables of torchrun/deepspeed, srun, mpirun and a
-plain process, read into one world; and `.deepspeed_env` for pdsh. The launches themselves run for real in
-tests/cluster/ and tests/test_liveness.py."""
+plain process, read into one world; `.deepspeed_env` for pdsh, mpirun and srun (read back by DeepSpeed's own
+runner code, and by a real bash for pdsh's command) and hostfiles as DeepSpeed's runner needs them. The launches
+themselves run for real in tests/cluster/ and tests/test_liveness.py; bad launch environments are in
+tests/test_bad_input_launch.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from txl_dist import launch_env
+from tests.launcher import REPO
+from txl_dist import launch_env, launch_formats
 from txl_dist.launch_env import LaunchError, expand_hostlist, resolve
 
 
@@ -62,6 +72,7 @@ def test_an_srun_task_is_a_rank_of_the_step_with_the_first_node_as_rendezvous():
             {
                 **SRUN_TASK_1,
                 "SLURM_STEP_TASKS_PER_NODE": "4(x2),2",
+                "SLURM_STEP_NODELIST": "txlnode[1-3]",
                 "SLURM_NODEID": "2",
                 "SLURM_STEP_NUM_TASKS": "10",
                 "SLURM_PROCID": "9",
@@ -151,3 +162,200 @@ def test_deepspeed_env_gets_the_run_variables_and_keeps_other_lines(tmp_path):
     ]
     with pytest.raises(LaunchError, match="OMP_NUM_THREADS holds a line break"):
         launch_env.write_deepspeed_env(str(path), {"OMP_NUM_THREADS": "1\n2"})
+
+
+PYTHON = sys.executable
+
+
+def run_launch_env(*args: str, **environ: str) -> subprocess.CompletedProcess:
+    """``python -m txl_dist.launch_env`` in an environment of its own (no variable of this session's launcher)."""
+    base = {key: os.environ[key] for key in ("PATH", "HOME", "LANG") if key in os.environ}
+    return subprocess.run(
+        [PYTHON, "-m", "txl_dist.launch_env", *args],
+        cwd=REPO,
+        env={**base, "PYTHONPATH": str(REPO), **environ},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+CARRIED = {
+    "TXL_QUOTES": 'say "hi", it\'s',
+    "TXL_DOLLAR": "$HOME and ${PATH} and $(id)",
+    "TXL_BACKTICK": "`id -u`",
+    "TXL_BACKSLASH": "C:\\dir\\new \\$x",
+    "TXL_SPACES": "two  spaces",
+    "TXL_PERCENT": "%h %n %u %% 100%",
+    "TXL_PERCENT_ALONE": "50%h",
+    "TXL_SHELL": "a;b|c&d>e<f*g?h[i]~j#k!l(m){n}",
+    "TXL_TAB": "a\tb",
+    "TXL_UNICODE": "naïve café ✓",
+    "TXL_PLAIN": "k=v,w:x/y@z+1-2.3",
+}
+DUMP = (
+    "import json, os, sys\n"
+    "json.dump({k: v for k, v in os.environ.items() if k.startswith('TXL_')}, open(sys.argv[1], 'w'))\n"
+)
+
+
+def _deepspeed_reads(path: Path, runner) -> None:
+    """``.deepspeed_env`` given to a runner as deepspeed/launcher/runner.py's main does (its loop, line for line)."""
+    with open(path) as fd:
+        for var in fd.readlines():
+            key, val = var.split("=", maxsplit=1)
+            runner.add_export(key, val)
+
+
+def _runner(launcher: str):
+    from deepspeed.launcher import multinode_runner
+    from deepspeed.launcher.runner import encode_world_info, parse_args
+
+    args = parse_args(["--launcher", launcher, "--hostfile", "/nonexistent", "dump.py", "out.json"])
+    world_info = encode_world_info({"localhost": [0]})
+    if launcher == "pdsh":
+        return multinode_runner.PDSHRunner(args, world_info)
+    classes = {"openmpi": multinode_runner.OpenMPIRunner, "slurm": multinode_runner.SlurmRunner}
+    return classes[launcher](args, world_info, {"localhost": 1})
+
+
+def _pdsh_expands(command: str, host: str, user: str, rank: int) -> str:
+    """What pdsh's pipecmd does to the command before ssh sends it: %h, %u, %n and %% expanded, other % kept."""
+    return re.sub(
+        r"%(.)", lambda m: {"h": host, "u": user, "n": str(rank), "%": "%"}.get(m.group(1), m.group(0)), command
+    )
+
+
+def test_deepspeed_env_values_reach_the_ranks_of_deepspeeds_pdsh_launch_unchanged(tmp_path):
+    """Quotes, $, backticks, backslashes, spaces, % and the shell's other characters: written by
+    --write-deepspeed-env, read by DeepSpeed's own runner code into its pdsh command, expanded as pdsh does and run
+    by a real bash (the remote shell): the rank's environment holds each value exactly."""
+    path = tmp_path / ".deepspeed_env"
+    launch_formats.write_deepspeed_env(str(path), CARRIED, tuple(CARRIED))
+    runner = _runner("pdsh")
+    _deepspeed_reads(path, runner)
+    command, _, _ = runner.get_cmd({}, {"localhost": [0]})
+    start = command.index("-w") + 2
+    remote = " ".join(command[start : command.index(sys.executable)])  # the exports and the cd, as pdsh joins them
+    dump, out = tmp_path / "dump.py", tmp_path / "out.json"
+    dump.write_text(DUMP)
+    shell = f"{_pdsh_expands(remote, 'node-001', 'someone', 0)} {PYTHON} {dump} {out}"
+    subprocess.run(["bash", "--noprofile", "--norc", "-c", shell], env={"PATH": os.environ["PATH"]}, check=True)
+    assert json.loads(out.read_text()) == CARRIED
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "slurm"])
+def test_deepspeed_env_for_mpirun_or_srun_carries_plain_values_and_refuses_the_rest(launcher, tmp_path):
+    """mpirun -x K=V and srun --export=ALL,K=V get DeepSpeed's double quotes literally: values that would need
+    them are refused in one line naming the variable; plain ones reach the command unchanged."""
+    path = tmp_path / ".deepspeed_env"
+    refused = set()
+    for key, value in {**CARRIED, "OMP_NUM_THREADS": "4", "TXL_PATH": "/shared/v-2.1/ext@x+y:z"}.items():
+        try:
+            launch_formats.write_deepspeed_env(str(path), {key: value}, (key,), launcher=launcher)
+        except LaunchError as error:
+            assert re.match(rf"{key}=.*: DeepSpeed's {launcher} launcher cannot carry", str(error)), error
+            refused.add(key)
+            continue
+        runner = _runner(launcher)
+        _deepspeed_reads(path, runner)
+        command = runner.get_cmd({}, {"localhost": [0]})
+        if launcher == "openmpi":
+            given = dict(command[i + 1].split("=", 1) for i, arg in enumerate(command) if arg == "-x")
+        else:
+            exports = next(arg for arg in command if arg.startswith("--export=ALL"))
+            given = dict(item.split("=", 1) for item in exports.split(",")[1:])
+        assert given[key] == value, (key, given)
+    assert {"TXL_QUOTES", "TXL_DOLLAR", "TXL_SPACES", "TXL_BACKSLASH", "TXL_TAB"} <= refused
+    assert "OMP_NUM_THREADS" not in refused and "TXL_PATH" not in refused and "TXL_PERCENT_ALONE" not in refused
+    assert ("TXL_PLAIN" in refused) == (launcher == "slurm")  # srun's --export list splits at its comma
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("1\n2", "OMP_NUM_THREADS holds a line break"),
+        ("1\r2", "OMP_NUM_THREADS holds a line break"),
+        (" 4", "OMP_NUM_THREADS=' 4' begins or ends with white space"),
+        ("4\t", "begins or ends with white space"),
+    ],
+)
+def test_deepspeed_env_refuses_values_no_launcher_can_carry_and_leaves_the_file(value, message, tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("NCCL_IB_HCA=mlx5\n")
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        launch_formats.write_deepspeed_env(str(path), {"OMP_NUM_THREADS": value})
+    assert path.read_text() == "NCCL_IB_HCA=mlx5\n" and os.listdir(tmp_path) == [".deepspeed_env"]
+
+
+def test_deepspeed_env_drops_blank_and_comment_lines_with_a_warning_and_refuses_garbage(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("# my settings\nNCCL_IB_HCA=mlx5\n\nOMP_NUM_THREADS=8\n   \n")
+    os.chmod(path, 0o600)
+    result = run_launch_env("--write-deepspeed-env", "--path", str(path), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(
+        rf".*warning: {re.escape(str(path))}: dropped line\(s\) 1, 3, 5 \(blank or comment\).*\n", result.stderr
+    )
+    assert path.read_text() == "NCCL_IB_HCA=mlx5\nDS_ACCELERATOR=cpu\nOMP_NUM_THREADS=1\n"
+    assert os.stat(path).st_mode & 0o777 == 0o600  # a file that may hold secrets keeps its mode
+    _deepspeed_reads(path, _runner("pdsh"))  # DeepSpeed's runner reads every line
+    for garbage in ("garbage line without equals", "export FOO=bar", "MY-VAR=1", "=x"):
+        path.write_text(f"NCCL_IB_HCA=mlx5\n{garbage}\n")
+        result = run_launch_env("--write-deepspeed-env", "--path", str(path), OMP_NUM_THREADS="1")
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert f"{path}:2: {garbage!r} is not KEY=VALUE" in result.stderr
+        assert path.read_text() == f"NCCL_IB_HCA=mlx5\n{garbage}\n"
+
+
+def test_deepspeed_env_that_is_not_text_or_not_a_file_is_named_in_one_line(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    path.write_bytes(b"NCCL_IB_HCA=ml\xe9x5\n")
+    for target, named in ((path, "not UTF-8 text (byte 14)"), (tmp_path, "a directory")):
+        result = run_launch_env("--write-deepspeed-env", "--path", str(target), OMP_NUM_THREADS="1")
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert f"{target}: {named}" in result.stderr
+    assert path.read_bytes() == b"NCCL_IB_HCA=ml\xe9x5\n"
+    result = run_launch_env("--write-deepspeed-env", "--path", str(path), "--also", "MY-VAR", **{"MY-VAR": "1"})
+    assert result.returncode == 2 and "'MY-VAR' is not a variable name" in result.stderr
+
+
+BAD_HOSTFILES = [
+    ("node-001 slots=8\nnode-001 slots=8\n", ":2: node-001 is listed again (first on line 1)"),
+    ("node-001 slots=two\n", ":1: 'node-001 slots=two' is not `HOST slots=N`"),
+    ("node-001 slots=0\n", ":1: node-001 has slots=0: a host needs at least one slot"),
+    ("node-001 slots=4x\n", ":1: 'node-001 slots=4x' is not"),
+    ("node-001\n", ":1: 'node-001' is not"),
+    ("node-001 slots=-1\n", ":1: 'node-001 slots=-1' is not"),
+    ("# no hosts\n\n", ": no host in the hostfile"),
+    ("", ": no host in the hostfile"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_HOSTFILES)
+def test_a_hostfile_deepspeeds_runner_mishandles_is_refused_naming_the_line(text, message, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(text)
+    with pytest.raises(LaunchError) as refused:
+        launch_formats.read_hostfile(str(hostfile))
+    assert str(refused.value).startswith(f"{hostfile}{message}"), refused.value
+
+
+def test_a_good_hostfile_reads_as_deepspeeds_runner_reads_it_and_the_command_line_checks_one(tmp_path):
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-001 slots=8 max_slots=8\n\n  node-002   slots=4   # the small one\n")
+    assert launch_formats.read_hostfile(str(hostfile)) == dict(fetch_hostfile(str(hostfile)))
+    shipped = str(REPO / "launchers" / "hostfile.example")
+    assert launch_formats.read_hostfile(shipped) == {"node-001": 8, "node-002": 8} == dict(fetch_hostfile(shipped))
+    result = run_launch_env("--hostfile", str(hostfile))
+    assert result.returncode == 0 and result.stdout == f"{hostfile}: 2 host(s), 12 rank(s) (node-001 8, node-002 4)\n"
+    result = run_launch_env("--hostfile", str(hostfile), "--launcher", "openmpi")  # a flag of another action
+    assert result.returncode == 2 and "--launcher applies to --write-deepspeed-env only" in result.stderr
+    hostfile.write_text("node-001 slots=0\n")
+    for target in (hostfile, tmp_path / "missing"):
+        result = run_launch_env("--hostfile", str(target))
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and str(target) in result.stderr, result
+    hostfile.write_bytes(b"n\xf6de slots=1\n")
+    assert "not UTF-8 text (byte 1)" in run_launch_env("--hostfile", str(hostfile)).stderr

@@ -3,10 +3,12 @@
 Every way a cluster starts ranks is an entry: torchrun and DeepSpeed's per-node launcher set torch's ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR``/``MASTER_PORT``; ``srun`` (also under ``deepspeed --launcher
 slurm``) sets ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` of the step; ``mpirun`` (also under ``deepspeed
---launcher openmpi``) sets ``OMPI_COMM_WORLD_*``; MPICH, Intel MPI and MVAPICH set ``PMI_RANK``/``PMI_SIZE``.
-`resolve` reads whichever is there and `apply` writes the torch variables, so that ``env://`` forms one world of
-all the ranks. A process that cannot be placed in one world is refused with one line, never run as a world of one
-beside its peers (each would train the whole job alone, on the same output directory).
+--launcher openmpi``) sets ``OMPI_COMM_WORLD_*``; MPICH, Intel MPI and MVAPICH set ``PMI_RANK``/``PMI_SIZE`` or
+``MV2_COMM_WORLD_*``. `resolve` reads whichever is there and checks that it makes one world, `apply` writes the torch
+variables, so that ``env://`` forms one world of all the ranks. A process that cannot be placed in one world is
+refused with one line that names the variable, before any store exists: never run as a world of one beside its
+peers (each would train the whole job alone, on the same output directory), never left waiting for a rendezvous
+that cannot happen.
 """
 
 from __future__ import annotations
@@ -16,26 +18,43 @@ import os
 import re
 import socket
 import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
+from txl_dist import slurm_env
+from txl_dist.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.training.world
+    COMPARED_VARIABLES,
+    FORWARDED_BY_DEEPSPEED,
+    RUN_VARIABLES,
+    LaunchError,
+    env_int,
+    expand_hostlist,
+)
+
 DEFAULT_MASTER_PORT = 29500
-
-
-class LaunchError(ValueError):
-    """A launch whose ranks cannot form one world (printed as one line)."""
+RENDEZVOUS_TIMEOUT_VARIABLE = "TXL_RENDEZVOUS_TIMEOUT"
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 180.0
+"""How long a rank waits for the rendezvous (the store's connect and every rank's arrival): long enough for ranks
+that srun or pdsh start some seconds apart, far below torch's 600 s, after which the rank says who it waited for."""
+SINGLE_RANK_VARIABLE = "TXL_SINGLE_RANK"
+"""Set to 1 to train as one process in the batch script of a Slurm allocation of several tasks (refused otherwise)."""
+ADDRESS_RESOLVE_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
 class LaunchEnvironment:
     launcher: str
-    """What started the ranks: "torch" (torchrun, deepspeed's launcher), "slurm", "openmpi", "mpich", "single"."""
+    """What started the ranks: "torch" (torchrun, deepspeed's launcher), "slurm", "openmpi", "mpich", "mvapich",
+    "single"."""
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     master_addr: str
     master_port: int
+    address_from: str = dataclasses.field(default="MASTER_ADDR", compare=False, repr=False)
+    """Where master_addr came from (a variable's name), for the messages."""
 
     def torch_variables(self) -> dict[str, str]:
         return {
@@ -48,81 +67,47 @@ class LaunchEnvironment:
         }
 
 
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Slurm's compact host list (``node[01-03,7],gpu-a[1-2]-ib``) as names, in order."""
-    hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", hostlist):
-        names = [""]
-        for literal, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
-            expanded = []
-            for item in ranges.split(",") if ranges else [""]:
-                if "-" in item:
-                    low, high = item.split("-", 1)
-                    if not (low.isdigit() and high.isdigit()) or int(high) < int(low):
-                        raise LaunchError(f"cannot read the Slurm host list {hostlist!r} (range {item!r})")
-                    expanded += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
-                else:
-                    expanded.append(item)
-            names = [name + literal + suffix for name in names for suffix in expanded]
-        hosts += [name for name in names if name]
-    return hosts
-
-
-def _int(environ: Mapping[str, str], key: str) -> int:
-    value = environ[key]
-    try:
-        return int(value)
-    except ValueError:
-        raise LaunchError(f"the launcher set {key}={value!r}, which is not a whole number") from None
-
-
-def _tasks_on_node(tasks_per_node: str, node_index: int) -> int:
-    """This node's task count from Slurm's ``2(x3),1`` form."""
-    counts: list[int] = []
-    for item in tasks_per_node.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
-        if match is None:
-            raise LaunchError(f"cannot read SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts[node_index] if 0 <= node_index < len(counts) else counts[0]
-
-
-def _slurm_port(environ: Mapping[str, str]) -> int:
-    """A port all tasks of a step agree on without talking: derived from the job and step ids (two steps of one
-    job, or two jobs on one node, get different ports unless their ids collide modulo 20,000)."""
-    job = int(environ.get("SLURM_JOB_ID", "0") or 0)
-    step = int(environ.get("SLURM_STEP_ID", "0") or 0) if environ.get("SLURM_STEP_ID", "").isdigit() else 0
-    return 20000 + (job * 7 + step) % 20000
-
-
-_SLURM_SPECIAL_STEPS = 0xFFFFFFF0
-"""Step ids from here up are Slurm's own (the batch script is 0xFFFFFFFE, the extern step 0xFFFFFFFC)."""
-
-
-def _in_slurm_step(environ: Mapping[str, str]) -> bool:
-    """srun's tasks have a step id of their own; the batch script (also SLURM_PROCID=0) has none, or a special one."""
-    step = environ.get("SLURM_STEP_ID", "")
-    return "SLURM_PROCID" in environ and step.isdigit() and int(step) < _SLURM_SPECIAL_STEPS
+def _pair(environ: Mapping[str, str], first: str, second: str, launcher: str) -> bool:
+    """Whether the pair of variables is there; LaunchError when only one of the two is (a world half given)."""
+    present = [key for key in (first, second) if key in environ]
+    if len(present) == 1:
+        given, missing = present[0], second if present[0] == first else first
+        raise LaunchError(
+            f"{given}={environ[given]!r} is set but {missing} is not: {launcher} sets both for every rank; "
+            f"unset {given} or start the ranks with their launcher"
+        )
+    return len(present) == 2
 
 
 def _slurm(environ: Mapping[str, str]) -> LaunchEnvironment:
-    world = _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS")
-    rank = _int(environ, "SLURM_PROCID")
-    local_rank = _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
-    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    node_index = int(environ.get("SLURM_NODEID", "0") or 0)
-    local_world = _tasks_on_node(per_node, node_index) if per_node else 1
-    master = environ.get("MASTER_ADDR")
+    world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+    if world_key not in environ:
+        raise LaunchError("started by srun (SLURM_PROCID is set) but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is")
+    world, rank = env_int(environ, world_key), env_int(environ, "SLURM_PROCID")
+    slurm_env.step_port(environ)  # the job and step ids, read even where MASTER_PORT makes the port
+    local_rank = env_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
+    node_index = env_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    if node_index < 0:
+        raise LaunchError(f"the launcher set SLURM_NODEID={node_index}, a node id below 0")
+    local_world, first_host = slurm_env.placement(environ, node_index)
+    if local_world is None:
+        if local_rank:
+            raise LaunchError(
+                f"SLURM_LOCALID={local_rank} is set but neither SLURM_STEP_TASKS_PER_NODE nor "
+                "SLURM_TASKS_PER_NODE says how many tasks run on this node"
+            )
+        local_world = 1
+    master, address_from = environ.get("MASTER_ADDR"), "MASTER_ADDR"
     if not master:
-        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-        if not nodelist:
+        if first_host is None:
             raise LaunchError(
                 "started by srun, but neither MASTER_ADDR nor SLURM_STEP_NODELIST is set: "
                 "export MASTER_ADDR=<the first node of the step>"
             )
-        master = expand_hostlist(nodelist)[0]
-    port = _int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else _slurm_port(environ)
-    return LaunchEnvironment("slurm", rank, world, local_rank, local_world, master, port)
+        address_from = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_JOB_NODELIST"
+        master = first_host
+    port = env_int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else slurm_env.step_port(environ)
+    return LaunchEnvironment("slurm", rank, world, local_rank, local_world, master, port, address_from)
 
 
 def _hnp_address(environ: Mapping[str, str]) -> str | None:
@@ -143,15 +128,30 @@ def _is_local_address(address: str) -> bool:
         return False
 
 
-def _mpi(
-    environ: Mapping[str, str], launcher: str, rank_key: str, size_key: str, local_keys: tuple[str, str]
-) -> LaunchEnvironment:
-    rank, world = _int(environ, rank_key), _int(environ, size_key)
-    local_rank = _int(environ, local_keys[0]) if local_keys[0] in environ else 0
-    local_world = _int(environ, local_keys[1]) if local_keys[1] in environ else 1
-    master = environ.get("MASTER_ADDR")
+MPI_FAMILIES = (
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+)
+"""Each MPI's (name, rank, size, local rank, local size) variables, in the order they are looked for."""
+
+
+def _mpi(environ: Mapping[str, str], launcher: str, keys: tuple[str, str, str, str]) -> LaunchEnvironment:
+    rank_key, size_key, local_rank_key, local_size_key = keys
+    rank, world = env_int(environ, rank_key), env_int(environ, size_key)
+    has_local = _pair(environ, local_rank_key, local_size_key, launcher)
+    local_rank, local_world = (
+        (env_int(environ, local_rank_key), env_int(environ, local_size_key)) if has_local else (0, 1)
+    )
+    master, address_from = environ.get("MASTER_ADDR"), "MASTER_ADDR"
     if not master and launcher == "openmpi":
-        master = _hnp_address(environ)
+        master, address_from = _hnp_address(environ), "OMPI_MCA_orte_hnp_uri"
         if master and rank == 0 and not _is_local_address(master):
             raise LaunchError(
                 f"rank 0 of this mpirun runs on {socket.gethostname()}, not on the host of mpirun "
@@ -163,129 +163,207 @@ def _mpi(
             f"started by {launcher}'s mpirun without MASTER_ADDR: pass the first host of the hostfile, "
             "e.g. `mpirun -x MASTER_ADDR=<host> ...` or a line MASTER_ADDR=<host> in .deepspeed_env"
         )
-    port = _int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else DEFAULT_MASTER_PORT
-    return LaunchEnvironment(launcher, rank, world, local_rank, local_world, master, port)
+    port = env_int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else DEFAULT_MASTER_PORT
+    return LaunchEnvironment(launcher, rank, world, local_rank, local_world, master, port, address_from)
+
+
+def _torch(environ: Mapping[str, str]) -> LaunchEnvironment:
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if not environ.get(key):
+            raise LaunchError(
+                f"RANK and WORLD_SIZE are set but {key} is not: start the ranks with torchrun or deepspeed, or set it"
+            )
+    local_rank = env_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
+    # DeepSpeed's per-node launcher does not set LOCAL_WORLD_SIZE.
+    local_world = env_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else local_rank + 1
+    rank, world = env_int(environ, "RANK"), env_int(environ, "WORLD_SIZE")
+    return LaunchEnvironment(
+        "torch", rank, world, local_rank, local_world, environ["MASTER_ADDR"], env_int(environ, "MASTER_PORT")
+    )
+
+
+def _single(environ: Mapping[str, str]) -> LaunchEnvironment:
+    """A process alone: LOCAL_RANK/LOCAL_WORLD_SIZE without RANK and WORLD_SIZE describe no world of one."""
+    for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if key in environ and env_int(environ, key) != (0 if key == "LOCAL_RANK" else 1):
+            raise LaunchError(
+                f"{key}={environ[key]!r} is set but RANK and WORLD_SIZE are not: a process alone is local rank 0 "
+                "of 1; start the ranks with torchrun or deepspeed, or unset it"
+            )
+    port = env_int(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else 0  # 0: `apply` picks a free port
+    return LaunchEnvironment("single", 0, 1, 0, 1, environ.get("MASTER_ADDR") or "127.0.0.1", port)
+
+
+def _launcher_launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, str, str, str]] | None:
+    """An MPI's or a Slurm step's launch, with the names of its rank, world, local rank and local world variables;
+    None where neither started this process."""
+    in_step = slurm_env.in_step(environ)
+    for launcher, *keys in MPI_FAMILIES:
+        # Slurm's own PMI plugins set PMI_RANK in a step; the step's variables then say the rest.
+        if launcher == "mpich" and in_step and "PMI_SIZE" not in environ:
+            continue
+        if _pair(environ, keys[0], keys[1], f"{launcher}'s mpirun"):
+            return _mpi(environ, launcher, tuple(keys)), tuple(keys)
+    if in_step:
+        world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+        per_node = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ else "SLURM_TASKS_PER_NODE"
+        return _slurm(environ), ("SLURM_PROCID", world_key, "SLURM_LOCALID", per_node)
+    return None
+
+
+def _launch(environ: Mapping[str, str]) -> tuple[LaunchEnvironment, tuple[str, str, str, str]]:
+    """The launch, and the names of the variables its rank, world, local rank and local world came from."""
+    torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    lone = [key for key in ("RANK", "WORLD_SIZE") if key in environ]
+    if len(lone) == 2:
+        return _torch(environ), torch_keys
+    found = _launcher_launch(environ)
+    if found is None:
+        _pair(environ, "RANK", "WORLD_SIZE", "torchrun or deepspeed")
+        return _single(environ), torch_keys
+    if lone:
+        # DeepSpeed's mpich and impi launchers export WORLD_SIZE beside the MPI's own variables: it must agree.
+        launch, keys = found
+        key, own = lone[0], keys[0] if lone[0] == "RANK" else keys[1]
+        if env_int(environ, key) != (launch.rank if key == "RANK" else launch.world_size):
+            raise LaunchError(f"{key}={environ[key]!r} disagrees with {own}={environ[own]!r} of {launch.launcher}")
+    return found
+
+
+def _shown(environ: Mapping[str, str], *keys: str) -> str:
+    given = [f"{key}={environ[key]!r}" for key in keys if key in environ]
+    return f" ({', '.join(given)})" if given else ""
+
+
+def _check(launch: LaunchEnvironment, environ: Mapping[str, str], keys: tuple[str, str, str, str]) -> None:
+    """LaunchError, naming the variables, for a world that cannot exist or a rendezvous that cannot happen."""
+    rank_key, world_key, local_rank_key, local_world_key = keys
+    name = launch.launcher
+    if launch.world_size < 1:
+        raise LaunchError(
+            f"{name} gave a world of {launch.world_size}{_shown(environ, world_key)}: a world has at least one rank"
+        )
+    if not 0 <= launch.rank < launch.world_size:
+        raise LaunchError(
+            f"{name} gave rank {launch.rank} in a world of {launch.world_size}{_shown(environ, rank_key, world_key)}:"
+            f" ranks run from 0 to {launch.world_size - 1}"
+        )
+    if not 0 <= launch.local_rank < launch.local_world_size or launch.local_world_size > launch.world_size:
+        raise LaunchError(
+            f"{name} gave local rank {launch.local_rank} of {launch.local_world_size} on this node in a world of "
+            f"{launch.world_size}{_shown(environ, local_rank_key, local_world_key, world_key)}"
+        )
+    if not 0 <= launch.master_port <= 65535:
+        raise LaunchError(f"MASTER_PORT={launch.master_port} is not a TCP port (1 to 65535)")
+    if launch.master_port == 0 and launch.world_size > 1:
+        raise LaunchError(
+            f"MASTER_PORT=0 in a world of {launch.world_size}: each rank would pick a port of its own and never "
+            "meet; give every rank the same free port"
+        )
+    rendezvous_timeout_s(environ)
 
 
 def resolve(environ: Mapping[str, str]) -> LaunchEnvironment:
-    """The launch this environment describes. torch's variables win (torchrun or DeepSpeed's launcher started
-    inside a Slurm job or an MPI launch sets them for its own ranks), then MPI's, then a Slurm step's."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        for key in ("MASTER_ADDR", "MASTER_PORT"):
-            if not environ.get(key):
-                raise LaunchError(
-                    f"RANK and WORLD_SIZE are set but {key} is not: start the ranks with torchrun or "
-                    "deepspeed, or set it"
-                )
-        local_rank = _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
-        # DeepSpeed's per-node launcher does not set LOCAL_WORLD_SIZE.
-        local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else local_rank + 1
-        return LaunchEnvironment(
-            "torch",
-            _int(environ, "RANK"),
-            _int(environ, "WORLD_SIZE"),
-            local_rank,
-            local_world,
-            environ["MASTER_ADDR"],
-            _int(environ, "MASTER_PORT"),
-        )
-    if "OMPI_COMM_WORLD_SIZE" in environ:
-        return _mpi(
-            environ,
-            "openmpi",
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        )
-    if "PMI_SIZE" in environ and "PMI_RANK" in environ:
-        return _mpi(environ, "mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
-    if "MV2_COMM_WORLD_SIZE" in environ:
-        return _mpi(
-            environ,
-            "mvapich",
-            "MV2_COMM_WORLD_RANK",
-            "MV2_COMM_WORLD_SIZE",
-            ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
-        )
-    if _in_slurm_step(environ):
-        return _slurm(environ)
-    return LaunchEnvironment("single", 0, 1, 0, 1, "127.0.0.1", 0)  # `apply` picks a free port
+    """The launch this environment describes, checked (LaunchError naming the variable otherwise). torch's
+    variables win (torchrun or DeepSpeed's launcher started inside a Slurm job or an MPI launch sets them for its
+    own ranks), then MPI's, then a Slurm step's; half of any pair (RANK without WORLD_SIZE, PMI_RANK without
+    PMI_SIZE) is refused."""
+    launch, keys = _launch(environ)
+    _check(launch, environ, keys)
+    return launch
 
 
 def apply(environ: MutableMapping[str, str] | None = None) -> LaunchEnvironment:
-    """`resolve`, then write torch's variables into ``environ`` (the process environment by default) and check
-    that the values make one world."""
+    """`resolve`, then write torch's variables into ``environ`` (the process environment by default)."""
     environ = os.environ if environ is None else environ
     launch = resolve(environ)
     if launch.master_port == 0:  # a world of one: any free port on loopback
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             launch = dataclasses.replace(launch, master_port=probe.getsockname()[1])
-    if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
-        raise LaunchError(f"{launch.launcher} gave rank {launch.rank} in a world of {launch.world_size}")
-    if not 0 <= launch.local_rank < max(launch.local_world_size, 1):
-        raise LaunchError(
-            f"{launch.launcher} gave local rank {launch.local_rank} of {launch.local_world_size} on this node"
-        )
-    for key, value in launch.torch_variables().items():
-        environ.setdefault(key, value)  # what a launcher set stays as it set it
+    # The values are the launcher's own, read and checked: torch's env:// reads exactly what `resolve` checked.
+    environ.update(launch.torch_variables())
     return launch
 
 
-def single_task_in_multi_task_allocation(environ: Mapping[str, str]) -> int | None:
-    """The task count of a Slurm allocation in whose batch script (not a step) this process runs alone, when the
-    allocation has more than one task: the user most likely meant ``srun python launchers/train.py``."""
-    if "SLURM_JOB_ID" in environ and not _in_slurm_step(environ) and "RANK" not in environ:
+def require_resolvable_address(launch: LaunchEnvironment, timeout_s: float = ADDRESS_RESOLVE_TIMEOUT_S) -> None:
+    """LaunchError, naming the variable the address came from, when the rendezvous host does not resolve (torch's
+    store would retry it, with a warning a second, for its whole timeout); a resolver that does not answer within
+    ``timeout_s`` is an error too."""
+    outcome: list[BaseException | None] = []
+
+    def lookup() -> None:
         try:
-            tasks = int(environ.get("SLURM_NTASKS", "1"))
-        except ValueError:
-            return None
-        return tasks if tasks > 1 else None
-    return None
+            socket.getaddrinfo(launch.master_addr, launch.master_port, type=socket.SOCK_STREAM)
+            outcome.append(None)
+        except (OSError, UnicodeError) as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=lookup, name="txl_dist-resolve-master", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    where = f"{launch.address_from}" + ("" if launch.address_from == "MASTER_ADDR" else " (its first host)")
+    if not outcome:
+        raise LaunchError(f"{where}: {launch.master_addr!r} did not resolve within {timeout_s:g} s")
+    if outcome[0] is not None:
+        reason = getattr(outcome[0], "strerror", None) or str(outcome[0])
+        raise LaunchError(
+            f"{where}={launch.master_addr!r} does not resolve ({reason}): the ranks could never meet there; "
+            "give the host name or address of rank 0's node"
+        )
 
 
-FORWARDED_BY_DEEPSPEED = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
-"""Variable families that ``deepspeed --hostfile`` (pdsh over ssh) forwards to remote ranks by itself."""
-COMPARED_VARIABLES = (
-    "DS_ACCELERATOR",
-    "OMP_NUM_THREADS",
-    "TORCH_EXTENSIONS_DIR",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
-    "NCCL_SOCKET_IFNAME",
-    "GLOO_SOCKET_IFNAME",
-)
-"""The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces): the ranks
-compare them at start-up (`txl_dist.training.world`)."""
-RUN_VARIABLES = (*COMPARED_VARIABLES, "DEEPSPEED_TIMEOUT", "HF_HOME", "TMPDIR")
-"""What a user sets for a run that must reach every rank (written into .deepspeed_env)."""
-
-
-def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, extra: tuple[str, ...] = ()) -> list[str]:
-    """Write (or update) DeepSpeed's ``.deepspeed_env``: the run variables set here, one ``KEY=VALUE`` a line, so
-    that ``deepspeed --hostfile`` exports them on every node. Lines for other keys are kept. Returns the keys."""
+def rendezvous_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds a rank waits for the rendezvous: TXL_RENDEZVOUS_TIMEOUT, else the default."""
     environ = os.environ if environ is None else environ
-    keys = [key for key in (*RUN_VARIABLES, *extra) if environ.get(key)]
-    for key in keys:
-        if "\n" in environ[key]:
-            raise LaunchError(f"{key} holds a line break, which .deepspeed_env cannot carry")
-    kept: list[str] = []
+    value = environ.get(RENDEZVOUS_TIMEOUT_VARIABLE, "")
+    if not value:
+        return DEFAULT_RENDEZVOUS_TIMEOUT_S
     try:
-        with open(path, encoding="utf-8") as existing:
-            kept = [line.rstrip("\n") for line in existing if line.strip() and line.split("=", 1)[0] not in keys]
-    except FileNotFoundError:
-        pass
-    lines = kept + [f"{key}={environ[key]}" for key in keys]
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as out:
-        out.write("".join(line + "\n" for line in lines))
-    os.replace(temporary, path)
-    return keys
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 1e6:
+        raise LaunchError(f"{RENDEZVOUS_TIMEOUT_VARIABLE}={value!r}: give the seconds a rank waits, above 0")
+    return seconds
+
+
+def single_task_in_multi_task_allocation(environ: Mapping[str, str]) -> int | None:
+    """The task count of a Slurm allocation in whose batch script (or salloc shell: not a step) this process runs
+    alone, started by no launcher, when the allocation has more than one task; else None."""
+    if "SLURM_JOB_ID" not in environ or slurm_env.in_step(environ) or _launch(environ)[0].launcher != "single":
+        return None
+    env_int(environ, "SLURM_JOB_ID")
+    tasks = slurm_env.allocation_tasks(environ)
+    return tasks if tasks > 1 else None
+
+
+def refuse_lone_batch_process(environ: Mapping[str, str], command: str = "python launchers/train.py ...") -> None:
+    """LaunchError for a process started alone in the batch script of an allocation of several tasks, unless
+    TXL_SINGLE_RANK=1 says that one process is meant: training there uses one task of the allocation."""
+    tasks = single_task_in_multi_task_allocation(environ)
+    if tasks and environ.get(SINGLE_RANK_VARIABLE) != "1":
+        raise LaunchError(
+            f"started alone in the batch script of Slurm job {environ['SLURM_JOB_ID']}, an allocation of {tasks} "
+            f"tasks: start the ranks with `srun {command}` (or sbatch launchers/slurm.sbatch); to run one process "
+            f"anyway, set {SINGLE_RANK_VARIABLE}=1"
+        )
+
+
+def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, extra: tuple[str, ...] = (), **kwargs):
+    """`txl_dist.launch_formats.write_deepspeed_env` (kept here, where the run's variables are named)."""
+    from txl_dist import launch_formats
+
+    return launch_formats.write_deepspeed_env(path, environ, extra, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m txl_dist.launch_env [--write-deepspeed-env] [--path P] [--also KEY ...]``: show what launch this
-    process sees, or write the run's variables into ``.deepspeed_env`` for ``deepspeed --hostfile``."""
+    """``python -m txl_dist.launch_env [--write-deepspeed-env [--launcher L] [--path P] [--also KEY ...]]
+    [--hostfile H]``: show the launch this process sees (checked, with its rendezvous address resolved), write the
+    run's variables into ``.deepspeed_env`` for the runner's launcher, or check a hostfile for DeepSpeed's runner."""
     import argparse
+
+    from txl_dist import launch_formats
 
     parser = argparse.ArgumentParser(prog="python -m txl_dist.launch_env", description=main.__doc__)
     parser.add_argument(
@@ -295,21 +373,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--path",
-        default=".deepspeed_env",
         help="the file to write (default: ./.deepspeed_env, "
         "which deepspeed reads from the directory it is started in; ~/.deepspeed_env works too)",
     )
-    parser.add_argument("--also", nargs="*", default=[], metavar="KEY", help="more variables to forward")
+    parser.add_argument("--also", nargs="*", metavar="KEY", help="more variables to forward")
+    parser.add_argument(
+        "--launcher",
+        choices=launch_formats.RUNNER_LAUNCHERS,
+        help="the `deepspeed --launcher` that will read the file (default pdsh, the runner's): values are written "
+        "so that it carries them unchanged, or refused",
+    )
+    parser.add_argument("--hostfile", metavar="H", help="check a hostfile as `deepspeed --hostfile H` reads it")
     args = parser.parse_args(argv)
+    writing_only = [flag for flag in ("path", "also", "launcher") if getattr(args, flag) is not None]
+    if args.hostfile and args.write_deepspeed_env:
+        parser.error("--hostfile checks a hostfile and --write-deepspeed-env writes .deepspeed_env: give one")
+    if writing_only and not args.write_deepspeed_env:
+        parser.error(f"--{writing_only[0]} applies to --write-deepspeed-env only")
     try:
-        if args.write_deepspeed_env:
-            keys = write_deepspeed_env(args.path, extra=tuple(args.also))
-            print(f"{args.path}: {', '.join(keys) if keys else 'nothing set to forward'}")
+        if args.hostfile:
+            hosts = launch_formats.read_hostfile(args.hostfile)
+            slots = ", ".join(f"{host} {count}" for host, count in hosts.items())
+            print(f"{args.hostfile}: {len(hosts)} host(s), {sum(hosts.values())} rank(s) ({slots})")
+        elif args.write_deepspeed_env:
+            path, also, launcher = args.path or ".deepspeed_env", tuple(args.also or ()), args.launcher or "pdsh"
+            keys = launch_formats.write_deepspeed_env(path, extra=also, launcher=launcher)
+            print(f"{path}: {', '.join(keys) if keys else 'nothing set to forward'}")
         else:
-            print(resolve(os.environ))
+            launch = resolve(os.environ)
+            require_resolvable_address(launch)
+            print(launch)
     except (LaunchError, OSError) as error:
         print(f"txl_dist.launch_env: error: {error}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

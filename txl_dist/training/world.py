@@ -9,10 +9,12 @@
    so a node whose PATH differs does not compile again; builds are serialised by a lock that the kernel releases
    when its holder dies, so the lock file left by a build that was killed is recognised as stale and removed
    (torch's own lock would make every later launch wait for it forever, printing nothing).
-3. The rendezvous store (``env://``), then every rank's environment compared through it before the process group
-   is made: ranks that disagree on the accelerator, the threads or the op cache stop with one message that names
-   the variable and the ranks (a remote rank that never got the user's variables is the usual cause:
-   ``deepspeed --hostfile`` forwards only a few variable families and ``.deepspeed_env``).
+3. The rendezvous store (``env://``), within ``TXL_RENDEZVOUS_TIMEOUT`` seconds (180 by default: a rank that
+   cannot reach it, or a rank 0 whose peers never come, says so in one line naming the address and the rank), then
+   every rank's environment compared through it before the process group is made: ranks that disagree on the
+   accelerator, the threads or the op cache stop with one message that names the variable and the ranks (a remote
+   rank that never got the user's variables is the usual cause: ``deepspeed --hostfile`` forwards only a few
+   variable families and ``.deepspeed_env``).
 4. The process group, on that store, and DeepSpeed's communication wrapper around it.
 """
 
@@ -25,6 +27,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +38,7 @@ log = logging.getLogger("txl_dist.training")
 
 SHM_OP_NAME = "deepspeed_shm_comm"
 ENVIRONMENT_KEY = "txl_dist/environment/{rank}"
-RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def venv_bin() -> Path:
@@ -155,10 +158,53 @@ def environment_disagreement(records: list[dict]) -> str | None:
     return None
 
 
+def _wait_for_listener(launch: launch_env.LaunchEnvironment, timeout_s: float) -> None:
+    """Until rank 0's store accepts connections; LaunchError naming the address, the port and this rank when
+    nothing does within ``timeout_s`` (torch's own client would retry for its timeout, printing a C++ stack trace
+    at each try)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((launch.master_addr, launch.master_port), timeout=5):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise launch_env.LaunchError(
+                    f"rank {launch.rank} of {launch.world_size} waited {timeout_s:g} s for the rendezvous at "
+                    f"{launch.master_addr}:{launch.master_port} ({launch.address_from}, MASTER_PORT) and nothing "
+                    f"answered ({error.strerror or error}): rank 0 has not started, or listens elsewhere, or a "
+                    f"firewall blocks the port ({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE} sets the wait)"
+                ) from None
+            time.sleep(0.2)
+
+
 def _rendezvous(launch: launch_env.LaunchEnvironment):
+    """The store every rank meets at, made within TXL_RENDEZVOUS_TIMEOUT or one line saying why not."""
     import torch.distributed as dist
 
-    store, _, _ = next(dist.rendezvous("env://", launch.rank, launch.world_size, timeout=RENDEZVOUS_TIMEOUT))
+    timeout_s = launch_env.rendezvous_timeout_s()
+    # Under torchrun every rank is a client of the agent's store; otherwise rank 0 serves it.
+    client = launch.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if client:
+        _wait_for_listener(launch, timeout_s)
+    try:
+        store, _, _ = next(
+            dist.rendezvous("env://", launch.rank, launch.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        )
+    except dist.DistError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f"{launch.master_addr}:{launch.master_port}"
+        if not client and isinstance(error, dist.DistNetworkError):  # the port is taken, or not this host's
+            raise launch_env.LaunchError(
+                f"rank 0 of {launch.world_size} cannot open the rendezvous at {where} (MASTER_PORT): {reason}"
+            ) from None
+        role = "for the other ranks" if not client else "for the store"
+        raise launch_env.LaunchError(
+            f"rank {launch.rank} of {launch.world_size} waited at most {timeout_s:g} s at {where} {role}: {reason} "
+            f"({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE} sets the wait)"
+        ) from None
+    # Later store operations (heartbeats, the failure record) keep the long timeout they always had.
+    store.set_timeout(STORE_TIMEOUT)
     return store
 
 
@@ -166,7 +212,16 @@ def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
     """Publish this rank's record and read everyone's; ValueError (the same on every rank) when they differ."""
     store.set(ENVIRONMENT_KEY.format(rank=rank), json.dumps(environment_record()))
     keys = [ENVIRONMENT_KEY.format(rank=r) for r in range(world_size)]
-    store.wait(keys, RENDEZVOUS_TIMEOUT)
+    # A rank that joined early waits here while rank 0 still waits (up to the timeout) for the last to join.
+    timeout_s = 2 * launch_env.rendezvous_timeout_s()
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as error:  # torch raises a DistStoreError or a RuntimeError, by version
+        missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
+        raise launch_env.LaunchError(
+            f"rank {rank}: rank(s) {', '.join(missing) or '?'} of {world_size} joined the store but did not "
+            f"report their environment within {timeout_s:g} s ({type(error).__name__})"
+        ) from None
     records = [json.loads(store.get(key)) for key in keys]
     problem = environment_disagreement(records)
     if problem:
@@ -184,6 +239,7 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
     from deepspeed.accelerator import get_accelerator
 
     launch = launch_env.resolve(os.environ)
+    launch_env.require_resolvable_address(launch)
     load_shm_op()
     if dist.is_initialized():
         records = [environment_record()]
