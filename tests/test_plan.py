@@ -252,3 +252,49 @@ def test_the_planner_refuses_data_shards_without_a_manifest(capsys, tmp_path):
     assert f"{tmp_path / 'manifest.json'}: no manifest" in err.strip().splitlines()[-1]
     status, out, _ = _plan(capsys, "--vocab-size", "5000")
     assert status == 0 and "n_token 5,000)" in out
+
+
+# --- the planner's world from a hostfile ----------------------------------------------------------------------------
+
+
+def _plan_hosts(capsys, *args: str) -> tuple[int, str, str]:
+    base = ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--device", "cpu"]
+    try:
+        status = plan.main([*base, *args])
+    except SystemExit as exited:
+        status = exited.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_the_planner_takes_its_world_from_a_hostfile(capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode1 slots=3 max_slots=4\nnode2 slots=1\n")
+    status, out, _ = _plan_hosts(capsys, "--hostfile", str(hostfile))
+    assert status == 0 and "4 rank(s) of cpu" in out
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("node1 slots=2\nnode1 slots=2\n", ":2: node1 is listed again (first on line 1)"),
+        ("node1 slots=two\n", ":1: 'node1 slots=two' is not `HOST slots=N`"),
+        ("node1 slots=0\n", ":1: node1 has slots=0: a host needs at least one slot"),
+    ],
+)
+def test_the_planner_refuses_a_hostfile_that_deepspeeds_runner_mishandles(capsys, tmp_path, text, message):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(text)
+    status, out, err = _plan_hosts(capsys, "--hostfile", str(hostfile))
+    assert status == 2 and out == ""
+    last = err.strip().splitlines()[-1]
+    assert f"error: {hostfile}{message}" in last
+
+
+def test_the_planner_wants_one_of_world_size_and_hostfile(capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=2\n")
+    status, _, err = _plan_hosts(capsys, "--hostfile", str(hostfile), "--world-size", "2")
+    assert status == 2 and "not allowed with argument" in err
+    status, _, err = _plan_hosts(capsys)
+    assert status == 2 and "one of the arguments --world-size --hostfile is required" in err

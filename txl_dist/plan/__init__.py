@@ -5,6 +5,8 @@ offload, activations, mems, DeepSpeed's buffers; the largest micro-batch that fi
     python -m txl_dist.plan --config configs/lm1b_base.yaml --world-size 8 --device-memory 80GiB --micro-batch 16
     python -m txl_dist.plan --config configs/lm1b_base.yaml --world-size 2 --device cpu --device-memory 24GiB \\
         data.shards=/data/lm1b/shards          # the vocabulary size from the shards' manifest
+    python -m txl_dist.plan --config configs/lm1b_base.yaml --hostfile hostfile --device-memory 80GiB
+                                               # the world size: the hostfile's slots (checked as the runner needs)
 
 Exit status: 0 when the planned layout fits ``--device-memory`` (or none is given), 1 when it does not (the last
 line names the layout that fits, or says that none does), 2 for a layout the trainer refuses (the global batch

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab, with_shards_vocab
+from txl_dist.launch_formats import read_hostfile
 from txl_dist.plan.report import describe_with_fit
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -51,7 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run config (repeat to layer files, as for launchers/train.py)",
     )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the run")
+    ranks = parser.add_mutually_exclusive_group(required=True)
+    ranks.add_argument("--world-size", type=int, help="ranks (GPUs) of the run")
+    ranks.add_argument(
+        "--hostfile",
+        metavar="PATH",
+        help="the DeepSpeed hostfile of the run (`HOST slots=N` lines): its slots summed are the world size",
+    )
     parser.add_argument(
         "--device-memory",
         type=parse_size,
@@ -67,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
+        if args.hostfile is not None:
+            args.world_size = sum(read_hostfile(args.hostfile).values())
         if args.world_size < 1:
             raise ValueError(f"--world-size {args.world_size}: must be at least 1")
         if args.micro_batch is not None and args.micro_batch < 1:
