@@ -107,7 +107,7 @@ def test_a_checkpoint_resumes_under_another_zero_stage_and_world_size(runs, name
     assert f"into ZeRO stage {case.stage} on {case.ranks} ranks, converted by txl_dist" in log
     assert f"at step {case.step} (exact" in log
     # Every save logs how long it took, its size and the rate.
-    assert re.search(rf"checkpoint \S+/step{STEPS:08d} written in \d+\.\d s \(\d+\.\d MB, \d+ MB/s\)", log)
+    assert re.search(rf"checkpoint \S+/step{STEPS:08d} written in \d+\.\d\d s \(\d+\.\d MB, \d+ MB/s\)", log)
     expected, got = records(runs.get("reference")[0]), records(resumed)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(case.step + 1, STEPS + 1):
@@ -115,6 +115,28 @@ def test_a_checkpoint_resumes_under_another_zero_stage_and_world_size(runs, name
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
         assert got[step]["lr"] == pytest.approx(expected[step]["lr"], rel=1e-9), step
     assert not any(path.name.endswith("_universal") for path in (resumed / "checkpoints").iterdir())
+
+
+def test_the_resume_plan_loads_as_saved_through_deepspeed_or_converted_as_deepspeed_0_19_8_allows():
+    from txl_dist.training.checkpoint_convert import LoadKind, plan_load
+
+    as_saved, universal, converted = LoadKind.AS_SAVED, LoadKind.UNIVERSAL, LoadKind.CONVERTED
+    # (saved stages, saved ranks, optimizer partitions per rank, stage, ranks) -> how
+    table = {
+        ((2,), 2, True, 1, 2): as_saved,  # ZeRO 1 and 2 share one optimizer and one layout
+        ((3,), 2, True, 3, 2): as_saved,
+        ((0,), 1, False, 0, 4): as_saved,  # ZeRO-0's state is whole on every rank
+        ((2,), 2, True, 1, 1): universal,
+        ((3,), 2, True, 3, 4): universal,
+        ((1, 2), 2, True, 2, 4): universal,  # a checkpoint that did not record its stage, told by its files
+        ((0,), 1, False, 3, 2): converted,
+        ((2,), 2, True, 3, 2): converted,  # the same ranks: DeepSpeed still loads no other stage's files
+        ((3,), 2, True, 2, 1): converted,
+        ((3,), 2, True, 0, 2): converted,
+        ((1, 2), 2, True, 3, 2): converted,
+        ((0, 1, 2), 2, True, 1, 2): converted,  # could be ZeRO-0's bf16 files: converted, never guessed
+    }
+    assert {case: plan_load(*case) for case in table} == table
 
 
 # ---- the global batch is kept: a world that cannot hold it is refused ------------------------------------------

@@ -9,7 +9,8 @@ A checkpoint holds DeepSpeed's engine state, the client state (step, tokens seen
 best validation result) and, per rank, the memory of each stream by stream id plus the RNG states (see
 `txl_dist.training.checkpoint_layout`). Rerunning the same command resumes from the newest complete checkpoint.
 With the same number of streams (whatever the world size) streams and memory continue exactly; with another number
-the data is re-partitioned and the memory starts empty (the log says so).
+the data is re-partitioned and the memory starts empty (the log says so). Any ZeRO stage resumes any other's
+checkpoint (`txl_dist.training.checkpoint_convert`).
 
 SIGTERM or SIGINT (what Slurm sends before preemption) finishes the current step, writes a checkpoint and exits
 with status 0; the ranks agree on the step through an all-reduce of the stop flag after every step. So does the
@@ -242,7 +243,7 @@ class Trainer:
         seconds = time.perf_counter() - started
         megabytes = self.checkpoints.last_save_bytes / 1e6
         self.logger.info(
-            "checkpoint %s written in %.1f s (%.1f MB, %.0f MB/s)",
+            "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s)",
             self.checkpoints.directory / tag,
             seconds,
             megabytes,
