@@ -118,14 +118,22 @@ def universal_from_stage0(tag_dir: Path, folder: Path, names: list[str]) -> None
         inner = optimizer[OPTIMIZER_STATE_DICT]
     else:
         masters, inner = [module[name].float() for name in names], optimizer
-    states = [inner["state"][index] for index in sorted(inner["state"])]
-    moments = {key: _per_parameter([s[key] for s in states], shapes) for key in ADAM_MOMENTS}
-    step = states[0]["step"]
+    step = next(iter(inner["state"].values()))["step"]
+    if sum(len(group["params"]) for group in inner["param_groups"]) == len(names):
+        # Torch keeps no state for a parameter that never had a gradient: its moments are zero.
+        states = [inner["state"].get(index, {}) for index in range(len(names))]
+        moments = {
+            key: [state.get(key, torch.zeros(shape)) for state, shape in zip(states, shapes)] for key in ADAM_MOMENTS
+        }
+    else:  # one flat fp32 tensor per group
+        flat = [inner["state"][index] for index in sorted(inner["state"])]
+        moments = {key: _per_parameter([state[key] for state in flat], shapes) for key in ADAM_MOMENTS}
     zero = folder / "zero"
     for index, name in enumerate(names):
         _save({PARAM: masters[index].float(), "cat_dim": 0}, zero / name / "fp32.pt")
         for key in ADAM_MOMENTS:
-            _save({PARAM: moments[key][index].float(), "cat_dim": 0}, zero / name / f"{key}.pt")
+            moment = moments[key][index].float().reshape(shapes[index])
+            _save({PARAM: moment, "cat_dim": 0}, zero / name / f"{key}.pt")
         _save(torch.as_tensor(step, dtype=torch.float32).clone(), zero / name / "step.pt")
     _write_optimizer_state(zero, inner["param_groups"], step, {})
     _link_or_copy(source, folder / STAGE12_MODEL_STATES)
