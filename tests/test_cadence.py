@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from txl_dist.config import load_config
 from txl_dist.training.cadence import Cadence
 
@@ -48,3 +50,35 @@ def test_saves_periodically_at_a_new_best_and_on_a_stop_request():
     # The last step is saved after the final full evaluation, not here.
     assert not _cadence(checkpoint_every=2).save_after(10, stopping=False, new_best=False)
     assert not any(_cadence(checkpoint_every=0).save_after(s, stopping=False, new_best=False) for s in range(1, 11))
+
+
+def test_the_clock_cadence_saves_once_every_minutes_have_passed_since_the_last_save():
+    """The clock is injected: ``clock_save_due(now, last_save)`` on seconds of one monotonic clock."""
+    cadence = _cadence(checkpoint_every=0, checkpoint_every_seconds=90.0)
+    assert not cadence.clock_save_due(now=1089.9, last_save=1000.0)
+    assert cadence.clock_save_due(now=1090.0, last_save=1000.0)
+    # A run that saves when due, its steps 40 s apart: saved at steps 3, 6, 9 (a save restarts the clock).
+    saved, last_save = [], 0.0
+    for step in range(1, 11):
+        now = 40.0 * step
+        if cadence.save_after(step, stopping=False, new_best=False, clock_due=cadence.clock_save_due(now, last_save)):
+            saved.append(step)
+            last_save = now
+    assert saved == [3, 6, 9]
+    # Off at 0 (checkpoint.every_minutes 0 or null); the last step is saved after the final evaluation instead.
+    assert not _cadence(checkpoint_every_seconds=0.0).clock_save_due(now=1e9, last_save=0.0)
+    assert not cadence.save_after(10, stopping=False, new_best=False, clock_due=True)
+    # Steps and minutes together: whichever comes first.
+    both = _cadence(checkpoint_every=5, checkpoint_every_seconds=90.0)
+    assert both.save_after(5, stopping=False, new_best=False, clock_due=False)
+    assert both.save_after(2, stopping=False, new_best=False, clock_due=True)
+
+
+def test_checkpoint_every_minutes_is_read_and_validated():
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    assert Cadence.of(load_config([tiny], ["checkpoint.every_minutes=2.5"])).checkpoint_every_seconds == 150.0
+    assert Cadence.of(load_config([tiny], ["checkpoint.every_minutes=0"])).checkpoint_every_seconds == 0.0
+    assert Cadence.of(load_config([tiny], [])).checkpoint_every_seconds == 0.0
+    for bad in ("-1", "soon", "true", "nan"):
+        with pytest.raises(ValueError, match=r"checkpoint.every_minutes"):
+            load_config([tiny], [f"checkpoint.every_minutes={bad}"])

@@ -324,11 +324,13 @@ def test_grad_accum_arithmetic_error_names_the_three_numbers():
     assert train.batch_layout(3) == (4, 2, 3)
     with pytest.raises(
         ValueError,
-        match=r"train.global_batch=24 is not a multiple of train.micro_batch=4 "
-        r"x world_size=4 = 16",
+        match=r"train.global_batch=24 with train.micro_batch=4 cannot be split over 4 ranks .*: the world sizes "
+        r"that can hold it are 1, 2, 3, 6;",
     ):
         train.batch_layout(4)
-    with pytest.raises(ValueError, match=r"train.global_batch=24 does not divide among world_size=5 ranks"):
+    with pytest.raises(
+        ValueError, match=r"train.global_batch=24 with train.micro_batch null .* cannot be split over 5 ranks"
+    ):
         TrainConfig(global_batch=24).batch_layout(5)
     assert TrainConfig(global_batch=24).batch_layout(6) == (4, 1, 6)
 
@@ -690,7 +692,7 @@ def test_parse_run_args_fails_before_training_with_the_key_named(capsys, tmp_pat
         capsys, ["--config", tiny, "data.shards=s3://bucket/lm1b"]
     )
     assert "train.micro_batch=0 is not allowed" in parse_error(capsys, ["--config", tiny, "train.micro_batch=0"])
-    assert "train.global_batch=8 is not a multiple of train.micro_batch=2 x world_size=3 = 6" in parse_error(
+    assert "train.global_batch=8 with train.micro_batch=2 cannot be split over 3 ranks" in parse_error(
         capsys, ["--config", tiny, f"data.shards={shards}"], world_size=3
     )
     assert "model.n_token=999 (set on the command line) disagrees with the manifest" in parse_error(

@@ -100,6 +100,12 @@ class TrainConfig:
             )
         return self
 
+    def holds(self, world_size: int, micro_batch: int | None = None) -> bool:
+        """Whether ``world_size`` ranks of ``micro_batch`` streams per pass (default train.micro_batch; null: one)
+        split the global batch into whole accumulation steps."""
+        per_rank = (self.micro_batch if micro_batch is None else micro_batch) or 1
+        return self.global_batch % (per_rank * world_size) == 0
+
     def batch_layout(self, world_size: int, micro_batch: int | None = None) -> BatchLayout:
         """Micro-batch and gradient accumulation for ``world_size`` ranks; ValueError naming the three numbers
         when the global batch does not split evenly. ``micro_batch`` (the memory planner's candidates) replaces
@@ -107,21 +113,19 @@ class TrainConfig:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} is not allowed: a positive integer")
         micro_batch = self.micro_batch if micro_batch is None else micro_batch
-        if micro_batch is None:
-            if self.global_batch % world_size:
-                raise ValueError(
-                    f"train.global_batch={self.global_batch} does not divide among world_size={world_size} ranks "
-                    f"(train.micro_batch is null, so each rank would take global_batch / world_size streams); "
-                    f"choose a global batch that is a multiple of {world_size}, or set train.micro_batch"
-                )
-            return BatchLayout(self.global_batch // world_size, 1, world_size)
-        per_pass = micro_batch * world_size
+        per_rank = micro_batch or 1
+        per_pass = per_rank * world_size
         if self.global_batch % per_pass:
+            holding = [str(size) for size in range(1, self.global_batch // per_rank + 1) if self.holds(size, per_rank)]
+            given = f"train.micro_batch={micro_batch}" if micro_batch else "train.micro_batch null (no accumulation)"
             raise ValueError(
-                f"train.global_batch={self.global_batch} is not a multiple of train.micro_batch={micro_batch} "
-                f"x world_size={world_size} = {per_pass}, so gradient accumulation steps "
-                f"(global_batch / (micro_batch x world_size)) would not be whole; change one of the three"
+                f"train.global_batch={self.global_batch} with {given} cannot be split over {world_size} ranks "
+                f"(global_batch / (micro_batch x world_size) accumulation steps must be whole): the world sizes "
+                f"that can hold it are {', '.join(holding)}; the global batch stays as it is (it fixes the streams "
+                f"and their order), so run on one of those, or change train.micro_batch"
             )
+        if micro_batch is None:
+            return BatchLayout(self.global_batch // world_size, 1, world_size)
         return BatchLayout(micro_batch, self.global_batch // per_pass, world_size)
 
 
@@ -262,6 +266,10 @@ class CheckpointConfig:
     every: NonNegative = 1000
     """Save every this many optimizer steps and at the end of training (0: only at the end), and whenever a full
     validation pass improves on the best so far; SIGTERM/SIGINT also save."""
+    every_minutes: NonNegativeNumber | None = None
+    """Also save once this many minutes of wall-clock time have passed since the last save (or the start), so that
+    the work a fault can lose is bounded in time whatever the step time; 0 or null: no clock cadence. Rank 0's
+    clock decides and every rank saves at the same step."""
     keep_last: NonNegative = 2
     """Checkpoints kept (older ones are deleted once a newer one is complete); 0 keeps all."""
     resume: bool = True

@@ -8,9 +8,10 @@ wrapped), and its checksum is computed from the bytes as they are written, so a 
 ``COMPLETE.json`` therefore lists files that are on disk. (DeepSpeed's own ``latest`` is written by rank 0
 without waiting for the other ranks' optimizer files, so it is turned off.)
 
-Resume takes the newest checkpoint that verifies -- the ranks share the reading -- and says which it skipped and
-why. Rotation keeps the last ``keep_last`` checkpoints (all with 0) not known to be damaged, the best one by
-validation loss, and always the newest verified one, so a damaged checkpoint never pushes the last good one out.
+Resume takes the newest checkpoint that verifies -- the ranks share the reading -- says which it skipped and
+why, and loads it under any ZeRO stage and number of ranks (`txl_dist.training.checkpoint_convert`). Rotation
+keeps the last ``keep_last`` checkpoints (all with 0) not known to be damaged, the best one by validation loss,
+and always the newest verified one, so a damaged checkpoint never pushes the last good one out.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ import torch.distributed as dist
 
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_checksummed, atomic_write_text, file_checksum
 from txl_dist.training import weights_only
+from txl_dist.training.checkpoint_convert import (
+    LoadKind,
+    ResumePlan,
+    complete_universal,
+    load_into_stage0,
+    plan_load,
+    universal_from_stage0,
+)
 from txl_dist.training.checkpoint_layout import (
     COMPLETE,
     FILES_KEY,
@@ -49,8 +58,8 @@ from txl_dist.training.checkpoint_verify import (
     listed_files,
     read_marker,
     refuse_another_architecture,
-    refuse_another_zero_stage,
     refuse_fresh_start,
+    saved_zero_stages,
 )
 from txl_dist.training.rank_state import RankState, read_rank_states, write_rank_state
 from txl_dist.training.ranks import broadcast
@@ -90,6 +99,8 @@ class CheckpointManager:
         self.newest_verified: str | None = None
         """The newest checkpoint known good (verified at resume, or written by this run): never rotated away."""
         self._saving: str | None = None
+        self.last_save_bytes = 0
+        """Rank 0: the bytes of the last checkpoint this run wrote, every rank's files together."""
 
     # ---- finding checkpoints -----------------------------------------------------------------------------------
 
@@ -137,10 +148,13 @@ class CheckpointManager:
             f"above): move them aside to start afresh, or resume with checkpoint.verify=false to trust one"
         )
 
-    def tag_to_resume(self, *, resume: bool, verify: bool, architecture: dict[str, Any], zero_stage: int) -> str | None:
+    def plan_resume(
+        self, *, resume: bool, verify: bool, architecture: dict[str, Any], zero_stage: int
+    ) -> ResumePlan | None:
         """Collective: the checkpoint to resume from (`choose_resume_tag`), checked against this run's
-        ``architecture`` and ZeRO stage before anything is built. With ``resume`` False: None, or ValueError where
-        there are checkpoints (a fresh start would interleave its checkpoints with the old run's)."""
+        ``architecture``, and how it loads into ZeRO ``zero_stage`` on this run's ranks (`plan_load`), decided
+        before anything is built. With ``resume`` False: None, or ValueError where there are checkpoints (a fresh
+        start would interleave its checkpoints with the old run's)."""
         if not resume:
             existing = self.complete_tags()
             if existing:
@@ -151,8 +165,15 @@ class CheckpointManager:
             return None
         marker = self.marker(tag)
         refuse_another_architecture(self.directory, tag, marker, architecture)
-        refuse_another_zero_stage(self.directory, tag, marker, zero_stage)
-        return tag
+        saved_stages = saved_zero_stages(self.directory / tag, marker)
+        kind = plan_load(
+            saved_stages,
+            marker["world_size"],
+            has_optimizer_partitions(self.directory / tag),
+            zero_stage,
+            self.world_size,
+        )
+        return ResumePlan(tag, kind, saved_stages, marker["world_size"], zero_stage, self.world_size)
 
     def _verify_collectively(self, tag: str) -> list[str]:
         tag_dir = self.directory / tag
@@ -219,6 +240,7 @@ class CheckpointManager:
             files: dict[str, FileChecksum] = {}
             for rank_files in gathered:
                 files.update(rank_files)
+            self.last_save_bytes = sum(checksum.bytes for checksum in files.values())
             self._mark_complete(
                 tag_dir,
                 files,
@@ -290,52 +312,64 @@ class CheckpointManager:
         """The COMPLETE.json of a checkpoint: step, world_size, streams_per_rank, rank_states, architecture, files."""
         return read_marker(self.directory / tag)
 
-    def saved_world_size(self, tag: str) -> int:
-        return self.marker(tag)["world_size"]
-
-    def needs_universal(self, tag: str) -> bool:
-        """True when ``tag`` holds optimizer partitions for another number of ranks than this run has.
-
-        DeepSpeed cannot re-partition ZeRO optimizer states for a new data-parallel size; its universal checkpoint
-        format can, so such a checkpoint is converted (`prepare_universal`) and loaded with ``load_universal``."""
-        return has_optimizer_partitions(self.directory / tag) and self.saved_world_size(tag) != self.world_size
-
-    def prepare_universal(self, tag: str) -> str:
-        """Collective: rank 0 converts ``tag`` to DeepSpeed's universal format; returns the converted tag."""
-        universal = universal_tag(tag)
+    def load(self, engine, plan: ResumePlan) -> dict[str, Any] | None:
+        """Collective: load ``plan``'s checkpoint into ``engine`` (configured with ``load_universal`` unless the
+        plan loads as saved or into ZeRO-0); returns DeepSpeed's client state. A converted copy is made by rank 0
+        beside the checkpoint and removed once every rank has loaded it."""
         if self.rank == 0:
-            import argparse
-
-            from deepspeed.checkpoint import ds_to_universal
-
-            target = self.directory / universal
-            shutil.rmtree(target, ignore_errors=True)
-            log.info(
-                "converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
-                self.directory / tag,
-                self.saved_world_size(tag),
-                self.world_size,
-            )
+            log.info("loading %s", plan.describe())
+        if plan.load is LoadKind.AS_SAVED:
             with weights_only.deepspeed_loads_weights_only():
-                ds_to_universal.main(
-                    argparse.Namespace(
-                        input_folder=str(self.directory / tag),
-                        output_folder=str(target),
-                        num_extract_workers=1,
-                        num_merge_workers=1,
-                        keep_temp_folder=False,
-                        strict=True,
-                        inject_missing_state=True,
-                    )
-                )
-        dist.barrier()
-        return universal
-
-    def remove_universal(self, universal: str) -> None:
-        """Collective: after every rank has loaded it, the converted copy goes."""
-        dist.barrier()
+                return engine.load_checkpoint(str(self.directory), tag=plan.tag)[1]
+        universal = universal_tag(plan.tag)
         if self.rank == 0:
-            shutil.rmtree(self.directory / universal, ignore_errors=True)
+            names = [name for name, _ in engine.module.named_parameters()]
+            self._write_universal(plan, self.directory / universal, names)
+        dist.barrier()
+        try:
+            if plan.stage == 0:
+                return load_into_stage0(engine, self.directory / universal)
+            with weights_only.deepspeed_loads_weights_only():
+                return engine.load_checkpoint(str(self.directory), tag=universal)[1]
+        finally:
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(self.directory / universal, ignore_errors=True)
+                # DeepSpeed writes this pointer when it converts; ours is `latest`.
+                (self.directory / LATEST_UNIVERSAL).unlink(missing_ok=True)
+
+    def _write_universal(self, plan: ResumePlan, target: Path, names: list[str]) -> None:
+        """Rank 0: ``plan.tag`` in DeepSpeed's universal layout at ``target``, completed for every stage when
+        the plan converts (`txl_dist.training.checkpoint_convert`)."""
+        source = self.directory / plan.tag
+        shutil.rmtree(target, ignore_errors=True)
+        if not has_optimizer_partitions(source):
+            universal_from_stage0(source, target, names)
+            return
+        import argparse
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        log.info(
+            "converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
+            source,
+            plan.saved_world_size,
+            plan.world_size,
+        )
+        with weights_only.deepspeed_loads_weights_only():
+            ds_to_universal.main(
+                argparse.Namespace(
+                    input_folder=str(source),
+                    output_folder=str(target),
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
+            )
+        if plan.load is LoadKind.CONVERTED:
+            complete_universal(target)
 
     def load_rank_states(self, tag: str, stream_ids: list[int]) -> tuple[dict[int, list[torch.Tensor]], dict | None]:
         """`read_rank_states` of checkpoint ``tag`` for this rank."""

@@ -2,9 +2,10 @@
 
 Before a checkpoint is trusted (resume, evaluate, convert) each file COMPLETE.json lists must exist with its size
 and CRC-32, and no other file may be there (DeepSpeed finds some files by pattern). A resuming run also refuses a
-checkpoint of another architecture or ZeRO stage, and a fresh start beside old checkpoints, before it builds
-anything. Nothing here writes, or needs a process group: the ranks' shared reading (`txl_dist.training.checkpoint`)
-deals the files out with `deal_files_to_ranks` and each rank checks its share with `check_files`.
+checkpoint of another architecture, and a fresh start beside old checkpoints, before it builds anything
+(another ZeRO stage or number of ranks is not refused: `txl_dist.training.checkpoint_convert`). Nothing here
+writes, or needs a process group: the ranks' shared reading (`txl_dist.training.checkpoint`) deals the files out
+with `deal_files_to_ranks` and each rank checks its share with `check_files`.
 """
 
 from __future__ import annotations
@@ -200,21 +201,3 @@ def saved_zero_stages(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> tup
     if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):
         return (1, 2)
     return (0,)
-
-
-def refuse_another_zero_stage(directory: str | os.PathLike, tag: str, marker: dict[str, Any], stage: int) -> None:
-    """ValueError when checkpoint ``tag`` cannot be resumed at ZeRO ``stage``. DeepSpeed 0.19 loads a checkpoint
-    only into the optimizer class that wrote it: ZeRO 1 and 2 share one (and their checkpoints load into each other
-    exactly); ZeRO-0 and ZeRO-3 have their own, and its universal checkpoint, which re-partitions for another
-    number of ranks, keeps the optimizer state in the layout of the stage that wrote it."""
-    saved = saved_zero_stages(Path(directory) / tag, marker)
-    family = {1: 1, 2: 1}
-    if any(family.get(stage, stage) == family.get(s, s) for s in saved):
-        return
-    written = " or ".join(str(s) for s in saved) if len(saved) < 3 else "0, 1 or 2"
-    raise ValueError(
-        f"{Path(directory) / tag} was saved with ZeRO stage {written}, this run has zero.stage={stage}: "
-        f"DeepSpeed cannot load a checkpoint into another stage's optimizer (only 1 and 2 load each "
-        f"other's); resume with zero.stage={saved[-1]}, or take its weights without the optimizer state: "
-        f"python launchers/convert.py zero-to-export {Path(directory) / tag} EXPORT"
-    )

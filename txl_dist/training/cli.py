@@ -227,7 +227,7 @@ def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_mem
 def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     """What the trainer would refuse only after every rank has started, found here from the files alone: a
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
-    checkpoint.resume=false, and a newest complete checkpoint of another architecture or ZeRO stage. (The trainer
+    checkpoint.resume=false, and a newest complete checkpoint of another architecture. (The trainer
     checks again on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
     from txl_dist.tokenizer import load_tokenizer
     from txl_dist.training.checkpoint_layout import complete_tags
@@ -235,7 +235,6 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
         CheckpointVerificationError,
         read_marker,
         refuse_another_architecture,
-        refuse_another_zero_stage,
         refuse_fresh_start,
     )
 
@@ -260,6 +259,5 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     try:
         marker = read_marker(directory / tags[-1])
         refuse_another_architecture(directory, tags[-1], marker, cfg.model.architecture())
-        refuse_another_zero_stage(directory, tags[-1], marker, cfg.zero.stage)
     except CheckpointVerificationError:
         pass  # a damaged marker: the trainer's verification names what is wrong and looks at the older ones

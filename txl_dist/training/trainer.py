@@ -9,7 +9,8 @@ A checkpoint holds DeepSpeed's engine state, the client state (step, tokens seen
 best validation result) and, per rank, the memory of each stream by stream id plus the RNG states (see
 `txl_dist.training.checkpoint_layout`). Rerunning the same command resumes from the newest complete checkpoint.
 With the same number of streams (whatever the world size) streams and memory continue exactly; with another number
-the data is re-partitioned and the memory starts empty (the log says so).
+the data is re-partitioned and the memory starts empty (the log says so). Any ZeRO stage resumes any other's
+checkpoint (`txl_dist.training.checkpoint_convert`).
 
 SIGTERM or SIGINT (what Slurm sends before preemption) finishes the current step, writes a checkpoint and exits
 with status 0; the ranks agree on the step through an all-reduce of the stop flag after every step. So does the
@@ -36,9 +37,10 @@ from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings
 from txl_dist.tokenizer import CHARACTER_KINDS
-from txl_dist.training import ranks, weights_only
+from txl_dist.training import ranks
 from txl_dist.training.cadence import Cadence
 from txl_dist.training.checkpoint import CheckpointManager
+from txl_dist.training.checkpoint_convert import LoadKind
 from txl_dist.training.checkpoint_layout import CLIENT_KEY, tag_for_step
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.rank_state import RankState, rng_state, set_rng_state
@@ -145,15 +147,13 @@ class Trainer:
             overlay_path=deepspeed_overlay,
             num_parameters=self.num_parameters,
         )
-        self.resume_tag = self.checkpoints.tag_to_resume(
+        self.resume_plan = self.checkpoints.plan_resume(
             resume=cfg.checkpoint.resume,
             verify=cfg.checkpoint.verify,
             architecture=cfg.model.architecture(),
             zero_stage=cfg.zero.stage,
         )
-        self.load_tag = self.resume_tag
-        if self.resume_tag and self.checkpoints.needs_universal(self.resume_tag):
-            self.load_tag = self.checkpoints.prepare_universal(self.resume_tag)
+        if self.resume_plan is not None and self.resume_plan.load is not LoadKind.AS_SAVED and cfg.zero.stage:
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
         optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
@@ -170,13 +170,10 @@ class Trainer:
     # ---- resume ------------------------------------------------------------------------------------------------
 
     def _resume(self) -> str | None:
-        tag = self.resume_tag
-        if tag is None:
+        if self.resume_plan is None:
             return None
-        with weights_only.deepspeed_loads_weights_only():
-            _, client_state = self.engine.load_checkpoint(str(self.checkpoints.directory), tag=self.load_tag)
-        if self.load_tag != tag:
-            self.checkpoints.remove_universal(self.load_tag)
+        tag = self.resume_plan.tag
+        client_state = self.checkpoints.load(self.engine, self.resume_plan)
         if client_state is None or CLIENT_KEY not in client_state:
             raise RuntimeError(f"{self.checkpoints.directory / tag}: not a txl_dist checkpoint (no client state)")
         saved = client_state[CLIENT_KEY]
@@ -230,6 +227,7 @@ class Trainer:
         }
 
     def save(self) -> str:
+        started = time.perf_counter()
         stream_ids = [s for slot in range(self.layout.grad_accum) for s in self.streams.stream_ids(slot)]
         mems = self.memories.for_checkpoint()
         state = RankState(stream_ids=stream_ids, mems=mems, rng=rng_state(), world_size=self.world_size, rank=self.rank)
@@ -242,7 +240,16 @@ class Trainer:
             architecture=self.cfg.model.architecture(),
             best_tag=best_tag,
         )
-        self.logger.info("checkpoint %s written", self.checkpoints.directory / tag)
+        seconds = time.perf_counter() - started
+        megabytes = self.checkpoints.last_save_bytes / 1e6
+        self.logger.info(
+            "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s)",
+            self.checkpoints.directory / tag,
+            seconds,
+            megabytes,
+            megabytes / max(seconds, 1e-9),
+        )
+        self._last_save_clock = time.monotonic()
         self.guard.checkpointed(self.step)
         return tag
 
@@ -295,12 +302,16 @@ class Trainer:
             to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems, cluster_rows=rows
         )
 
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.guard.requested else 0.0])
+    def _agree(self) -> tuple[bool, bool]:
+        """Collective, after every step: (a stop was requested on any rank, rank 0's clock says a save is due).
+        One all-reduce of the maximum carries both; only rank 0 reads the clock, so the ranks cannot disagree."""
+        clock_due = self.rank == 0 and self.cadence.clock_save_due(time.monotonic(), self._last_save_clock)
+        flags = torch.tensor([float(self.guard.requested), float(clock_due)])
         if self._flag_group is None:
-            flag = flag.to(self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
-        return bool(flag.item())
+            flags = flags.to(self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group)
+        stopping, clock_due = flags.tolist()
+        return bool(stopping), bool(clock_due)
 
     def run(self) -> dict[str, Any]:
         log_start(self.logger, self.cfg, self.num_parameters, self.world_size, self.device_type, self.step)
@@ -341,6 +352,7 @@ class Trainer:
         )
         batches = iter(self.streams)
         start_step, last_eval = self.step, None
+        self._last_save_clock = time.monotonic()
         last_saved = self.step if self.resumed_from else None
         while (stopped_by := self.cadence.stop_before(self.step, self.streams.epoch)) is None:
             self._train_step(batches, step_log)
@@ -351,9 +363,9 @@ class Trainer:
             evaluated = self.cadence.evaluate_after(self.step)
             if evaluated:
                 last_eval = self._validate_and_track(self.cfg.eval.max_batches)
-            stopping = self._stop_agreed()
+            stopping, clock_due = self._agree()
             new_best = evaluated and self.best is not None and self.best["step"] == self.step
-            if self.cadence.save_after(self.step, stopping=stopping, new_best=new_best):
+            if self.cadence.save_after(self.step, stopping=stopping, new_best=new_best, clock_due=clock_due):
                 self.save()
                 last_saved = self.step
             if evaluated or last_saved == self.step:  # keep evaluation and saving out of tokens/s
