@@ -196,10 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     try:
-        if out.suffix.lower() != ".png":
-            raise PlotError(f"--out {out}: the picture is a PNG, name it *.png")
         if out.is_dir():
             raise PlotError(f"--out {out}: a directory, not a file")
+        if out.suffix.lower() != ".png":
+            raise PlotError(f"--out {out}: the picture is a PNG, name it *.png")
         if not out.parent.is_dir():
             raise PlotError(f"--out {out}: no such directory {out.parent}")
         runs = [read_run(run) for run in args.runs]

@@ -29,6 +29,27 @@ METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 
 
+class FileGone(RuntimeError):
+    """A log file's path no longer names the file being written (it or its folder was removed or replaced)."""
+
+
+def file_identity(handle) -> tuple[int, int]:
+    """(device, inode) of an open file."""
+    status = os.fstat(handle.fileno())
+    return status.st_dev, status.st_ino
+
+
+def require_same_file(path: Path, identity: tuple[int, int]) -> None:
+    """FileGone unless ``path`` still names the file of ``identity`` (`file_identity` of the open file)."""
+    try:
+        status = os.stat(path)
+        same = (status.st_dev, status.st_ino) == identity
+    except (FileNotFoundError, NotADirectoryError):  # removed, or its folder replaced by a file
+        same = False
+    if not same:
+        raise FileGone(f"{path}: removed or replaced while the run was writing it")
+
+
 class _MetricsFile:
     """``metrics.jsonl``: one JSON object a line, ``{"step", "kind", "wall_time", ...}``."""
 
@@ -38,10 +59,13 @@ class _MetricsFile:
         self.path = path
         self.earlier_starts = _truncate_after(path, resume_step)
         self._file = open(path, "a", encoding="utf-8")
+        self._identity = file_identity(self._file)
 
     def line(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        # Lines written to a file that was removed (or replaced) would be lost without a word.
+        require_same_file(self.path, self._identity)
 
     def close(self) -> None:
         self._file.close()

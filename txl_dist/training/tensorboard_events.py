@@ -31,13 +31,10 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
 from txl_dist.fileio import ensure_directory
+from txl_dist.training.run_logger import file_identity, require_same_file
 
 _FILE_NUMBER = itertools.count()
 """Two event files opened by one process in the same second still get two names."""
-
-
-class EventFileGone(RuntimeError):
-    """The event file's path no longer names the file being written (the folder was removed or replaced)."""
 
 
 class EventFile:
@@ -50,7 +47,7 @@ class EventFile:
         self.path = Path(directory) / name
         self._file = open(self.path, "xb")
         self._records = RecordWriter(self._file)
-        self._inode = os.fstat(self._file.fileno()).st_ino
+        self._identity = file_identity(self._file)
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:
             self._write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
@@ -104,16 +101,9 @@ class EventFile:
         self._summary(step, [value])
 
     def flush(self) -> None:
-        """Write out what is buffered; EventFileGone when the file's path now names another file or nothing."""
+        """Write out what is buffered; FileGone when the file's path now names another file or nothing."""
         self._records.flush()
-        try:
-            same = os.stat(self.path).st_ino == self._inode
-        except FileNotFoundError:
-            same = False
-        except NotADirectoryError:  # the folder was replaced by a file
-            same = False
-        if not same:
-            raise EventFileGone(f"{self.path}: removed or replaced while the run was writing it")
+        require_same_file(self.path, self._identity)
 
     def close(self) -> None:
         self._records.close()
