@@ -201,8 +201,8 @@ def test_the_hparams_dashboard_compares_the_runs_settings_and_results(resumed_ru
         "world_size",
         "tokenizer",
     }
-    metrics = [info["name"]["tag"] for info in experiment["metricInfos"]]
-    assert metrics == ["eval/loss", "eval/ppl", "best/loss", "best/ppl"]
+    metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
+    assert {"eval/loss", "eval/ppl", "best/loss", "best/ppl", "train/loss"} <= metrics
     groups = server.post(
         "/data/plugin/hparams/session_groups",
         {
@@ -234,6 +234,15 @@ def test_the_log_line_gives_the_eta_to_max_steps(resumed_run):
     lines = [line for line in resumed_run["log"].splitlines() if " tokens/s" in line and "| loss " in line]
     assert lines and all(f"to step {FINAL_STEP}" in line for line in lines[:-1]), lines
     assert ", ETA " in lines[0] and "ETA" not in lines[-1]  # the last step has nothing left
+
+
+def test_the_eta_reads_in_hours_minutes_or_seconds():
+    from txl_dist.training.step_log import _eta
+
+    assert _eta(4000, 400, 0.1) == ", ETA 6m00s to step 4000"
+    assert _eta(100_000, 0, 0.1) == ", ETA 2h46m to step 100000"
+    assert _eta(20, 18, 1.0) == ", ETA 2s to step 20"
+    assert _eta(20, 20, 0.25) == "" and _eta(None, 5, 1.0) == ""
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -270,6 +279,7 @@ def test_plot_errors_are_one_line(resumed_run, tmp_path, monkeypatch):
     blocked.write_text("")
     cases = {
         (str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")): "missing: no such run directory",
+        (str(blocked), "--out", str(tmp_path / "x.png")): "a_file: a file, not a run directory",
         (str(tmp_path), "--out", str(tmp_path / "x.png")): "metrics.jsonl: no such file",
         (str(empty), "--out", str(tmp_path / "x.png")): "metrics.jsonl: no training step logged yet",
         (str(resumed_run["output"]), "--out", str(blocked / "x.png")): f"no such directory {blocked}",

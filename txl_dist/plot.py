@@ -85,12 +85,18 @@ def _records(path: Path) -> list[dict]:
     return records
 
 
+def _number(value) -> float:
+    """A logged value as a float; NaN (a gap in the curve) for one that is missing or not a number."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
 def _training_time(records: list[dict], train: dict[int, dict]) -> dict[int, float]:
     """Seconds of training up to each step: the time within each start, without the gaps between starts."""
-    if not all("wall_time" in r for r in records):  # written before records had a time: the logged step times
+    if not all(math.isfinite(_number(r.get("wall_time"))) for r in records):  # older runs: the logged step times
         elapsed, previous, seconds = {}, 0, 0.0
         for step in sorted(train):
-            seconds += train[step].get("step_time_s", 0.0) * (step - previous)
+            step_time = _number(train[step].get("step_time_s"))
+            seconds += (step_time if math.isfinite(step_time) else 0.0) * (step - previous)
             elapsed[step], previous = seconds, step
         return elapsed
     elapsed, origin, offset, last = {}, None, 0.0, 0.0
@@ -108,7 +114,8 @@ def read_run(directory: str | Path) -> Run:
     steps it had logged before reads as one value per step); PlotError when there is nothing to draw."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise PlotError(f"{directory}: no such run directory")
+        what = "a file, not a run directory" if directory.exists() else "no such run directory"
+        raise PlotError(f"{directory}: {what}")
     records = _records(directory / METRICS)
     by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
     hparams: dict = {}
@@ -122,7 +129,7 @@ def read_run(directory: str | Path) -> Run:
         raise PlotError(f"{directory / METRICS}: no training step logged yet")
     character_level = all("bpc" in r for r in train.values())
     last = train[max(train)]
-    tokens_per_step = last.get("tokens", 0) / max(last["step"], 1)
+    tokens_per_step = _number(last.get("tokens")) / max(last["step"], 1)
     steps = sorted(set(train) | set(evals))
     elapsed = _training_time(records, train)
     x = {
@@ -134,7 +141,7 @@ def read_run(directory: str | Path) -> Run:
     def curve(chosen: dict[int, dict]) -> Curve:
         result = Curve(sorted(chosen))
         for name in ("loss", "ppl", "bpc"):
-            result.values[name] = [float(chosen[s].get(name, math.nan)) for s in result.steps]
+            result.values[name] = [_number(chosen[s].get(name)) for s in result.steps]
         return result
 
     return Run(str(directory), curve(train), curve(evals), x, hparams, character_level)

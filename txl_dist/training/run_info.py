@@ -1,5 +1,6 @@
 """What a run is, as TensorBoard shows it: the Text tab's entries written at every start (the resolved config, the
-environment, the model and its memory plan) and the HParams dashboard's hyperparameters and metrics.
+environment, the model and its memory plan) and the HParams dashboard's hyperparameters (its metrics are the
+run's scalars: ``eval/*``, the last evaluation, and ``best/*``, the best full pass).
 
 The tags are stable (`TEXT_TAGS`), so that a run's starts line up as entries of one tag, each at the step it
 started from.
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from txl_dist.config import RunConfig
-from txl_dist.tokenizer import CHARACTER_KINDS
 
 TEXT_TAGS = ("run/config", "run/environment", "run/model")
 
@@ -147,9 +147,3 @@ def hparams(cfg: RunConfig, world_size: int, tokenizer_kind: str) -> dict[str, f
         "world_size": world_size,
         "tokenizer": tokenizer_kind,
     }
-
-
-def metric_tags(tokenizer_kind: str) -> list[str]:
-    """The HParams metrics: the last and the best evaluation (scalars the trainer writes as evaluations come)."""
-    names = ["loss", "ppl", "bpc"] if tokenizer_kind in CHARACTER_KINDS else ["loss", "ppl"]
-    return [f"{kind}/{name}" for kind in ("eval", "best") for name in names]

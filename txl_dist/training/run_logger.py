@@ -102,7 +102,6 @@ class RunLogger:
     def __init__(self, output_dir: str | os.PathLike, enabled: bool, tensorboard: bool, resume_step: int = 0):
         self.enabled = enabled
         self.output_dir = Path(output_dir)
-        self.resume_step = resume_step
         self.earlier_starts = 0
         """Starts of this run before this one, as ``metrics.jsonl`` records them (its "start" lines)."""
         self._metrics: _MetricsFile | None = None
@@ -146,10 +145,10 @@ class RunLogger:
         except Exception as error:  # noqa: BLE001 -- a logger never stops the run
             setattr(self, sink_attribute, None)
             where = f"at step {step}" if step is not None else "at the end"
-            self._warn(sink.name if hasattr(sink, "name") else TENSORBOARD, sink.path, error, where)
+            self._warn(sink.name, sink.path, error, where)
             try:
                 sink.close()
-            except Exception:  # noqa: BLE001, S110 -- already reported; the handle is all that is left
+            except Exception:  # noqa: BLE001 -- already reported; the handle is all that is left
                 pass
 
     def info(self, message: str, *args: Any) -> None:
@@ -171,7 +170,7 @@ class RunLogger:
 
         self._guarded("_events", step, scalars)
 
-    def start(self, step: int, texts: dict[str, str], hparams: dict[str, Any], metric_tags: list[str]) -> None:
+    def start(self, step: int, texts: dict[str, str], hparams: dict[str, Any]) -> None:
         """This start of the run: a "start" line in metrics.jsonl (with the hyperparameters, for plots), the
         Text tab's entries ``{tag: markdown}`` at ``step`` and the HParams session's start."""
         if not self.enabled:
@@ -182,7 +181,7 @@ class RunLogger:
         def write(events) -> None:
             for tag, markdown in texts.items():
                 events.text(step, tag, markdown)
-            events.hparams_start(step, hparams, metric_tags)
+            events.hparams_start(step, hparams)
             events.flush()
 
         self._guarded("_events", step, write)

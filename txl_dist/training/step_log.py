@@ -187,7 +187,6 @@ def log_start(
             step,
             run_info.texts(cfg, num_parameters, world_size, device_type, rows, plan),
             run_info.hparams(cfg, world_size, tokenizer_kind),
-            run_info.metric_tags(tokenizer_kind),
         )
 
 
@@ -195,7 +194,7 @@ def log_best(logger: RunLogger, step: int, best: dict[str, Any] | None, characte
     """The best full evaluation so far, as ``best/*`` scalars at every evaluation (the HParams metrics)."""
     if best is None:
         return
-    values = {"loss": best["loss"], "ppl": best["ppl"], "step": best["step"]}
+    values = {"loss": best["loss"], "ppl": best["ppl"]}
     if character_level:
         values["bpc"] = best["loss"] / math.log(2)
     logger.record(step, "best", values)

@@ -1,5 +1,5 @@
 """A TensorBoard event file written by the training process itself: scalars, text, and the HParams plugin's
-experiment and session summaries, in the run's own folder.
+session summaries, in the run's own folder.
 
 torch's SummaryWriter hands events to a thread of its own, which reopens the file by its path at every flush: a
 run whose ``tensorboard/`` folder was removed or replaced got an 18-line traceback from that thread, then the
@@ -11,7 +11,9 @@ events would otherwise go on into an unlinked inode, lost without a word.
 The HParams summaries go into this event file, not into the sub-run that ``SummaryWriter.add_hparams`` creates
 per call (a folder named by the time, holding the metrics' values at that moment): so a run stays one TensorBoard
 run, its metrics are the last values of its own scalars (``eval/loss``, ``best/loss``, ...) as evaluations come,
-and ``tensorboard --logdir`` over a sweep's parent folder compares the runs in one HParams table.
+and ``tensorboard --logdir`` over a sweep's parent folder compares the runs in one HParams table. TensorBoard keeps
+the first session start it reads for a run (the summary metadata of a tag's first event), so a resumed run stays
+one session.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class EventFile:
     """One event file under ``directory``. ``purge_step``: TensorBoard drops the events of earlier files from
     this step on (those of an interrupted run after the checkpoint it resumes from)."""
 
+    name = "tensorboard"
+
     def __init__(self, directory: str | os.PathLike, purge_step: int | None = None):
         directory = ensure_directory(directory)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBER)}"
@@ -69,24 +73,21 @@ class EventFile:
         summary_metadata = text_metadata.create_summary_metadata(display_name=tag, description="")
         self._summary(step, [Summary.Value(tag=tag, metadata=summary_metadata, tensor=tensor)])
 
-    def hparams_start(self, step: int, hparams: dict[str, float | int | str | bool], metric_tags: list[str]) -> None:
-        """The experiment (its hyperparameters and metric tags) and this session's start with its values."""
+    def hparams_start(self, step: int, hparams: dict[str, float | int | str | bool]) -> None:
+        """This session's start with its hyperparameters' values. No experiment summary: TensorBoard then builds
+        the experiment from every run's session (which hyperparameters differ between the runs, shown first) and
+        takes the runs' scalars as the metrics; an experiment summary in each run would be one run's alone, with
+        nothing marked as differing."""
         start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
-        infos = []
         for name, value in hparams.items():
             if isinstance(value, bool):
-                start.hparams[name].bool_value, kind = value, "DATA_TYPE_BOOL"
+                start.hparams[name].bool_value = value
             elif isinstance(value, (int, float)):
-                start.hparams[name].number_value, kind = float(value), "DATA_TYPE_FLOAT64"
+                start.hparams[name].number_value = float(value)
             else:
-                start.hparams[name].string_value, kind = str(value), "DATA_TYPE_STRING"
-            infos.append(api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(kind)))
-        metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag)) for tag in metric_tags]
-        experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=metrics)
-        self._hparams(step, hparams_metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=experiment))
-        self._hparams(
-            step, hparams_metadata.SESSION_START_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_start_info=start)
-        )
+                start.hparams[name].string_value = str(value)
+        data = plugin_data_pb2.HParamsPluginData(session_start_info=start)
+        self._hparams(step, hparams_metadata.SESSION_START_INFO_TAG, data)
 
     def hparams_end(self, step: int, status: str = "STATUS_SUCCESS") -> None:
         """This session's end (``api_pb2.Status``'s names)."""
