@@ -71,8 +71,9 @@ cluster-packages:
 	else apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; fi
 
 # The main job on an embedded corpus: the Penn Treebank of the `treebank` package -> a word tokenizer and shards
-# -> a small Transformer-XL trained on 2 CPU ranks through the deepspeed launcher -> test perplexity, an export
-# folder and a generated sample -> a folder for current transformers, sampled there with the README's three lines.
+# -> a small Transformer-XL trained on 2 CPU ranks through the deepspeed launcher -> its curves (demo/curves.png)
+# -> test perplexity, an export folder and a generated sample -> a folder for current transformers, sampled there
+# with the README's three lines.
 # Rerunning resumes (or finds the run finished); `make clean-demo` starts over.
 DEMO ?= demo
 DEMO_TRAIN ?=
@@ -92,12 +93,13 @@ demo: warm hf-venv
 	$(CPU_ENV) $(BIN)/deepspeed --num_gpus 2 launchers/train.py --config configs/ptb_small.yaml \
 		data.shards=$(DEMO)/shards data.tokenizer=$(DEMO)/tokenizer train.output_dir=$(DEMO)/run \
 		precision.dtype=$(DEMO_PRECISION) $(DEMO_TRAIN)
+	$(BIN)/python -m txl_dist.plot $(DEMO)/run --out $(DEMO)/curves.png
 	$(BIN)/python launchers/evaluate.py $(DEMO)/run --split test --output $(DEMO)/test.json
 	$(BIN)/python launchers/convert.py zero-to-export $(DEMO)/run $(DEMO)/export --overwrite
 	$(BIN)/python launchers/generate.py $(DEMO)/export --prompt "the company said" --max-new-tokens 40 --seed 1
 	$(BIN)/python launchers/convert.py export-to-hub $(DEMO)/export $(DEMO)/hub --overwrite
 	$(HF_VENV)/bin/python -I -c "$$HUB_SNIPPET"
-	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)/run/tensorboard"
+	@echo "curves: $(DEMO)/curves.png; TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)/run/tensorboard"
 
 # One check of the CUDA paths on one NVIDIA GPU, under 8 minutes, ending with one JSON line (figures also in
 # gpu_check/): CUDA-only tests, fused vs reference attention, host syncs per step, lm1b_base throughput and

@@ -1,8 +1,14 @@
-"""What a run reports, from rank 0 only: console lines, TensorBoard scalars and ``metrics.jsonl``.
+"""What a run reports, from rank 0 only: console lines, ``metrics.jsonl`` and TensorBoard (scalars, the Text
+tab's run information at every start, the HParams dashboard's session).
 
 Every other rank gets the same object with ``enabled=False``, so call sites need no rank checks. On resume the
 records after the resumed step (written before an interruption, then lost with it) are dropped from
-``metrics.jsonl`` and TensorBoard (``purge_step``), so both read as one uninterrupted run.
+``metrics.jsonl`` and TensorBoard (a purge from the next step on), so both read as one uninterrupted run: one
+value per step.
+
+Logging never stops training: a sink that fails (its folder removed or replaced mid-run, a full disk, an
+unwritable file) is dropped with one warning line naming its path and the cause, and the run goes on with the
+others (the console always).
 """
 
 from __future__ import annotations
@@ -11,67 +17,181 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-from txl_dist.fileio import atomic_write_text
+from txl_dist.fileio import atomic_write_text, describe_os_error
 
 log = logging.getLogger("txl_dist.training")
 
 METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+
+
+class FileGone(RuntimeError):
+    """A log file's path no longer names the file being written (it or its folder was removed or replaced)."""
+
+
+def file_identity(handle) -> tuple[int, int]:
+    """(device, inode) of an open file."""
+    status = os.fstat(handle.fileno())
+    return status.st_dev, status.st_ino
+
+
+def require_same_file(path: Path, identity: tuple[int, int]) -> None:
+    """FileGone unless ``path`` still names the file of ``identity`` (`file_identity` of the open file)."""
+    try:
+        status = os.stat(path)
+        same = (status.st_dev, status.st_ino) == identity
+    except (FileNotFoundError, NotADirectoryError):  # removed, or its folder replaced by a file
+        same = False
+    if not same:
+        raise FileGone(f"{path}: removed or replaced while the run was writing it")
+
+
+class _MetricsFile:
+    """``metrics.jsonl``: one JSON object a line, ``{"step", "kind", "wall_time", ...}``."""
+
+    name = METRICS
+
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        self.earlier_starts = _truncate_after(path, resume_step)
+        self._file = open(path, "a", encoding="utf-8")
+        self._identity = file_identity(self._file)
+
+    def line(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        # Lines written to a file that was removed (or replaced) would be lost without a word.
+        require_same_file(self.path, self._identity)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _truncate_after(path: Path, step: int) -> int:
+    """Drop the records after ``step`` (rewritten atomically); return the "start" records kept."""
+    if not path.is_file():
+        return 0
+    kept, starts = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+            starts += record.get("kind") == "start"
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return starts
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, float]:
+    return {
+        name: float(value)
+        for name, value in values.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    }
 
 
 class RunLogger:
+    """The run's one logging helper (rank 0 writes, other ranks hold a disabled one)."""
+
     def __init__(self, output_dir: str | os.PathLike, enabled: bool, tensorboard: bool, resume_step: int = 0):
         self.enabled = enabled
         self.output_dir = Path(output_dir)
-        self._writer = None
-        self._metrics = None
+        self.earlier_starts = 0
+        """Starts of this run before this one, as ``metrics.jsonl`` records them (its "start" lines)."""
+        self._metrics: _MetricsFile | None = None
+        self._events = None
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path = self.output_dir / METRICS
-        self._truncate_after(metrics_path, resume_step)
-        self._metrics = open(metrics_path, "a", encoding="utf-8")
+        self._metrics = self._open(METRICS, lambda: _MetricsFile(self.output_dir / METRICS, resume_step))
+        if self._metrics is not None:
+            self.earlier_starts = self._metrics.earlier_starts
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from txl_dist.training.tensorboard_events import EventFile
 
-            self._writer = SummaryWriter(
-                log_dir=str(self.output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            # From the step after the resumed one, always: a run restarted from step 0 (killed before its first
+            # checkpoint) would otherwise show the lost steps twice.
+            self._events = self._open(
+                TENSORBOARD, lambda: EventFile(self.output_dir / TENSORBOARD, purge_step=resume_step + 1)
             )
 
-    @staticmethod
-    def _truncate_after(path: Path, step: int) -> None:
-        if not path.is_file():
+    def _open(self, name: str, opener):
+        try:
+            return opener()
+        except Exception as error:  # noqa: BLE001 -- a logger never stops the run
+            self._warn(name, self.output_dir / name, error, "at the start")
+            return None
+
+    def _warn(self, name: str, path: Path, error: BaseException, when: str) -> None:
+        if isinstance(error, OSError) and error.errno is not None:
+            cause = describe_os_error(error, error.filename or path)
+        else:
+            cause = str(error) if str(path) in str(error) else f"{path}: {type(error).__name__}: {error}"
+        log.warning("logging: %s failed %s (%s); training goes on without it", name, when, cause)
+
+    def _guarded(self, sink_attribute: str, step: int | None, action) -> None:
+        """``action(sink)`` on one sink; the first failure drops that sink with one warning."""
+        sink = getattr(self, sink_attribute)
+        if sink is None:
             return
-        kept = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            action(sink)
+        except Exception as error:  # noqa: BLE001 -- a logger never stops the run
+            setattr(self, sink_attribute, None)
+            where = f"at step {step}" if step is not None else "at the end"
+            self._warn(sink.name, sink.path, error, where)
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-        atomic_write_text(path, "".join(line + "\n" for line in kept))
+                sink.close()
+            except Exception:  # noqa: BLE001 -- already reported; the handle is all that is left
+                pass
 
     def info(self, message: str, *args: Any) -> None:
         if self.enabled:
             log.info(message, *args)
 
     def record(self, step: int, kind: str, values: dict[str, float | int | None]) -> None:
-        """One metrics.jsonl line ``{"step", "kind", ...values}`` and TensorBoard scalars ``{kind}/{name}``."""
+        """One metrics.jsonl line ``{"step", "kind", "wall_time", ...values}`` and TensorBoard scalars
+        ``{kind}/{name}`` of the finite numbers."""
         if not self.enabled:
             return
         clean = {k: v for k, v in values.items() if v is not None}
-        self._metrics.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
-        self._metrics.flush()
-        if self._writer is not None:
-            for name, value in clean.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._writer.add_scalar(f"{kind}/{name}", value, step)
-            self._writer.flush()
+        line = {"step": step, "kind": kind, "wall_time": time.time(), **clean}
+        self._guarded("_metrics", step, lambda metrics: metrics.line(line))
+
+        def scalars(events) -> None:
+            events.scalars(step, {f"{kind}/{name}": value for name, value in _numbers(clean).items()})
+            events.flush()
+
+        self._guarded("_events", step, scalars)
+
+    def start(self, step: int, texts: dict[str, str], hparams: dict[str, Any]) -> None:
+        """This start of the run: a "start" line in metrics.jsonl (with the hyperparameters, for plots), the
+        Text tab's entries ``{tag: markdown}`` at ``step`` and the HParams session's start."""
+        if not self.enabled:
+            return
+        record = {"step": step, "kind": "start", "wall_time": time.time(), "start": self.earlier_starts + 1}
+        self._guarded("_metrics", step, lambda m: m.line({**record, "hparams": hparams}))
+
+        def write(events) -> None:
+            for tag, markdown in texts.items():
+                events.text(step, tag, markdown)
+            events.hparams_start(step, hparams)
+            events.flush()
+
+        self._guarded("_events", step, write)
+
+    def end(self, step: int) -> None:
+        """The HParams session's end: the run has finished (max_steps or max_epochs), not merely stopped."""
+        if self.enabled:
+            self._guarded("_events", step, lambda events: (events.hparams_end(step), events.flush()))
 
     def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-        if self._writer is not None:
-            self._writer.close()
+        self._guarded("_metrics", None, lambda m: m.close())
+        self._guarded("_events", None, lambda e: e.close())
+        self._metrics = self._events = None

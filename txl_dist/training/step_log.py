@@ -72,8 +72,10 @@ class StepLog:
         tokens_per_step: int,
         fp16: bool,
         character_level: bool,
+        max_steps: int | None = None,
     ):
         self.logger = logger
+        self.max_steps = max_steps
         self.world_size, self.tokens_per_step = world_size, tokens_per_step
         self.fp16, self.character_level = fp16, character_level
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -119,13 +121,14 @@ class StepLog:
             values["bpc"] = loss / math.log(2)
         self.logger.record(step, "train", values)
         self.logger.info(
-            "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s | %s",
+            "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s%s | %s",
             step,
             loss,
             f"bpc {values['bpc']:.4f}" if self.character_level else f"ppl {values['ppl']:.2f}",
             values["lr"],
             "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}",
             values["tokens_per_s"],
+            _eta(self.max_steps, step, seconds / self.steps),
             " | ".join(f"{k} {v:.0f}" for k, v in memory.items()),
         )
         self.loss.zero_()
@@ -134,11 +137,32 @@ class StepLog:
         self.restart_clock()
 
 
+def _eta(max_steps: int | None, step: int, step_seconds: float) -> str:
+    """ ", ETA 1h02m to step N" from the window's time per step (this start's steps only, so a resumed run's
+    downtime does not count); empty at max_steps or without one."""
+    if not max_steps or step >= max_steps:
+        return ""
+    seconds = round((max_steps - step) * step_seconds)
+    hours, rest = divmod(seconds, 3600)
+    shown = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
+    return f", ETA {shown} to step {max_steps}"
+
+
 def log_start(
-    logger: RunLogger, cfg: RunConfig, num_parameters: int, world_size: int, device_type: str, step: int
+    logger: RunLogger,
+    cfg: RunConfig,
+    num_parameters: int,
+    world_size: int,
+    device_type: str,
+    step: int,
+    tokenizer_kind: str = "",
 ) -> None:
-    """The run's first lines: its model, batch layout and steps, then the memory plan of a rank."""
+    """Collective (the ranks' host names): the run's first lines (its model, batch layout and steps, then the
+    memory plan of a rank), and this start's TensorBoard text and HParams session (`txl_dist.training.run_info`)."""
     from txl_dist.plan import describe, device_memory_of
+    from txl_dist.training import run_info
+
+    hosts = run_info.host_names()
 
     layout = cfg.train.batch_layout(world_size)
     logger.info(
@@ -155,11 +179,32 @@ def log_start(
         step,
         cfg.train.max_steps,
     )
-    logger.info("%s", describe(cfg, world_size, device_type, device_memory_of(device_type)))
+    plan = describe(cfg, world_size, device_type, device_memory_of(device_type))
+    logger.info("%s", plan)
+    if logger.enabled:
+        rows = run_info.environment(world_size, hosts, logger.earlier_starts)
+        logger.start(
+            step,
+            run_info.texts(cfg, num_parameters, world_size, device_type, rows, plan),
+            run_info.hparams(cfg, world_size, tokenizer_kind),
+        )
+
+
+def log_best(logger: RunLogger, step: int, best: dict[str, Any] | None, character_level: bool) -> None:
+    """The best full evaluation so far, as ``best/*`` scalars at every evaluation (the HParams metrics)."""
+    if best is None:
+        return
+    values = {"loss": best["loss"], "ppl": best["ppl"]}
+    if character_level:
+        values["bpc"] = best["loss"] / math.log(2)
+    logger.record(step, "best", values)
 
 
 def log_done(logger: RunLogger, summary: dict[str, Any]) -> None:
-    """The run's last line, from the summary `Trainer.run` returns."""
+    """The run's last line, from the summary `Trainer.run` returns; a run that reached its end (not one stopped
+    by a signal, which resumes later) also ends its HParams session."""
+    if summary["stopped_by"].startswith(("max_steps=", "max_epochs=")):
+        logger.end(summary["steps"])
     logger.info(
         "done: %d steps (%d this run) in %.1f s, %.0f tokens/s, stopped by %s%s",
         summary["steps"],

@@ -48,7 +48,7 @@ from txl_dist.training.run_dir import RunDirectory
 from txl_dist.training.run_guard import RunFailure, RunGuard
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
-from txl_dist.training.step_log import StepLog, log_done, log_start
+from txl_dist.training.step_log import StepLog, log_best, log_done, log_start
 from txl_dist.training.stream_memory import SlotMemories
 
 log = logging.getLogger("txl_dist.training")
@@ -289,6 +289,7 @@ class Trainer:
         # Only full passes are compared: a sampled evaluation (eval.max_batches) scores other tokens.
         if max_batches == 0 and (self.best is None or result.loss < self.best["loss"]):
             self.best = {"step": self.step, "loss": result.loss, "ppl": result.ppl, "targets": result.targets}
+        log_best(self.logger, self.step, self.best, self.character_level)
         return result
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -314,7 +315,15 @@ class Trainer:
         return bool(stopping), bool(clock_due)
 
     def run(self) -> dict[str, Any]:
-        log_start(self.logger, self.cfg, self.num_parameters, self.world_size, self.device_type, self.step)
+        log_start(
+            self.logger,
+            self.cfg,
+            self.num_parameters,
+            self.world_size,
+            self.device_type,
+            self.step,
+            self.manifest.tokenizer.kind,
+        )
         self.engine.train()
         start_step, run_start = self.step, time.perf_counter()
         try:
@@ -349,6 +358,7 @@ class Trainer:
             tokens_per_step=self.tokens_per_step,
             fp16=self.cfg.precision.dtype == "fp16",
             character_level=self.character_level,
+            max_steps=self.cfg.train.max_steps,
         )
         batches = iter(self.streams)
         start_step, last_eval = self.step, None
