@@ -14,9 +14,11 @@
 The model comes from an export folder or a DeepSpeed checkpoint (any ZeRO stage and number of ranks, gathered on the
 CPU; verified against its COMPLETE.json first, unless --no-verify, and read weights-only). The shards default to the
 ones the model was trained on. Prints a summary and writes JSON (--output; by default ``eval_{split}.json`` in an
-export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss, per-token and per-word perplexity
-(words: the whitespace-separated units of the text, with each document separator counted as one), and bits per
-character when the tokens are characters.
+export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss and, for a byte or char tokenizer,
+bits per character (per byte: enwik8's bpc), for a word or subword tokenizer per-token and per-word perplexity
+(words: the whitespace-separated units of the text, with each document separator counted as one; bits per
+character too when every piece is one character). Ctrl-C or SIGTERM ends it with one line, writing nothing; a
+rank whose launcher is gone (the deepspeed runner killed) stops as on SIGTERM.
 """
 
 from __future__ import annotations

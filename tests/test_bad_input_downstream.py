@@ -94,6 +94,8 @@ def _signalled_in_process(script: str, args: list[str], ready: Callable[[str, st
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = module.main(args)
+    except KeyboardInterrupt:  # what a user would see as a traceback; here it would end the test session
+        pytest.fail(f"{script}: the interrupt escaped main():\n{err.getvalue()[-2000:]}")
     finally:
         running.clear()
         sender.join()
@@ -159,7 +161,7 @@ def _read_until(process: subprocess.Popen, needle: str, timeout: float) -> str:
 @pytest.mark.launcher
 def test_sigterm_to_the_deepspeed_runner_of_a_two_rank_evaluate_ends_its_launcher_and_ranks(character_models, tmp_path):
     """The runner has no handler: SIGTERM ends it alone, its per-node launcher is adopted by PID 1 and, before
-    issue 27, both ranks went on scoring (a 6-minute split here). Each rank watches the runner, as training's do,
+    issue 27, both ranks went on scoring (for many minutes here). Each rank watches the runner, as training's do,
     and stops; DeepSpeed's launcher then ends, seeing a rank fail."""
     byte = character_models["byte"]
     output = tmp_path / "eval.json"
@@ -170,17 +172,22 @@ def test_sigterm_to_the_deepspeed_runner_of_a_two_rank_evaluate_ends_its_launche
             + ["--output", str(output)],
         )
     )
+    launch_and_ranks: list[psutil.Process] = []
     try:
         printed = _read_until(job, "eval:", timeout=400)  # rank 0's bar: both ranks are scoring
         launch_and_ranks = psutil.Process(job.pid).children(recursive=True)
-        assert len(rank_processes(job)) == 2 and len(launch_and_ranks) == 3, launch_and_ranks
+        assert len(rank_processes(job)) == 2, launch_and_ranks
+        assert any("deepspeed.launcher.launch" in " ".join(p.cmdline()) for p in launch_and_ranks), launch_and_ranks
         job.send_signal(signal.SIGTERM)
         job.wait(timeout=30)
         _, alive = psutil.wait_procs(launch_and_ranks, timeout=30)
         assert not alive, f"still running 30 s after the runner went: {alive}"
-    finally:
-        for process in psutil.Process(job.pid).children(recursive=True) if job.poll() is None else []:
-            process.kill()
+    finally:  # a failing test leaves nothing running
+        if job.poll() is None:
+            launch_and_ranks += [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]
+        for process in launch_and_ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
     printed += job.stdout.read()
     assert f"evaluate.py: stopped: the deepspeed runner (PID {job.pid}) exited; no result written" in printed
     assert "Traceback" not in printed, printed[-3000:]

@@ -258,7 +258,7 @@ def _sentencepiece_decoders(model: dict[str, Any], names: list[str], tokenizer: 
     then it is a character that no piece holds, so that a separator before or after one (``</s> <s>``) is not
     taken for the text's first or last token."""
     pieces = model["pieces"]
-    control = _unused_character([p["piece"] for p in pieces] + [model["unk_surface"]])
+    control = _unused_character([p["piece"] for p in pieces] + [model["unk_surface"]], tokenizer.directory)
     decoders = []
     unk_id = next((i for i, p in enumerate(pieces) if p["type"] == UNKNOWN), None)
     if unk_id is not None and names[unk_id] != model["unk_surface"]:
@@ -275,10 +275,13 @@ def _sentencepiece_decoders(model: dict[str, Any], names: list[str], tokenizer: 
     return decoders
 
 
-def _unused_character(texts: list[str]) -> str:
+def _unused_character(texts: list[str], where: Path) -> str:
     """A Unicode noncharacter that none of ``texts`` holds (text never should; the check makes it certain)."""
     used = set("".join(texts))
-    return next(c for c in [*map(chr, range(0xFDD0, 0xFDF0)), "\ufffe", "\uffff"] if c not in used)
+    for character in [*map(chr, range(0xFDD0, 0xFDF0)), "\ufffe", "\uffff"]:
+        if character not in used:
+            return character
+    raise FastTokenizerError(f"{where}: its pieces hold every Unicode noncharacter; the decoder needs one they do not")
 
 
 def _line_start_spaces(pieces: list[dict[str, Any]]) -> str:
