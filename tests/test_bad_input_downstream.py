@@ -41,13 +41,13 @@ assert unigram_tokenizer  # a fixture of test_hub_export, used here too
 
 @pytest.fixture(scope="module")
 def character_models(tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Per kind (byte, char): a tokenizer of PTB valid's text, the shards of its first 200 sentences (split test)
+    """Per kind (byte, char): a tokenizer of PTB valid's text, the shards of its first 50 sentences (split test)
     and of all of it (split valid, 400k characters), and an export of an untrained tiny model."""
     root = tmp_path_factory.mktemp("character_models")
     text = root / "valid.txt"
     text.write_text("".join(line + "\n" for line in ptb_sentences("valid")), encoding="utf-8")
     short = root / "short.txt"
-    short.write_text("".join(line + "\n" for line in ptb_sentences("valid")[:200]), encoding="utf-8")
+    short.write_text("".join(line + "\n" for line in ptb_sentences("valid")[:50]), encoding="utf-8")
     models = {}
     for kind in ("byte", "char"):
         folder = root / kind
@@ -70,9 +70,9 @@ def character_models(tmp_path_factory) -> dict[str, dict[str, Path]]:
 # ---- signals ---------------------------------------------------------------------------------------------------
 
 
-def _signalled_in_process(script: str, args: list[str], ready: Callable[[str, str], bool]):
-    """``script``'s main(args) in this process, sent a real SIGINT as soon as ``ready(stdout, stderr)`` (what it
-    has printed so far); (exit status, stdout, stderr)."""
+def _signalled_in_process(script: str, args: list[str], ready: Callable[[str, str], bool], signum: int = signal.SIGINT):
+    """``script``'s main(args) in this process, sent a real ``signum`` as soon as ``ready(stdout, stderr)`` (what
+    it has printed so far); (exit status, stdout, stderr)."""
     module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
     out, err = io.StringIO(), io.StringIO()
     running, sent = threading.Event(), threading.Event()
@@ -82,7 +82,7 @@ def _signalled_in_process(script: str, args: list[str], ready: Callable[[str, st
         while running.is_set() and time.monotonic() < deadline:
             if ready(out.getvalue(), err.getvalue()):
                 sent.set()
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
                 return
             time.sleep(0.002)
 
@@ -109,15 +109,20 @@ def _last_line_only(stderr: str, line: str) -> None:
     assert "Traceback" not in stderr and stderr.rstrip("\n").split("\n")[-1] == line, stderr[-2000:]
 
 
-def test_ctrl_c_during_evaluate_is_one_line_and_status_130_and_writes_nothing(character_models, tmp_path):
+@pytest.mark.parametrize(
+    "signum, status, what", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM")]
+)
+def test_ctrl_c_or_sigterm_during_evaluate_is_one_line_and_128_plus_the_signal_and_writes_nothing(
+    character_models, signum, status, what, tmp_path
+):
     byte = character_models["byte"]
     output = tmp_path / "eval.json"
     args = [str(byte["export"]), "--shards", str(byte["shards"]), "--split", "valid", "--batch-size", "1"]
-    status, _, stderr = _signalled_in_process(
-        "launchers/evaluate.py", [*args, "--output", str(output)], lambda out, err: "eval:" in err
+    ended, _, stderr = _signalled_in_process(
+        "launchers/evaluate.py", [*args, "--output", str(output)], lambda out, err: "eval:" in err, signum
     )
-    assert status == 130
-    _last_line_only(stderr, "evaluate.py: interrupted; no result written")
+    assert ended == status
+    _last_line_only(stderr, f"evaluate.py: {what}; no result written")
     assert list(tmp_path.iterdir()) == []
 
 
