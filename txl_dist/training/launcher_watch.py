@@ -111,7 +111,7 @@ class LauncherWatch:
 
 
 WATCH_S = 0.25
-"""Seconds between two looks at the launcher chain and the output pipes (as the trainer's watchdog)."""
+"""Seconds between two looks at the launcher chain and the output pipes (the trainer's watchdog's period too)."""
 
 
 @contextmanager
