@@ -70,6 +70,14 @@ def character_models(tmp_path_factory) -> dict[str, dict[str, Path]]:
 # ---- signals ---------------------------------------------------------------------------------------------------
 
 
+class _SignalEscaped(Exception):
+    """SIGTERM reached the test's handler: the launcher under test did not handle it."""
+
+
+def _escaped(signum, frame):
+    raise _SignalEscaped(signal.Signals(signum).name)
+
+
 def _signalled_in_process(script: str, args: list[str], ready: Callable[[str, str], bool], signum: int = signal.SIGINT):
     """``script``'s main(args) in this process, sent a real ``signum`` as soon as ``ready(stdout, stderr)`` (what
     it has printed so far); (exit status, stdout, stderr)."""
@@ -87,19 +95,24 @@ def _signalled_in_process(script: str, args: list[str], ready: Callable[[str, st
             time.sleep(0.002)
 
     # A background job starts with SIGINT ignored, which this process may have inherited: Ctrl-C's own handler.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGTERM's default would end the test session: a handler that fails the test unless main() has its own.
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _escaped),
+    }
     running.set()
     sender = threading.Thread(target=send_when_ready, daemon=True)
     sender.start()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = module.main(args)
-    except KeyboardInterrupt:  # what a user would see as a traceback; here it would end the test session
-        pytest.fail(f"{script}: the interrupt escaped main():\n{err.getvalue()[-2000:]}")
+    except (KeyboardInterrupt, _SignalEscaped):  # a traceback for the user; here it would end the test session
+        pytest.fail(f"{script}: the signal escaped main():\n{err.getvalue()[-2000:]}")
     finally:
         running.clear()
         sender.join()
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     assert sent.is_set(), f"{script} ended before it was ready to be interrupted:\n{err.getvalue()[-2000:]}"
     return status, out.getvalue(), err.getvalue()
 
