@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from txl_dist.fileio import check_output_path, describe_os_error
+from txl_dist.interrupts import one_line_on_stop
 
 
 def zero_to_export(args: argparse.Namespace) -> str:
@@ -239,6 +240,8 @@ def guard_output(args: argparse.Namespace) -> None:
     check_output_path(args.output, inputs, overwrite=args.overwrite, directory=not args.output_is_file)
 
 
+# Every output is staged or written under a temporary name (txl_dist.fileio), which an interrupt removes.
+@one_line_on_stop("convert.py", "no output written (an existing one is left as it was)")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -14,21 +14,29 @@
 The model comes from an export folder or a DeepSpeed checkpoint (any ZeRO stage and number of ranks, gathered on the
 CPU; verified against its COMPLETE.json first, unless --no-verify, and read weights-only). The shards default to the
 ones the model was trained on. Prints a summary and writes JSON (--output; by default ``eval_{split}.json`` in an
-export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss, per-token and per-word perplexity
-(words: the whitespace-separated units of the text, with each document separator counted as one), and bits per
-character when the tokens are characters.
+export folder, ``eval_{split}_{tag}.json`` in a run folder): tokens scored, loss and, for a byte or char tokenizer,
+bits per character (per byte: enwik8's bpc), for a word or subword tokenizer per-token and per-word perplexity
+(words: the whitespace-separated units of the text, with each document separator counted as one; bits per
+character too when every piece is one character). Ctrl-C or SIGTERM ends it with one line, writing nothing; a
+rank whose launcher is gone (the deepspeed runner killed) stops as on SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from txl_dist.interrupts import one_line_on_stop, stop_this_process
+from txl_dist.training.launcher_watch import watching_launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +146,7 @@ def _load(
     device,
     verify: bool = True,
     eval_settings: bool = False,
+    progress: bool = True,
 ) -> tuple[Any, Any, str | None, Path]:
     """(model, tokenizer or None, recorded shards or None, default output file)."""
     from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_export_tokenizer, load_model
@@ -168,7 +177,8 @@ def _load(
             overrides, dataclasses.asdict(checkpoint.run_config.eval), str(checkpoint.tag_dir)
         )
     config = apply_eval_overrides(checkpoint.run_config.model, overrides)
-    weights = _consolidate_once(checkpoint, consolidate_weights, device)
+    with _deepspeed_bars(progress):
+        weights = _consolidate_once(checkpoint, consolidate_weights, device)
     model = model_from_state_dict(weights, config, device=device, where=str(checkpoint.tag_dir))
     tokenizer = load_tokenizer(find_tokenizer(checkpoint, tokenizer_dir))
     # Next to the checkpoints, not inside one: a checkpoint folder stays as the trainer wrote it.
@@ -178,6 +188,24 @@ def _load(
         checkpoint.run_config.data.shards,
         checkpoint.run_dir / f"eval_{split}_{checkpoint.tag}.json",
     )
+
+
+@contextlib.contextmanager
+def _deepspeed_bars(shown: bool) -> Iterator[None]:
+    """DeepSpeed's consolidation of ZeRO partitions (``deepspeed.utils.zero_to_fp32``) draws tqdm bars of its own
+    ("Loading checkpoint shards", "Gathering sharded weights") and has no setting to turn them off: under
+    --no-progress its module's ``tqdm`` is a disabled one while the block runs."""
+    if shown:
+        yield
+        return
+    from deepspeed.utils import zero_to_fp32
+
+    original = zero_to_fp32.tqdm
+    zero_to_fp32.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        zero_to_fp32.tqdm = original
 
 
 def _consolidate_once(checkpoint, consolidate, device) -> dict:
@@ -234,6 +262,7 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         device,
         verify=not args.no_verify,
         eval_settings=args.eval_settings,
+        progress=not args.no_progress,
     )
     shards = args.shards or recorded_shards
     if shards is None:
@@ -255,8 +284,7 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
         result = evaluate(model, streams, device, progress=rank == 0 and not args.no_progress)
     _require_a_score(result.loss, args.split, shards)
     summary = _summary(args, shards, manifest.splits[args.split], model.config, result, world_size, per_rank)
-    if tokenizer is not None and tokens_are_characters(tokenizer):
-        summary["bits_per_character"] = result.loss / math.log(2)
+    summary.update(_scores(result, manifest.splits[args.split], manifest.tokenizer.kind, tokenizer))
     summary["output"] = args.output or str(default_output)
     return summary if rank == 0 else {}
 
@@ -277,14 +305,27 @@ def _summary(args, shards, split, config, result, world_size: int, per_rank: int
         },
         "tokens": result.targets,
         "loss": result.loss,
-        "ppl": result.ppl,
-        "bits_per_token": result.loss / math.log(2),
     }
+    return summary
+
+
+def _scores(result, split, kind: str, tokenizer) -> dict[str, Any]:
+    """What the loss means for this kind of tokenizer: bits per character for byte and char tokenizers (per byte:
+    enwik8's bpc), whose tokens are no words; perplexity per token and per word for word and subword tokenizers
+    (and bits per character too when every piece is one character)."""
+    from txl_dist.tokenizer import CHARACTER_KINDS
+
+    bits = result.loss / math.log(2)
+    if kind in CHARACTER_KINDS:
+        return {"bits_per_character": bits}
+    scores: dict[str, Any] = {"ppl": result.ppl, "bits_per_token": bits}
     if split.words > 1:
         # The first word of the split has no context, like the first token.
-        summary["words"] = split.words
-        summary["word_ppl"] = math.exp(result.nll_sum / (split.words - 1))
-    return summary
+        scores["words"] = split.words
+        scores["word_ppl"] = math.exp(result.nll_sum / (split.words - 1))
+    if tokenizer is not None and tokens_are_characters(tokenizer):
+        scores["bits_per_character"] = bits
+    return scores
 
 
 def _require_a_score(loss: float, split: str, shards: str) -> None:
@@ -302,8 +343,16 @@ def _require_a_score(loss: float, split: str, shards: str) -> None:
         )
 
 
+@one_line_on_stop("evaluate.py", "no result written")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A rank whose launcher is gone (the deepspeed runner killed, an ssh connection lost) stops, as on SIGTERM,
+    # instead of computing on as an orphan.
+    with watching_launcher(stop_this_process):
+        return _evaluate_and_write(args)
+
+
+def _evaluate_and_write(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from txl_dist.fileio import atomic_write_text, describe_os_error
@@ -327,11 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as error:
             print(
                 f"evaluate.py: error: {describe_os_error(error)} (the result was: {summary['split']} loss "
-                f"{summary['loss']:.4f}, ppl {summary['ppl']:.2f})",
+                f"{summary['loss']:.4f})",
                 file=sys.stderr,
             )
             return 2
-        line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}, ppl {summary['ppl']:.2f}"
+        line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}"
+        if "ppl" in summary:
+            line += f", ppl {summary['ppl']:.2f}"
         if "word_ppl" in summary:
             line += f", word ppl {summary['word_ppl']:.2f}"
         if "bits_per_character" in summary:

@@ -20,6 +20,8 @@ import argparse
 import math
 import sys
 
+from txl_dist.interrupts import one_line_on_stop
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -47,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@one_line_on_stop("generate.py", "what it generated or scored before is printed above")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 

@@ -4,8 +4,9 @@ by `launchers/convert.py export-to-hub` with transformers only and records what 
     .venv-hf/bin/python -I tests/hub_worker.py JOBS.json RESULTS.pt
 
 JOBS.json: {"models": [{"name", "folder", "data", "segment", "prompt", "new_tokens", "padded_prompts"?,
-"sample"?}], "tokenizers": [{"name", "folder", "lines", "document"}]}. RESULTS.pt: a dict of plain lists and
-tensors (read back with torch.load(weights_only=True)). Nothing here may import txl_dist.
+"sample"?}], "tokenizers": [{"name", "folder", "lines", "document"}], "decoding": [{"name", "folder",
+"vocab_size", "sequences", "texts", "refused"}]}. RESULTS.pt: a dict of plain lists and tensors (read back with
+torch.load(weights_only=True)). Nothing here may import txl_dist.
 """
 
 from __future__ import annotations
@@ -122,6 +123,33 @@ def check_tokenizer(job: dict) -> dict:
     }
 
 
+def _outcome(function, *args, **kwargs) -> object:
+    """What ``function(*args, **kwargs)`` returns, or the text of what it raised (a panic in the Rust code of
+    tokenizers included: pyo3's PanicException is a BaseException), so that one bad input hides no other."""
+    try:
+        return function(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:
+        return f"raised {type(error).__name__}: {error}"
+
+
+def check_decoding(job: dict) -> dict:
+    """Every id alone, the given short sequences (the empty one included), with and without the special tokens;
+    the ids of short texts, and what the texts the tokenizer must refuse give."""
+    tokenizer = AutoTokenizer.from_pretrained(job["folder"])
+    singles = [[i] for i in range(job["vocab_size"])]
+    return {
+        "singles": [_outcome(tokenizer.decode, ids) for ids in singles],
+        "sequences": [_outcome(tokenizer.decode, ids) for ids in job["sequences"]],
+        "skipping_specials": [
+            _outcome(tokenizer.decode, ids, skip_special_tokens=True) for ids in singles + job["sequences"]
+        ],
+        "texts": [_outcome(lambda text: tokenizer(text)["input_ids"], text) for text in job["texts"]],
+        "refused": [_outcome(lambda text: tokenizer(text)["input_ids"], text) for text in job["refused"]],
+    }
+
+
 def main(jobs_path: str, results_path: str) -> None:
     jobs = json.loads(open(jobs_path, encoding="utf-8").read())
     results = {
@@ -129,6 +157,7 @@ def main(jobs_path: str, results_path: str) -> None:
         "txl_dist_importable": importlib.util.find_spec("txl_dist") is not None,
         "models": {job["name"]: check_model(job) for job in jobs.get("models", [])},
         "tokenizers": {job["name"]: check_tokenizer(job) for job in jobs.get("tokenizers", [])},
+        "decoding": {job["name"]: check_decoding(job) for job in jobs.get("decoding", [])},
     }
     torch.save(results, results_path)
 

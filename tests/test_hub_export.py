@@ -180,10 +180,7 @@ def _sentencepiece_lines() -> list[str]:
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, ptb_word_tokenizer, ptb_sentencepiece_tokenizer, unigram_tokenizer):
     """(references computed with txl_dist, results of the worker in current transformers)."""
-    if not HF_PYTHON.is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"{HF_PYTHON}: missing; `make test` creates it (make hf-venv)")
-        pytest.skip(f"{HF_PYTHON}: missing; run `make hf-venv` (or set TXL_HF_PYTHON)")
+    require_hf_python()
     root = tmp_path_factory.mktemp("hub")
     tokenizer_dirs = {"word": ptb_word_tokenizer, "bpe": ptb_sentencepiece_tokenizer, "unigram": unigram_tokenizer}
     references: dict = {"models": {}, "tokenizers": {}}
@@ -241,6 +238,19 @@ def hub(tmp_path_factory, ptb_word_tokenizer, ptb_sentencepiece_tokenizer, unigr
             "special": [tokenizer.eod_id] * 3,
         }
 
+    return references, run_hub_worker(jobs, root)
+
+
+def require_hf_python() -> None:
+    """Skip (fail under CI) when the current-transformers environment is missing."""
+    if not HF_PYTHON.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{HF_PYTHON}: missing; `make test` creates it (make hf-venv)")
+        pytest.skip(f"{HF_PYTHON}: missing; run `make hf-venv` (or set TXL_HF_PYTHON)")
+
+
+def run_hub_worker(jobs: dict, root: Path) -> dict:
+    """tests/hub_worker.py on ``jobs`` in the current-transformers environment; its results."""
     jobs_path, results_path = root / "jobs.json", root / "results.pt"
     jobs_path.write_text(json.dumps(jobs), encoding="utf-8")
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
@@ -257,7 +267,7 @@ def hub(tmp_path_factory, ptb_word_tokenizer, ptb_sentencepiece_tokenizer, unigr
     )
     if result.returncode != 0:
         raise AssertionError(f"hub_worker.py failed:\n{result.stderr[-4000:]}")
-    return references, torch.load(results_path, weights_only=True)
+    return torch.load(results_path, weights_only=True)
 
 
 def _tokenizer_only_folder(folder: Path, tokenizer, root: Path) -> None:

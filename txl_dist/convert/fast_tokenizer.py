@@ -26,9 +26,10 @@ transformers registers the tokens it is told are special (here bos = eos = pad =
 raw text before anything else. So the one place where ids can differ from txl_dist's is text that holds the eod
 token's string glued to other characters (e.g. "word<eod>"), which txl_dist reads as part of a word.
 
-- ``char``: a WordLevel model over the characters, each character of the text its own pre-token (a Split on any
+- ``char``: the characters as the vocabulary, each character of the text its own pre-token (a Split on any
   single character, newlines included); the newline is the eos = eod id 0. A character outside the alphabet is an
-  error, as in txl_dist (the unknown token named has no id).
+  error, as in txl_dist: the model is a BPE model without merges whose unk token, which has no id, says so
+  (tokenizers raises ``Unk token `a character outside the alphabet ...` not found in the vocabulary``).
 - ``byte``: GPT-2's ByteLevel mapping of each UTF-8 byte to a printable character, then a BPE model without
   merges whose vocabulary maps the character of byte b to id b: the ids are the text's UTF-8 bytes, the newline
   byte (10) being eos = eod. Decoding maps them back to bytes (bytes that are not UTF-8 become U+FFFD: text
@@ -80,13 +81,15 @@ def _python_whitespace_class() -> str:
     return "[" + "".join("\\" + c if c in "\\]^-[" else c for c in chars) + "]"
 
 
-# A separator before the first line (the document start) or after the last is not a line break of the text
-# (txl_dist's decode_document).
-_STRIP_OUTER_SEPARATORS = {"type": "Strip", "content": "\n", "start": 1, "stop": 1}
-
-
 def _replace(pattern: str, content: str, regex: bool = False) -> dict[str, Any]:
     return {"type": "Replace", "pattern": {"Regex" if regex else "String": pattern}, "content": content}
+
+
+# A separator before the first line (the document start) or after the last is not a line break of the text
+# (txl_dist's decode_document). Not a Strip decoder: tokenizers' Strip panics on a text shorter than what it
+# strips ("\n" alone, or nothing), which is what a lone separator or an empty sequence decodes to. \A and \z, not
+# ^ and $, which Oniguruma reads as the start and end of any line.
+_STRIP_OUTER_SEPARATORS = _replace("\\A\n|\n\\z", "", regex=True)
 
 
 def _added(token_id: int, content: str, special: bool) -> dict[str, Any]:
@@ -248,23 +251,48 @@ def _bpe_model(pieces: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
 
 
 def _sentencepiece_decoders(model: dict[str, Any], names: list[str], tokenizer: SentencePieceTokenizer) -> list[dict]:
-    """The decoders: "▁" back to a space, the renamed pieces back to what SentencePiece decodes them to, eod to
-    a line break."""
+    """The decoders of SentencePiece's decode, line by line: the renamed pieces back to what SentencePiece decodes
+    them to, eod to a line break, then "▁" to a space, except the "▁" that SentencePiece drops at a line's start.
+
+    A control piece decodes to nothing, but only once the separators at the very start and end are gone: until
+    then it is a character that no piece holds, so that a separator before or after one (``</s> <s>``) is not
+    taken for the text's first or last token."""
     pieces = model["pieces"]
-    decoders = [_replace("\u2581", " ")]
+    control = _unused_character([p["piece"] for p in pieces] + [model["unk_surface"]], tokenizer.directory)
+    decoders = []
     unk_id = next((i for i, p in enumerate(pieces) if p["type"] == UNKNOWN), None)
     if unk_id is not None and names[unk_id] != model["unk_surface"]:
-        decoders.append(_replace(f"^{_regex_escape(names[unk_id])}$", model["unk_surface"], regex=True))
+        decoders.append(_replace(f"\\A{_regex_escape(names[unk_id])}\\z", model["unk_surface"], regex=True))
     if tokenizer.eod_id != tokenizer.eos_id:
-        decoders.append(_replace(f"^{_regex_escape(names[tokenizer.eod_id])}$", "\n", regex=True))
+        decoders.append(_replace(f"\\A{_regex_escape(names[tokenizer.eod_id])}\\z", "\n", regex=True))
     for i, p in enumerate(pieces):
         if p["type"] == CONTROL and i not in (tokenizer.eos_id, tokenizer.eod_id):
-            decoders.append(_replace(f"^{_regex_escape(names[i])}$", "", regex=True))  # as SentencePiece decodes
-    decoders.append({"type": "Fuse"})
-    if model["add_dummy_prefix"]:
-        decoders += [_replace("\n ", "\n"), {"type": "Strip", "content": " ", "start": 1, "stop": 0}]
-    decoders.append(_STRIP_OUTER_SEPARATORS)
+            decoders.append(_replace(f"\\A{_regex_escape(names[i])}\\z", control, regex=True))
+    decoders += [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS, _replace(control, "")]
+    if model["add_dummy_prefix"] or model["remove_extra_whitespaces"]:
+        decoders.append(_replace(_line_start_spaces(pieces), "", regex=True))
+    decoders.append(_replace("\u2581", " "))
     return decoders
+
+
+def _unused_character(texts: list[str], where: Path) -> str:
+    """A Unicode noncharacter that none of ``texts`` holds (text never should; the check makes it certain)."""
+    used = set("".join(texts))
+    for character in [*map(chr, range(0xFDD0, 0xFDF0)), "\ufffe", "\uffff"]:
+        if character not in used:
+            return character
+    raise FastTokenizerError(f"{where}: its pieces hold every Unicode noncharacter; the decoder needs one they do not")
+
+
+def _line_start_spaces(pieces: list[dict[str, Any]]) -> str:
+    """The "▁" that SentencePiece's decode drops at the start of a line: while its text is empty, each piece loses
+    one leading "▁" (a piece that is "▁" alone gives nothing and the next one loses its own), and the unknown
+    piece's surface is kept whole (the decoders have given it with spaces, not "▁"). When no piece holds "▁▁" (a
+    model that removes extra whitespace), every "▁" of the run that starts a line belongs to one piece there, so
+    the whole run goes; otherwise the pieces cannot be told apart once fused, and one "▁" goes (exact for a line
+    of one piece)."""
+    run = "+" if not any("\u2581\u2581" in p["piece"] for p in pieces) else ""
+    return f"\\A\u2581{run}|(?<=\n)\u2581{run}"
 
 
 def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[str, Any], str]:
@@ -306,6 +334,11 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     return data, eod
 
 
+CHAR_OUTSIDE_ALPHABET = "a character outside the alphabet of this char tokenizer, which has no unknown token"
+"""The char tokenizer's unk token, which is not in its vocabulary: tokenizers' error on text outside the alphabet
+names it (``Unk token `a character outside ...` not found in the vocabulary``)."""
+
+
 def _char_tokenizer(tokenizer: CharTokenizer) -> tuple[dict[str, Any], str]:
     characters = tokenizer.characters
     eod = characters[tokenizer.eod_id]  # the newline, eos = eod
@@ -315,8 +348,10 @@ def _char_tokenizer(tokenizer: CharTokenizer) -> tuple[dict[str, Any], str]:
         {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
         _template(eod, tokenizer.eod_id),
         [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS],
-        # No unknown character: the unk token named is not in the vocabulary, so such text is an error.
-        {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(characters)}, "unk_token": "<unk>"},
+        # No unknown character, as in txl_dist: the unk token named is not in the vocabulary, so such text is an
+        # error. A BPE model (without merges, so each one-character pre-token is looked up whole) because its error
+        # names that token, which says what happened; WordLevel's says "Missing [UNK] token from the vocabulary".
+        _bpe_without_merges({c: i for i, c in enumerate(characters)}, unk_token=CHAR_OUTSIDE_ALPHABET),
     )
     return data, eod
 
@@ -345,20 +380,25 @@ def _byte_tokenizer(tokenizer: ByteTokenizer) -> tuple[dict[str, Any], str]:
         byte_level,
         _template(eod, tokenizer.eod_id),
         [byte_level, _STRIP_OUTER_SEPARATORS],
-        {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {c: i for i, c in enumerate(characters)},
-            "merges": [],
-        },
+        _bpe_without_merges({c: i for i, c in enumerate(characters)}, unk_token=None),
     )
     return data, eod
+
+
+def _bpe_without_merges(vocab: dict[str, int], unk_token: str | None) -> dict[str, Any]:
+    """A BPE model that maps each character of a pre-token to its id (``vocab`` holds single characters only)."""
+    return {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": unk_token,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": False,
+        "vocab": vocab,
+        "merges": [],
+    }
 
 
 def _tokenizer_json(

@@ -9,6 +9,10 @@ sshd -> a shell -> launch -> ranks, and the ranks write into the ssh connection)
 parent (launch, or torchrun's agent), (2) when the parent is DeepSpeed's launch, the process that started it (the
 runner, or the remote shell), and (3) when its output is a pipe or a socket, whether the reading end is still there
 (a dead ssh connection or runner). (A parent-death signal is no use: the ranks' parent, launch, survives.)
+
+What a rank does then depends on the command: the trainer checkpoints first (`txl_dist.training.run_guard` asks
+`LauncherWatch.gone` in its own watchdog); a command with nothing to save (launchers/evaluate.py) stops at once
+through `watching_launcher`, the same watch on a thread of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from __future__ import annotations
 import os
 import select
 import stat
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from txl_dist.training.processes import process_start, same_process
 
@@ -101,3 +108,31 @@ class LauncherWatch:
             if any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
                 return "the reader of its output (the launcher or its ssh connection) is gone"
         return None
+
+
+WATCH_S = 0.25
+"""Seconds between two looks at the launcher chain and the output pipes (the trainer's watchdog's period too)."""
+
+
+@contextmanager
+def watching_launcher(on_gone: Callable[[str], None], period_s: float = WATCH_S) -> Iterator[LauncherWatch]:
+    """While the block runs, a daemon thread calls ``on_gone(why)`` once, from that thread, when the processes that
+    started this one or the reader of its output are gone (`LauncherWatch.gone`); no thread when no launcher
+    started this process. For the ranks of the commands that have no checkpoint to write, as the trainer has:
+    ``on_gone`` ends the process (`txl_dist.interrupts.stop_this_process`)."""
+    watch = LauncherWatch()
+    done = threading.Event()
+
+    def look() -> None:
+        while not done.wait(period_s):
+            why = watch.gone()
+            if why is not None:
+                on_gone(why)
+                return
+
+    if watch.chain:
+        threading.Thread(target=look, name="txl_dist-launcher-watch", daemon=True).start()
+    try:
+        yield watch
+    finally:
+        done.set()

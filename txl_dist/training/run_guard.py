@@ -36,12 +36,10 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from txl_dist.training.heartbeats import STORE_PREFIX, Heartbeats
-from txl_dist.training.launcher_watch import LauncherWatch
+from txl_dist.training.launcher_watch import WATCH_S, LauncherWatch
 
 log = logging.getLogger("txl_dist.training")
 
-WATCH_S = 0.25
-"""Seconds between two looks at the launcher chain and the output pipes."""
 STORE_EVERY = 4
 """Look at the failure store every this many watch periods (one second)."""
 GRACE_S = 3.0
