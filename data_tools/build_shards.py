@@ -73,6 +73,7 @@ from data_tools.build_settings import (
     BuildSettings,
     Holdout,
 )
+from data_tools.command_line import FAILURE, INTERRUPTED, USAGE_ERROR, OneLineParser
 from data_tools.corpus import InputError, InputFile
 from data_tools.shard_builder import build_shards
 from data_tools.workers import WorkerError
@@ -100,7 +101,8 @@ def _parse_holdout(text: str) -> Holdout:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
+        name="build_shards",
         prog="python -m data_tools.build_shards",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -140,14 +142,13 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--held-out-bytes",
         type=int,
-        default=corpus.HELD_OUT_BYTES,
         help="--format enwik8|text8: bytes of valid and of test at the end of the file (the "
-        "authors' 5,000,000; smaller for a scaled-down copy)",
+        f"authors' {corpus.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
     )
     parser.add_argument(
         "--lm1b-valid",
-        default=corpus.LM1B_DEFAULT_VALID_FILE,
-        help="heldout file used as the lm1b valid split (never the test file heldout-00000)",
+        help="--format lm1b: heldout file used as the valid split (never the test file heldout-00000; default "
+        f"{corpus.LM1B_DEFAULT_VALID_FILE})",
     )
     parser.add_argument(
         "--holdout",
@@ -158,7 +159,7 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
         help="draw split NAME from the train documents by a hash of each document (once per build)",
     )
     parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
-    parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
+    parser.add_argument("--jsonl-field", help="field of a .jsonl record that holds the document (default: text)")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
 
 
@@ -205,9 +206,10 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
             f"--holdout is given {len(args.holdout)} times ({given}): a build draws one held-out split; "
             f"give the other splits their own inputs (--split NAME=GLOB)"
         )
+    _refuse_flags_of_other_formats(args)
     if args.format == "text":
         if args.input is not None:
-            raise BuildError("--input is for --format lm1b|ptb; give text inputs with --split NAME=GLOB")
+            raise BuildError("--input is for --format lm1b|ptb|wikitext|enwik8|text8; give text inputs with --split")
         sources: dict[str, list[InputFile]] = {}
         for name, patterns in args.split:
             sources.setdefault(name, []).extend(corpus.input_files(patterns))
@@ -219,23 +221,37 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         if args.format == "lm1b":
             if args.input is None:
                 raise BuildError("--format lm1b needs --input DIR (the r13output directory)")
-            sources = corpus.lm1b_splits(args.input, args.lm1b_valid)
+            sources = corpus.lm1b_splits(args.input, args.lm1b_valid or corpus.LM1B_DEFAULT_VALID_FILE)
         elif args.format in ("enwik8", "text8", "wikitext"):
-            sources = benchmark_sources(args.format, args.input, args.held_out_bytes)
+            held_out = corpus.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
+            sources = benchmark_sources(args.format, args.input, held_out)
         else:
             sources = corpus.ptb_splits(args.input)
+    if args.jsonl_field is not None and not any(f.jsonl for files in sources.values() for f in files):
+        raise BuildError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
     return BuildSettings(
         tokenizer_directory=args.tokenizer.resolve(),
         sources=sources,
         input_format=args.format,
         doc_unit=args.doc_per or "line",
-        jsonl_field=args.jsonl_field,
+        jsonl_field=args.jsonl_field or "text",
         strict=args.strict,
         holdout=args.holdout[0] if args.holdout else None,
         tokens_per_block=args.tokens_per_block,
         tokens_per_shard=args.tokens_per_shard,
         chunk_bytes=args.chunk_bytes,
     )
+
+
+def _refuse_flags_of_other_formats(args: argparse.Namespace) -> None:
+    """A flag that the chosen --format does not read is an error, not silently ignored."""
+    for flag, value, formats in (
+        ("--held-out-bytes", args.held_out_bytes, corpus.CHARACTER_FORMATS),
+        ("--lm1b-valid", args.lm1b_valid, ("lm1b",)),
+    ):
+        if value is not None and args.format not in formats:
+            allowed = "|".join(formats)
+            raise BuildError(f"{flag} {value}: applies to --format {allowed} only, not to --format {args.format}")
 
 
 def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int) -> dict[str, list[InputFile]]:
@@ -266,15 +282,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=args.progress,
             allow_empty=args.allow_empty,
         )
-    except (BuildError, InputError, TokenizerError, ManifestError, WorkerError) as error:
+    except (BuildError, InputError, TokenizerError, ManifestError) as error:
         print(f"build_shards: error: {error}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
+    except WorkerError as error:
+        print(f"build_shards: error: {error}", file=sys.stderr)
+        return FAILURE
     except OSError as error:  # no space, read-only output, a file where a folder should be
         print(f"build_shards: error: {describe_os_error(error)}", file=sys.stderr)
-        return 1
+        return FAILURE
     except KeyboardInterrupt:
         print("build_shards: interrupted; the finished shards are kept: rerun with --resume", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     print(summary.line())
     return 0
 
