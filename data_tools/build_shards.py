@@ -40,21 +40,33 @@ that does not fit in what is left of the current block starts the next one, and 
 as many blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
 ``--workers``.
 
-Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) and one
-document per line, every line of the input is a document, blank ones included, and nothing is replaced or
-dropped: a split's tokens are exactly its bytes (characters), newlines included, and one newline more when the
-input ends inside a line (the authors' final ``<eos>``). ``--format enwik8|text8`` cut the one file (or the file
-inside its zip) at the authors' byte offsets (`corpus.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's
-parts stripped of their end spaces as prep_text8.py does); ``--format wikitext`` reads ``wiki.*.tokens`` and
-keeps every line as a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data.
+Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) nothing is
+replaced or dropped on any path: with one document per line every line of the input is a document, blank ones
+included, and a split's tokens are exactly its bytes (characters), newlines and ``\r`` included, and one newline
+more when the input ends inside a line (the authors' final ``<eos>``); with ``--holdout`` each line goes whole to
+one split or the other; ``--doc-per blank-line`` keeps the blank lines with the paragraph before them and
+``--doc-per file`` keeps the whole file; a ``.jsonl`` record is its text field (see
+`data_tools.character_documents`). A char tokenizer stops at invalid UTF-8 or a character outside its alphabet,
+naming the file, byte offset and line. ``--format enwik8|text8`` cut the one file (or the file inside its zip,
+whose CRC-32 is checked over the whole member first: `data_tools.zip_member`) at the authors' byte offsets
+(`corpus.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's parts stripped of their end spaces as
+prep_text8.py does); a zip saved under the raw name, and a folder holding both the file and its zip, are refused,
+and the summary line names the file read. ``--format wikitext`` reads ``wiki.*.tokens`` and keeps every line as
+a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data. A flag that the chosen
+format or tokenizer does not read (``--held-out-bytes`` without enwik8|text8, ``--lm1b-valid`` without lm1b,
+``--jsonl-field`` without a .jsonl input, ``--strict`` with a byte tokenizer) is refused.
 
 Resume. After each finished shard the builder journals, in ``OUT/.build_state.json`` (written atomically), the
-shards written so far and where in the input each split continues. ``--resume`` checks each journaled shard's
-sha256, re-reads the input from the earliest place any split continues from (documents that a split already
+shards written so far, where in the input each split continues, and the sha256 of the input bytes the finished
+shards were read from (`data_tools.input_digests`). ``--resume`` refuses an input that changed there (even one
+byte at the same size), checks each journaled shard's sha256, re-reads the input from the earliest place any split continues from (documents that a split already
 holds are read again but not tokenised) and writes the remaining shards. ``manifest.json`` is written only when
 every split is complete, and not at all when a split has no document (an empty input is an error unless
 ``--allow-empty``). A write failure (no space, read-only output) is one line naming the file; the partial shard is
 removed and the finished ones stay for ``--resume``.
+
+Exit status: 0 done; 2 a refused command line or input (one line naming the flag or file); 1 a failure of the
+machine (no space, a read-only output, a worker that died); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations

@@ -22,7 +22,15 @@ The output directory holds the tokenizer's file (``spm.model``, ``vocab.txt``, `
 ``tokenizer.json``; load it with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb
 is read. An input without a document (empty or blank files) is an error, before anything is written, unless
 --allow-empty (a word vocabulary of the special symbols only). A write failure (read-only or full output) is one
-line naming the file.
+line naming the file. The tokenizer is written into a staging folder inside --output and moved into place when it
+is complete, so that an error or Ctrl-C leaves --output as it was (a tokenizer there with --overwrite included)
+and removes a folder this run created. A flag that the chosen kind or format does not read (``--vocab-size``
+without sentencepiece, ``--min-count`` without word, ``--alphabet`` without char, ``--held-out-bytes`` without
+enwik8|text8, ``--doc-per`` or ``--strict`` for a byte tokenizer, ...) is refused, as is a damaged zip member
+(its CRC-32 is checked over the whole member, see `data_tools.zip_member`). Byte and char tokenizers read every
+byte (character) of a plain input and the text field of a .jsonl input's records. Exit status: 0 done; 2 a
+refused command line or input (one line naming the flag or file); 1 a failure of the machine (no space, a
+read-only output); 130 interrupted.
 
 Words are counted by ``--workers`` processes, each over the chunks it is given (with numpy for plain
 one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary
