@@ -59,8 +59,9 @@ format or tokenizer does not read (``--held-out-bytes`` without enwik8|text8, ``
 Resume. After each finished shard the builder journals, in ``OUT/.build_state.json`` (written atomically), the
 shards written so far, where in the input each split continues, and the sha256 of the input bytes the finished
 shards were read from (`data_tools.input_digests`). ``--resume`` refuses an input that changed there (even one
-byte at the same size), checks each journaled shard's sha256, re-reads the input from the earliest place any split continues from (documents that a split already
-holds are read again but not tokenised) and writes the remaining shards. ``manifest.json`` is written only when
+byte at the same size), checks each journaled shard's sha256, re-reads the input from the earliest place any
+split continues from (documents that a split already holds are read again but not tokenised) and writes the
+remaining shards. ``manifest.json`` is written only when
 every split is complete, and not at all when a split has no document (an empty input is an error unless
 ``--allow-empty``). A write failure (no space, read-only output) is one line naming the file; the partial shard is
 removed and the finished ones stay for ``--resume``.
