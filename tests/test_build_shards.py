@@ -718,7 +718,10 @@ def test_input_that_changed_under_a_resume_inside_a_document_is_refused(ptb_word
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--split", "train=X", "--input", "."], "--input is for --format lm1b|ptb|wikitext|enwik8|text8; give text inputs with --split"),
+        (
+            ["--split", "train=X", "--input", "."],
+            "--input is for --format lm1b|ptb|wikitext|enwik8|text8; give text inputs with --split",
+        ),
         (["--format", "lm1b", "--split", "train=X"], "--split is for --format text; --format lm1b defines"),
         (
             ["--format", "ptb", "--doc-per", "blank-line"],
