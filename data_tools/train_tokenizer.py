@@ -143,15 +143,29 @@ def _prepare_output(output: Path, overwrite: bool) -> Path:
     if output.exists() and not output.is_dir():
         raise TrainError(f"{output}: exists and is not a directory")
     output.mkdir(parents=True, exist_ok=True)
+    for path in output.iterdir():  # left by a run that was killed (a Ctrl-C removes its own)
+        if _stale_staging(path.name):
+            shutil.rmtree(path)
     entries = sorted(p.name for p in output.iterdir())
     if entries and not overwrite:
         raise TrainError(f"{output}: not empty ({', '.join(entries[:3])}); pass --overwrite to replace the tokenizer")
-    for name in entries:  # left by a run that was killed (a Ctrl-C removes its own)
-        if name.startswith(STAGING_PREFIX):
-            shutil.rmtree(output / name)
     staging = output / f"{STAGING_PREFIX}{os.getpid()}"
     staging.mkdir()
     return staging
+
+
+def _stale_staging(name: str) -> bool:
+    """Whether ``name`` is the staging folder of a run whose process is gone."""
+    pid = name.removeprefix(STAGING_PREFIX)
+    if pid == name or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
 
 
 def _install(staging: Path, output: Path) -> None:

@@ -483,3 +483,13 @@ def _resident_mb(pid: int) -> float:
     except OSError:
         return 0.0
     return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0.0)
+
+
+def test_a_killed_runs_staging_folder_does_not_block_the_next_run(ptb_text_dir, tmp_path, capsys):
+    output = tmp_path / "tok"
+    stale = output / f"{train_tokenizer.STAGING_PREFIX}999999999"  # no such process
+    stale.mkdir(parents=True)
+    (stale / "vocab.txt").write_text("half\n")
+    argv = ["--kind", "word", "--input", ptb_text_dir / "ptb.valid.txt", "--output", output]
+    assert _run(train_tokenizer, argv, capsys)[0] == 0
+    assert sorted(p.name for p in output.iterdir()) == ["tokenizer.json", "vocab.txt"]
