@@ -24,7 +24,7 @@ import numpy as np
 
 from data_tools import corpus
 from data_tools.corpus import Chunk, ChunkText, InputError
-from txl_dist.tokenizer import CharTokenizer, Tokenizer
+from txl_dist.tokenizer import CharTokenizer
 from txl_dist.tokenizer.characters import UnknownCharacterError
 
 
@@ -56,18 +56,20 @@ def unknown_character(chunk: Chunk, text: str, error: UnknownCharacterError, alp
     )
 
 
-def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, tokenizer: Tokenizer) -> ChunkText:
-    """The documents of a chunk for ``tokenizer`` (byte or char; see the module docstring). For a char tokenizer
-    every character is checked against its alphabet here, so that an error can say where the character is."""
-    text = decode(chunk, tokenizer.kind)
+def chunk_documents(
+    chunk: Chunk, doc_unit: str, jsonl_field: str, kind: str, alphabet: CharTokenizer | None = None
+) -> ChunkText:
+    """The documents of a chunk for a tokenizer of ``kind`` (byte or char; see the module docstring). With the
+    char tokenizer ``alphabet`` every character is checked here, so that an error can say where it is."""
+    text = decode(chunk, kind)
     if chunk.jsonl:
-        documents, empty = _jsonl_documents(chunk, text, jsonl_field, tokenizer)
+        documents, empty = _jsonl_documents(chunk, text, jsonl_field, kind, alphabet)
     else:
         lines = text.split("\n")
         if text.endswith("\n"):
             lines.pop()
-        if isinstance(tokenizer, CharTokenizer):
-            _check_alphabet(chunk, text, tokenizer)
+        if alphabet is not None:
+            _check_alphabet(chunk, text, alphabet)
         if doc_unit == "line":
             documents = [[line] for line in lines]
         elif doc_unit == "file":
@@ -94,25 +96,28 @@ def _check_alphabet(chunk: Chunk, text: str, tokenizer: CharTokenizer) -> None:
         raise unknown_character(chunk, text, error, str(tokenizer.directory / tokenizer.files[0])) from None
 
 
-def _jsonl_documents(chunk: Chunk, text: str, field: str, tokenizer: Tokenizer) -> tuple[list[list[str]], int]:
+def _jsonl_documents(
+    chunk: Chunk, text: str, field: str, kind: str, alphabet: CharTokenizer | None
+) -> tuple[list[list[str]], int]:
     documents, empty = [], 0
     for number, value in corpus.jsonl_records(text, chunk, field):
         where = f"{chunk.path}, line {number}, field '{field}'"
-        if tokenizer.kind == "byte":
+        if kind == "byte":
             try:
                 value.encode("utf-8", "surrogateescape")
             except UnicodeEncodeError as error:
                 raise InputError(
-                    f"{where}: {value[error.start]!r} (a lone surrogate escape) has no UTF-8 bytes; fix the record"
+                    f"{where}: {value[error.start]!r} (a lone surrogate, from a JSON escape) has no UTF-8 bytes; "
+                    f"fix the record"
                 ) from None
-        elif isinstance(tokenizer, CharTokenizer):
+        elif alphabet is not None:
             try:
-                tokenizer.encode_text(value)
+                alphabet.encode_text(value)
             except UnknownCharacterError as error:
-                alphabet = tokenizer.directory / tokenizer.files[0]
+                vocabulary = alphabet.directory / alphabet.files[0]
                 raise InputError(
                     f"{where}: character {error.character!r} (U+{ord(error.character):04X}, character "
-                    f"{error.index} of the field) is not in the alphabet of {alphabet}; train the char tokenizer "
+                    f"{error.index} of the field) is not in the alphabet of {vocabulary}; train the char tokenizer "
                     f"on this text, or give it an --alphabet that holds this character"
                 ) from None
         if value:

@@ -12,7 +12,7 @@ import numpy as np
 from data_tools import character_documents, corpus
 from data_tools.build_settings import Holdout
 from txl_dist.data.format import token_dtype
-from txl_dist.tokenizer import Tokenizer, WordTokenizer, load_tokenizer
+from txl_dist.tokenizer import CharTokenizer, Tokenizer, WordTokenizer, load_tokenizer
 from txl_dist.tokenizer.characters import UnknownCharacterError
 from txl_dist.word_scan import scan_lines
 
@@ -87,7 +87,10 @@ def tokenize_chunk(task: Task) -> ChunkResult:
         if settings.doc_unit == "line" and not chunk.jsonl and len(streams) == 1 and streams[0][1] is not None:
             return _tokenize_characters(chunk, streams[0][0], streams[0][1], tokenizer, dtype)
         # --holdout, --doc-per file|blank-line, .jsonl: documents of their own, every byte (character) kept.
-        text = character_documents.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, tokenizer)
+        alphabet = tokenizer if isinstance(tokenizer, CharTokenizer) else None
+        text = character_documents.chunk_documents(
+            chunk, settings.doc_unit, settings.jsonl_field, tokenizer.kind, alphabet
+        )
     else:
         text = corpus.chunk_documents(
             chunk,

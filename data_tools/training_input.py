@@ -129,7 +129,7 @@ class Reading:
             for chunk in corpus.read_chunks(self.files, "line", corpus.DEFAULT_CHUNK_BYTES):
                 data: bytes | str
                 if chunk.jsonl:
-                    text = character_documents.chunk_documents(chunk, "line", self.jsonl_field, _Kind(kind))
+                    text = character_documents.chunk_documents(chunk, "line", self.jsonl_field, kind)
                     data = "".join(line + "\n" for document in text.documents for line in document)
                     if kind == "byte":
                         data = data.encode("utf-8", "surrogateescape")
@@ -144,11 +144,3 @@ class Reading:
                 bar.update(len(chunk.data))
                 yield chunk, data
         self._check_not_empty()
-
-
-class _Kind:
-    """What `character_documents.chunk_documents` needs of a tokenizer that is still being trained: its kind
-    (no alphabet to check yet)."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
