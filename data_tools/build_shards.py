@@ -199,8 +199,8 @@ def _add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-bytes",
         type=int,
-        default=corpus.DEFAULT_CHUNK_BYTES,
-        help="bytes of text per unit of work sent to a worker",
+        help=f"bytes of text per unit of work sent to a worker (default {corpus.DEFAULT_CHUNK_BYTES:,}; with "
+        "--doc-per file a unit is a whole file)",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted build in --output")
     parser.add_argument("--overwrite", action="store_true", help="replace the shards of a previous build in --output")
@@ -240,8 +240,13 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
             sources = benchmark_sources(args.format, args.input, held_out)
         else:
             sources = corpus.ptb_splits(args.input)
-    if args.jsonl_field is not None and not any(f.jsonl for files in sources.values() for f in files):
+    files = [f for split_files in sources.values() for f in split_files]
+    if args.jsonl_field is not None and not any(f.jsonl for f in files):
         raise BuildError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
+    if args.doc_per is not None and files and all(f.jsonl for f in files):
+        raise BuildError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
+    if args.chunk_bytes is not None and args.doc_per == "file":
+        raise BuildError(f"--chunk-bytes {args.chunk_bytes}: with --doc-per file each file is one unit of work")
     return BuildSettings(
         tokenizer_directory=args.tokenizer.resolve(),
         sources=sources,
@@ -252,7 +257,7 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         holdout=args.holdout[0] if args.holdout else None,
         tokens_per_block=args.tokens_per_block,
         tokens_per_shard=args.tokens_per_shard,
-        chunk_bytes=args.chunk_bytes,
+        chunk_bytes=corpus.DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes,
     )
 
 

@@ -13,7 +13,9 @@ Reading comes in two halves so that a parent process can stay light while worker
 - `chunk_documents` (worker) decodes a chunk into documents, each a list of lines.
 
 The authors' benchmarks have importers of their own (``--format enwik8|text8|wikitext``): `enwik8_splits`,
-`text8_splits` (byte ranges of the one file, or of the file inside its zip) and `wikitext_splits`.
+`text8_splits` (byte ranges of the one file, or of the file inside its zip, found and CRC-checked by
+`data_tools.zip_member`) and `wikitext_splits`. Byte and char tokenizers cut chunks into documents with
+`data_tools.character_documents`, which keeps every byte.
 
 Lines end at ``\\n`` only (``\\r\\n`` is read as ``\\n``): Python's ``str.splitlines`` would also break at
 U+2028, U+0085 and the like, which occur inside One Billion Word sentences.
@@ -100,7 +102,8 @@ class InputFile:
         return handle
 
     def describe(self) -> dict[str, object]:
-        """What identifies this input in a build record (and what ``--resume`` checks)."""
+        """What identifies this input in a build record (``--resume`` checks it, and the sha256 of the bytes read:
+        `data_tools.input_digests`)."""
         described: dict[str, object] = {"name": self.name, "size": self.size}
         if self.start or self.stop is not None:
             described.update(start=self.start, stop=self.stop)

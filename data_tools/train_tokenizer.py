@@ -234,6 +234,8 @@ def _refuse_flags_that_do_not_apply(parser: argparse.ArgumentParser, args: argpa
             f"--doc-per {args.doc_per}: a {args.kind} tokenizer's vocabulary does not depend on what a document "
             f"is; give --doc-per to build_shards"
         )
+    if args.kind == "sentencepiece" and args.allow_empty:
+        raise TrainError("--allow-empty: a sentencepiece model cannot be trained on an empty input")
     if args.kind == "byte" and args.strict:
         raise TrainError("--strict: a byte tokenizer keeps every byte, those that are not UTF-8 too; drop --strict")
 
@@ -346,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         files = _training_files(args)
         if args.jsonl_field != "text" and not any(f.jsonl for f in files):
             raise TrainError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
+        if args.doc_per is not None and files and all(f.jsonl for f in files):
+            raise TrainError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
         try:  # before anything in the output is deleted
             refuse_output_over_inputs(
                 args.output, [f.name for f in files if not f.name.startswith(corpus.TREEBANK_PREFIX)]

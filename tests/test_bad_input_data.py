@@ -142,10 +142,14 @@ def test_a_zip_under_the_raw_name_and_an_ambiguous_folder_are_refused(corpora, t
         (["--split", "train=TEXT", "--jsonl-field", "body"], "--jsonl-field body: no input is a .jsonl file"),
         (["--split", "train=TEXT", "--strict"], "--strict: "),
         (["--split", "train=TEXT", "--workers", "two"], "--workers"),
+        (["--split", "train=JSONL", "--doc-per", "blank-line"], "--doc-per blank-line: every input is .jsonl"),
+        (["--split", "train=TEXT", "--doc-per", "file", "--chunk-bytes", "4096"], "--chunk-bytes 4096: with --doc"),
     ],
 )
 def test_build_shards_refuses_flags_that_do_not_apply(flags, message, corpora, ptb_text_dir, tmp_path, capsys):
-    flags = [f.replace("TEXT", str(ptb_text_dir / "ptb.valid.txt")) for f in flags]
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"text": "a b"}\n')
+    flags = [f.replace("TEXT", str(ptb_text_dir / "ptb.valid.txt")).replace("JSONL", str(records)) for f in flags]
     argv = ["--tokenizer", corpora["byte"], "--output", tmp_path / "shards", *flags]
     if "--workers" in flags:  # argparse's own refusals are one line too
         with pytest.raises(SystemExit) as stopped:
@@ -172,6 +176,7 @@ def test_build_shards_refuses_flags_that_do_not_apply(flags, message, corpora, p
         (["--kind", "char", "--doc-per", "file"], "--doc-per file: a char tokenizer's vocabulary"),
         (["--kind", "byte", "--strict"], "--strict: a byte tokenizer keeps every byte"),
         (["--kind", "word", "--jsonl-field", "body"], "--jsonl-field body: no input is a .jsonl file"),
+        (["--kind", "sentencepiece", "--allow-empty"], "--allow-empty: a sentencepiece model cannot be trained"),
     ],
 )
 def test_train_tokenizer_refuses_flags_that_do_not_apply(flags, message, ptb_text_dir, tmp_path, capsys):
