@@ -28,7 +28,10 @@ on these files are not comparable with the real corpora's.
   tokens, ``<unk>`` for rare words); valid and test use only the words of train (as WikiText, whose rare words
   are ``<unk>`` everywhere). WikiText-103 has 103M training tokens in 28,475 articles; ``--train-words`` scales.
 
-Deterministic: the bytes depend on the arguments and the seed alone.
+Deterministic: the bytes depend on the arguments and the seed alone (the zip's too: its date is fixed). Each file
+is written whole or not at all; an existing output is replaced only with ``--overwrite``, and a folder never
+stands for a file. Exit status: 0 done, 2 a refused command line (one line naming the flag or path), 1 a failure
+of the machine (no space, read-only), 130 interrupted.
 """
 
 from __future__ import annotations
