@@ -365,8 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TrainError, InputError, TokenizerError, OSError) as error:
         # A refused input leaves no trace: the folder this run created goes again while nothing is in it.
         _clean_up(args.output, staging, created)
-        # OSError: a read-only or full output, a file where the folder should be.
+        # OSError: a read-only or full output, a file where the folder should be; named by the output's path, as
+        # the staging folder's name means nothing to a user.
         message = describe_os_error(error) if isinstance(error, OSError) else str(error)
+        if staging is not None:
+            message = message.replace(str(staging), str(args.output))
         print(f"train_tokenizer: error: {message}", file=sys.stderr)
         return FAILURE if isinstance(error, OSError) else USAGE_ERROR
     except KeyboardInterrupt:
