@@ -4,10 +4,13 @@ The file is JSON, rewritten atomically after each finished shard::
 
     {"settings": {...the build's settings, as BuildSettings.record gives them...},
      "sources": {SOURCE: {"done": false, "read_from": {ReadPosition}, "statistics_next_chunk": 0,
-                          "statistics": {"bytes": 0, "documents": 0, "empty_documents": 0, "replaced_bytes": 0}}},
+                          "statistics": {"bytes": 0, "documents": 0, "empty_documents": 0, "replaced_bytes": 0},
+                          "inputs": [{"file": 0, "name": PATH, "bytes": N, "sha256": HEX}, ...]}},
      "streams": {SPLIT: {"position": {StreamPosition} or null, "shards": [{ShardEntry}, ...]}}}
 
-A stream's ``position`` is where the split continues in its source, null once its last shard is written.
+A stream's ``position`` is where the split continues in its source, null once its last shard is written. A
+source's ``inputs`` are the sha256 of the bytes read so far of each of its files (`data_tools.input_digests`),
+which ``--resume`` checks against the files as they are.
 """
 
 from __future__ import annotations
@@ -50,14 +53,21 @@ class SourceState:
     statistics_next_chunk: int = 0
     """The first chunk whose counts are not yet in ``statistics`` (a resume reads some chunks again)."""
     statistics: SourceStatistics = dataclasses.field(default_factory=SourceStatistics)
+    inputs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The digests of the bytes read so far (`data_tools.input_digests.InputDigests.record`)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SourceState:
+        # "inputs" is required: a journal without it (an older builder's) cannot prove its inputs unchanged.
+        inputs = data["inputs"]
+        if not isinstance(inputs, list) or not all(isinstance(entry, dict) for entry in inputs):
+            raise TypeError(f"inputs is {type(inputs).__name__}, not a list of objects")
         return cls(
             done=bool(data["done"]),
             read_from=ReadPosition(**data["read_from"]),
             statistics_next_chunk=int(data["statistics_next_chunk"]),
             statistics=SourceStatistics(**data["statistics"]),
+            inputs=inputs,
         )
 
 

@@ -30,7 +30,10 @@ class Holdout:
     source: str = "train"
 
     def takes(self, document: list[str]) -> bool:
-        digest = hashlib.blake2b("\n".join(document).encode("utf-8"), digest_size=8).digest()
+        # surrogatepass: the lines of a byte tokenizer's documents hold the bytes that are not UTF-8 as lone
+        # surrogates (and a JSON string may hold any); text that is UTF-8 hashes as before.
+        text = "\n".join(document).encode("utf-8", "surrogatepass")
+        digest = hashlib.blake2b(text, digest_size=8).digest()
         return int.from_bytes(digest, "little") < self.fraction * 2.0**64
 
 

@@ -40,21 +40,34 @@ that does not fit in what is left of the current block starts the next one, and 
 as many blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
 ``--workers``.
 
-Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) and one
-document per line, every line of the input is a document, blank ones included, and nothing is replaced or
-dropped: a split's tokens are exactly its bytes (characters), newlines included, and one newline more when the
-input ends inside a line (the authors' final ``<eos>``). ``--format enwik8|text8`` cut the one file (or the file
-inside its zip) at the authors' byte offsets (`corpus.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's
-parts stripped of their end spaces as prep_text8.py does); ``--format wikitext`` reads ``wiki.*.tokens`` and
-keeps every line as a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data.
+Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) nothing is
+replaced or dropped on any path: with one document per line every line of the input is a document, blank ones
+included, and a split's tokens are exactly its bytes (characters), newlines and ``\r`` included, and one newline
+more when the input ends inside a line (the authors' final ``<eos>``); with ``--holdout`` each line goes whole to
+one split or the other; ``--doc-per blank-line`` keeps the blank lines with the paragraph before them and
+``--doc-per file`` keeps the whole file; a ``.jsonl`` record is its text field (see
+`data_tools.character_documents`). A char tokenizer stops at invalid UTF-8 or a character outside its alphabet,
+naming the file, byte offset and line. ``--format enwik8|text8`` cut the one file (or the file inside its zip,
+whose CRC-32 is checked over the whole member first: `data_tools.zip_member`) at the authors' byte offsets
+(`corpus.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's parts stripped of their end spaces as
+prep_text8.py does); a zip saved under the raw name, and a folder holding both the file and its zip, are refused,
+and the summary line names the file read. ``--format wikitext`` reads ``wiki.*.tokens`` and keeps every line as
+a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data. A flag that the chosen
+format or tokenizer does not read (``--held-out-bytes`` without enwik8|text8, ``--lm1b-valid`` without lm1b,
+``--jsonl-field`` without a .jsonl input, ``--strict`` with a byte tokenizer) is refused.
 
 Resume. After each finished shard the builder journals, in ``OUT/.build_state.json`` (written atomically), the
-shards written so far and where in the input each split continues. ``--resume`` checks each journaled shard's
-sha256, re-reads the input from the earliest place any split continues from (documents that a split already
-holds are read again but not tokenised) and writes the remaining shards. ``manifest.json`` is written only when
+shards written so far, where in the input each split continues, and the sha256 of the input bytes the finished
+shards were read from (`data_tools.input_digests`). ``--resume`` refuses an input that changed there (even one
+byte at the same size), checks each journaled shard's sha256, re-reads the input from the earliest place any
+split continues from (documents that a split already holds are read again but not tokenised) and writes the
+remaining shards. ``manifest.json`` is written only when
 every split is complete, and not at all when a split has no document (an empty input is an error unless
 ``--allow-empty``). A write failure (no space, read-only output) is one line naming the file; the partial shard is
 removed and the finished ones stay for ``--resume``.
+
+Exit status: 0 done; 2 a refused command line or input (one line naming the flag or file); 1 a failure of the
+machine (no space, a read-only output, a worker that died); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -73,6 +86,7 @@ from data_tools.build_settings import (
     BuildSettings,
     Holdout,
 )
+from data_tools.command_line import FAILURE, INTERRUPTED, USAGE_ERROR, OneLineParser
 from data_tools.corpus import InputError, InputFile
 from data_tools.shard_builder import build_shards
 from data_tools.workers import WorkerError
@@ -100,7 +114,8 @@ def _parse_holdout(text: str) -> Holdout:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
+        name="build_shards",
         prog="python -m data_tools.build_shards",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -140,14 +155,13 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--held-out-bytes",
         type=int,
-        default=corpus.HELD_OUT_BYTES,
         help="--format enwik8|text8: bytes of valid and of test at the end of the file (the "
-        "authors' 5,000,000; smaller for a scaled-down copy)",
+        f"authors' {corpus.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
     )
     parser.add_argument(
         "--lm1b-valid",
-        default=corpus.LM1B_DEFAULT_VALID_FILE,
-        help="heldout file used as the lm1b valid split (never the test file heldout-00000)",
+        help="--format lm1b: heldout file used as the valid split (never the test file heldout-00000; default "
+        f"{corpus.LM1B_DEFAULT_VALID_FILE})",
     )
     parser.add_argument(
         "--holdout",
@@ -158,7 +172,7 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
         help="draw split NAME from the train documents by a hash of each document (once per build)",
     )
     parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
-    parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
+    parser.add_argument("--jsonl-field", help="field of a .jsonl record that holds the document (default: text)")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
 
 
@@ -185,8 +199,8 @@ def _add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-bytes",
         type=int,
-        default=corpus.DEFAULT_CHUNK_BYTES,
-        help="bytes of text per unit of work sent to a worker",
+        help=f"bytes of text per unit of work sent to a worker (default {corpus.DEFAULT_CHUNK_BYTES:,}; with "
+        "--doc-per file a unit is a whole file)",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted build in --output")
     parser.add_argument("--overwrite", action="store_true", help="replace the shards of a previous build in --output")
@@ -205,9 +219,10 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
             f"--holdout is given {len(args.holdout)} times ({given}): a build draws one held-out split; "
             f"give the other splits their own inputs (--split NAME=GLOB)"
         )
+    _refuse_flags_of_other_formats(args)
     if args.format == "text":
         if args.input is not None:
-            raise BuildError("--input is for --format lm1b|ptb; give text inputs with --split NAME=GLOB")
+            raise BuildError("--input is for --format lm1b|ptb|wikitext|enwik8|text8; give text inputs with --split")
         sources: dict[str, list[InputFile]] = {}
         for name, patterns in args.split:
             sources.setdefault(name, []).extend(corpus.input_files(patterns))
@@ -219,23 +234,42 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         if args.format == "lm1b":
             if args.input is None:
                 raise BuildError("--format lm1b needs --input DIR (the r13output directory)")
-            sources = corpus.lm1b_splits(args.input, args.lm1b_valid)
+            sources = corpus.lm1b_splits(args.input, args.lm1b_valid or corpus.LM1B_DEFAULT_VALID_FILE)
         elif args.format in ("enwik8", "text8", "wikitext"):
-            sources = benchmark_sources(args.format, args.input, args.held_out_bytes)
+            held_out = corpus.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
+            sources = benchmark_sources(args.format, args.input, held_out)
         else:
             sources = corpus.ptb_splits(args.input)
+    files = [f for split_files in sources.values() for f in split_files]
+    if args.jsonl_field is not None and not any(f.jsonl for f in files):
+        raise BuildError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
+    if args.doc_per is not None and files and all(f.jsonl for f in files):
+        raise BuildError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
+    if args.chunk_bytes is not None and args.doc_per == "file":
+        raise BuildError(f"--chunk-bytes {args.chunk_bytes}: with --doc-per file each file is one unit of work")
     return BuildSettings(
         tokenizer_directory=args.tokenizer.resolve(),
         sources=sources,
         input_format=args.format,
         doc_unit=args.doc_per or "line",
-        jsonl_field=args.jsonl_field,
+        jsonl_field=args.jsonl_field or "text",
         strict=args.strict,
         holdout=args.holdout[0] if args.holdout else None,
         tokens_per_block=args.tokens_per_block,
         tokens_per_shard=args.tokens_per_shard,
-        chunk_bytes=args.chunk_bytes,
+        chunk_bytes=corpus.DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes,
     )
+
+
+def _refuse_flags_of_other_formats(args: argparse.Namespace) -> None:
+    """A flag that the chosen --format does not read is an error, not silently ignored."""
+    for flag, value, formats in (
+        ("--held-out-bytes", args.held_out_bytes, corpus.CHARACTER_FORMATS),
+        ("--lm1b-valid", args.lm1b_valid, ("lm1b",)),
+    ):
+        if value is not None and args.format not in formats:
+            allowed = "|".join(formats)
+            raise BuildError(f"{flag} {value}: applies to --format {allowed} only, not to --format {args.format}")
 
 
 def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int) -> dict[str, list[InputFile]]:
@@ -266,15 +300,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=args.progress,
             allow_empty=args.allow_empty,
         )
-    except (BuildError, InputError, TokenizerError, ManifestError, WorkerError) as error:
+    except (BuildError, InputError, TokenizerError, ManifestError) as error:
         print(f"build_shards: error: {error}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
+    except WorkerError as error:
+        print(f"build_shards: error: {error}", file=sys.stderr)
+        return FAILURE
     except OSError as error:  # no space, read-only output, a file where a folder should be
         print(f"build_shards: error: {describe_os_error(error)}", file=sys.stderr)
-        return 1
+        return FAILURE
     except KeyboardInterrupt:
         print("build_shards: interrupted; the finished shards are kept: rerun with --resume", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     print(summary.line())
     return 0
 

@@ -13,7 +13,9 @@ Reading comes in two halves so that a parent process can stay light while worker
 - `chunk_documents` (worker) decodes a chunk into documents, each a list of lines.
 
 The authors' benchmarks have importers of their own (``--format enwik8|text8|wikitext``): `enwik8_splits`,
-`text8_splits` (byte ranges of the one file, or of the file inside its zip) and `wikitext_splits`.
+`text8_splits` (byte ranges of the one file, or of the file inside its zip, found and CRC-checked by
+`data_tools.zip_member`) and `wikitext_splits`. Byte and char tokenizers cut chunks into documents with
+`data_tools.character_documents`, which keeps every byte.
 
 Lines end at ``\\n`` only (``\\r\\n`` is read as ``\\n``): Python's ``str.splitlines`` would also break at
 U+2028, U+0085 and the like, which occur inside One Billion Word sentences.
@@ -27,13 +29,14 @@ import gzip
 import io
 import json
 import os
-import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+
+from data_tools import zip_member
 
 DOC_UNITS = ("line", "blank-line", "file")
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -89,7 +92,7 @@ class InputFile:
             return io.BytesIO(_treebank_text(self.name.removeprefix(TREEBANK_PREFIX)))
         try:
             if self.member is not None:
-                handle = _open_zip_member(self.name, self.member)
+                handle = zip_member.open_member(self.name, self.member)
             else:
                 handle = gzip.open(self.name, "rb") if self.name.endswith(".gz") else open(self.name, "rb")
         except OSError as error:
@@ -99,23 +102,14 @@ class InputFile:
         return handle
 
     def describe(self) -> dict[str, object]:
-        """What identifies this input in a build record (and what ``--resume`` checks)."""
+        """What identifies this input in a build record (``--resume`` checks it, and the sha256 of the bytes read:
+        `data_tools.input_digests`)."""
         described: dict[str, object] = {"name": self.name, "size": self.size}
         if self.start or self.stop is not None:
             described.update(start=self.start, stop=self.stop)
         if self.member is not None:
             described["member"] = self.member
         return described
-
-
-def _open_zip_member(path: str, member: str) -> BinaryIO:
-    archive = zipfile.ZipFile(path)
-    try:
-        return archive.open(member)  # stays readable after the archive object is closed
-    except KeyError:
-        raise InputError(f"{path}: holds no file {member!r} (it holds {archive.namelist()[:5]})") from None
-    finally:
-        archive.close()
 
 
 class _ByteRange(io.RawIOBase):
@@ -184,6 +178,11 @@ def input_files(patterns: Sequence[str]) -> list[InputFile]:
                 raise InputError(f"{match}: no such input file")
             if path.is_dir():
                 raise InputError(f"{match}: is a directory; give files, or a pattern such as '{match}/*.txt'")
+            if zip_member.is_zip(zip_member.file_magic(path)):
+                raise InputError(
+                    f"{match}: is a zip archive, which is not read as text; unzip it (enwik8.zip and text8.zip: "
+                    f"--format enwik8|text8 --input {match})"
+                )
             files.append(InputFile(os.path.abspath(match), path.stat().st_size))
     names = [f.name for f in files]
     repeated = sorted({name for name in names if names.count(name) > 1})
@@ -249,36 +248,10 @@ def held_out_tail_ranges(total: int, held_out: int = HELD_OUT_BYTES) -> dict[str
     }
 
 
-def _character_corpus(path: str | os.PathLike, name: str) -> tuple[str, str | None, int]:
-    """(file, member inside a zip or None, bytes) of ``name`` (enwik8, text8) given as the file, its zip as
-    downloaded, or a directory holding either."""
-    path = Path(path)
-    if path.is_dir():
-        found = next((c for c in (path / name, path / f"{name}.zip") if c.is_file()), None)
-        if found is None:
-            raise InputError(f"{path}: holds neither {name} nor {name}.zip")
-        path = found
-    if not path.is_file():
-        raise InputError(f"{path}: no such file (expected {name} or {name}.zip)")
-    if path.suffix != ".zip":
-        return str(path.resolve()), None, path.stat().st_size
-    try:
-        with zipfile.ZipFile(path) as archive:
-            members = [info for info in archive.infolist() if not info.is_dir()]
-            info = next(
-                (i for i in members if Path(i.filename).name == name), members[0] if len(members) == 1 else None
-            )
-    except (zipfile.BadZipFile, OSError) as error:
-        raise InputError(f"{path}: not a readable zip archive ({error})") from error
-    if info is None:
-        raise InputError(f"{path}: holds no file {name!r} (it holds {[i.filename for i in members][:5]})")
-    return str(path.resolve()), info.filename, info.file_size
-
-
 def enwik8_splits(path: str | os.PathLike, held_out: int = HELD_OUT_BYTES) -> dict[str, list[InputFile]]:
     """train/valid/test of enwik8 (the file, ``enwik8.zip``, or a directory with either): the byte ranges of
     `held_out_tail_ranges`, every byte kept (the authors' data goes through text files of byte values)."""
-    name, member, total = _character_corpus(path, "enwik8")
+    name, member, total = zip_member.character_corpus(path, "enwik8")
     return {
         split: [InputFile(name, stop - start, start, stop, member)]
         for split, (start, stop) in held_out_tail_ranges(total, held_out).items()
@@ -293,7 +266,7 @@ def text8_splits(path: str | os.PathLike, held_out: int = HELD_OUT_BYTES) -> dic
     """train/valid/test of text8 (the file, ``text8.zip``, or a directory with either): the ranges of
     `held_out_tail_ranges`, each without the whitespace at its two ends, as the authors' prep_text8.py strips
     each part (text8 begins with a space, and the cuts fall between words or inside them)."""
-    name, member, total = _character_corpus(path, "text8")
+    name, member, total = zip_member.character_corpus(path, "text8")
     splits = {}
     for split, (start, stop) in held_out_tail_ranges(total, held_out).items():
         start, stop = _strip_range(InputFile(name, stop - start, start, stop, member))
@@ -554,7 +527,11 @@ def _decode(chunk: Chunk, strict: bool) -> tuple[str, int]:
 
 
 def _jsonl_documents(text: str, chunk: Chunk, field: str) -> list[list[str]]:
-    documents = []
+    return [value.replace("\r\n", "\n").split("\n") for _, value in jsonl_records(text, chunk, field)]
+
+
+def jsonl_records(text: str, chunk: Chunk, field: str) -> Iterator[tuple[int, str]]:
+    """(line number, text field) of each record of a .jsonl chunk's text; blank lines are no records."""
     for number, line in enumerate(text.split("\n"), start=chunk.start.line):
         if not line.strip():
             continue
@@ -568,8 +545,7 @@ def _jsonl_documents(text: str, chunk: Chunk, field: str) -> list[list[str]]:
         value = record[field]
         if not isinstance(value, str):
             raise InputError(f"{where}: field '{field}' is {type(value).__name__}, expected a string")
-        documents.append(value.replace("\r\n", "\n").split("\n"))
-    return documents
+        yield number, value
 
 
 def _paragraphs(text: str) -> list[list[str]]:

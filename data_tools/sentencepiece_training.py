@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -183,26 +184,43 @@ def _train_model(
     user_symbols: list[str],
     threads: int,
 ) -> bytes:
-    """The bytes of a SentencePiece model trained on ``sample``."""
+    """The bytes of a SentencePiece model trained on ``sample``.
+
+    SentencePiece trains in C++ for minutes on a large sample, and Python runs a Ctrl-C's handler only between
+    its own instructions: in this thread the interrupt would wait for the training to end. The training runs in
+    a daemon thread instead (it releases the GIL), and this one waits in short joins, where a Ctrl-C arrives at
+    once; the abandoned training ends with the process."""
     import sentencepiece
 
     model = io.BytesIO()
-    try:
-        # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
-        # would make the same training give different bytes (and fingerprints) in different directories.
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            max_sentence_length=max_sentence_length,
-            user_defined_symbols=user_symbols,
-            num_threads=threads,
-            minloglevel=1,
-        )
-    except RuntimeError as error:
-        raise TrainError(f"sentencepiece could not train ({error})") from error
+    failure: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            # model_writer rather than a model_prefix: the model records its trainer settings, and a path there
+            # would make the same training give different bytes (and fingerprints) in different directories.
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(sample),
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                input_sentence_size=0,
+                shuffle_input_sentence=False,
+                max_sentence_length=max_sentence_length,
+                user_defined_symbols=user_symbols,
+                num_threads=threads,
+                minloglevel=1,
+            )
+        except BaseException as error:  # handed to the waiting thread, which raises it
+            failure.append(error)
+
+    trainer = threading.Thread(target=train, name="sentencepiece-training", daemon=True)
+    trainer.start()
+    while trainer.is_alive():
+        trainer.join(0.05)
+    if failure:
+        if isinstance(failure[0], RuntimeError):
+            raise TrainError(f"sentencepiece could not train ({failure[0]})") from failure[0]
+        raise failure[0]
     return model.getvalue()

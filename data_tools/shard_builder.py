@@ -18,7 +18,9 @@ from data_tools import corpus
 from data_tools.block_packer import BlockPacker, StreamPosition
 from data_tools.build_journal import STATE_NAME, BuildJournal
 from data_tools.build_settings import BuildError, BuildSettings
+from data_tools.command_line import describe_inputs
 from data_tools.corpus import ReadPosition
+from data_tools.input_digests import InputDigests, Mark
 from data_tools.tokenize_chunks import ChunkResult, Task, WorkerSettings, start_worker, tokenize_chunk
 from data_tools.workers import ordered_map
 from txl_dist.data.format import (
@@ -33,6 +35,8 @@ from txl_dist.data.format import (
 from txl_dist.fileio import OutputPathError, refuse_output_over_inputs, sha256_file
 from txl_dist.tokenizer import load_tokenizer
 
+# Where a finished source "continues": past its last file, so that every file's digest is checked as finished.
+_PAST_THE_END = ReadPosition(file=1 << 62)
 SMALL_SOURCE_CHUNKS = 32  # a source of fewer chunks than this is tokenised without worker processes
 # What a build writes in its output: shards, and their temporary files (".partial": an older builder's name).
 OUTPUT_FILE = re.compile(r"^([A-Za-z0-9_]+-\d{6}\.tar|\..+\.(partial|tmp))$")
@@ -49,13 +53,15 @@ class BuildSummary:
     seconds: float
     bytes_read: int
     """Input bytes read by this run (a resumed run reads less than the whole input)."""
+    read: str = ""
+    """Which input was read (`describe_inputs`)."""
 
     def line(self) -> str:
         rate = self.bytes_read / 1e6 / max(self.seconds, 1e-9)
         return (
             f"build_shards: {self.documents:,} documents, {self.tokens:,} tokens, {self.empty_documents:,} "
             f"empty documents skipped, {self.replaced_bytes:,} non-UTF-8 bytes replaced, {self.shards} shards "
-            f"in {self.output}, {self.seconds:.2f} s, {rate:.1f} MB/s"
+            f"in {self.output}, {self.seconds:.2f} s, {rate:.1f} MB/s; read {self.read}"
         )
 
 
@@ -85,6 +91,13 @@ class _Builder:
         self.dtype = token_dtype(self.tokenizer.vocab_size)
         self.record = settings.record(self.tokenizer)
         self.bytes_read = 0
+        self.digests = {source: InputDigests(files) for source, files in settings.sources.items()}
+        """Per source, the sha256 of what has been read of its inputs (carried over from the journal on a resume)."""
+        if settings.strict and self.tokenizer.kind == "byte":
+            raise BuildError(
+                f"--strict: {settings.tokenizer_directory} is a byte tokenizer, which keeps every byte (those that "
+                f"are not UTF-8 too): nothing is replaced for --strict to refuse; drop --strict"
+            )
 
     def run(self, resume: bool, overwrite: bool, allow_empty: bool = False) -> BuildSummary:
         # Imported here: webdataset imports torch, which neither the command line's checks nor the spawned
@@ -132,6 +145,7 @@ class _Builder:
             shards=sum(len(split.shards) for split in manifest.splits.values()),
             seconds=time.perf_counter() - started,
             bytes_read=self.bytes_read,
+            read=describe_inputs([f for files in self.settings.sources.values() for f in files]),
         )
 
     def _prepare_output(self, resume: bool, overwrite: bool) -> BuildJournal:
@@ -144,6 +158,16 @@ class _Builder:
         state_path = output / STATE_NAME
         if resume and state_path.exists():
             journal = BuildJournal.load(state_path, self.record)
+            # Before anything in the output changes: the shards written hold the inputs' text as it was.
+            self.digests = {
+                source: InputDigests.resumed(
+                    files,
+                    journal.sources[source].inputs,
+                    journal.sources[source].read_from if not journal.sources[source].done else _PAST_THE_END,
+                    state_path,
+                )
+                for source, files in self.settings.sources.items()
+            }
             self._check_journaled_shards(journal)
             return journal
         entries = sorted(p.name for p in output.iterdir())
@@ -198,6 +222,7 @@ class _Builder:
             **self.record,
             "tokenizer_directory": str(self.settings.tokenizer_directory),
             "statistics": {s: journal.statistics(s) for s in self.settings.sources},
+            "input_sha256": {s: journal.sources[s].inputs for s in self.settings.sources},
         }
         return Manifest(
             tokenizer=TokenizerIdentity(**self.tokenizer.identity()),
@@ -220,10 +245,13 @@ class _SourceBuild:
         self.state = journal.sources[source]
         self.splits = settings.streams_of(source)
         self.files = settings.sources[source]
+        self.digests = builder.digests[source]
         self.read_from = self.state.read_from
         self.statistics_from = self.state.statistics_next_chunk
         self.chunk_starts: dict[int, ReadPosition] = {}
         """Where each chunk read but not yet behind every split begins: a resume reads again from one of them."""
+        self.marks: dict[int, tuple[Mark, Mark]] = {}
+        """The input's hash before and after each chunk of ``chunk_starts`` (see `_proof_mark`)."""
         self.positions = {
             split: journal.streams[split].position for split in self.splits if journal.streams[split].position
         }
@@ -264,7 +292,21 @@ class _SourceBuild:
             self.state.read_from = self.chunk_starts[earliest]
             for chunk in [c for c in self.chunk_starts if c < earliest]:
                 del self.chunk_starts[chunk]
+                del self.marks[chunk]
+        self.state.inputs = self.digests.record(self._proof_mark(positions))
         self.journal.save()
+
+    def _proof_mark(self, positions: list[StreamPosition | None]) -> Mark | None:
+        """Where the bytes end that the finished shards may hold documents of: the end of the chunk that the split
+        furthest ahead continues in (its start when the split holds nothing of it yet)."""
+        ahead = [p for p in positions if p is not None]
+        if not ahead:
+            return None
+        latest = max(ahead, key=lambda p: (p.chunk, p.document, p.skip_tokens))
+        if latest.chunk not in self.marks:  # the chunk after the last one read: everything read so far
+            return None
+        before, after = self.marks[latest.chunk]
+        return after if latest.document or latest.skip_tokens else before
 
     def run(self) -> None:
         settings = self.builder.settings
@@ -299,6 +341,7 @@ class _SourceBuild:
             results.close()  # stops the workers now, also on an error
             bar.close()
         self.state.done = True
+        self.state.inputs = self.digests.record()
         self.journal.save()
 
     def _tasks(self) -> Iterator[Task]:
@@ -306,6 +349,9 @@ class _SourceBuild:
         for chunk in corpus.read_chunks(self.files, settings.doc_unit, settings.chunk_bytes, self.read_from):
             index = chunk.start.chunk
             self.chunk_starts[index] = chunk.start
+            before = self.digests.mark()
+            self.digests.add(chunk)
+            self.marks[index] = (before, self.digests.mark())
             firsts = []
             for split in self.splits:
                 position = self.positions.get(split)

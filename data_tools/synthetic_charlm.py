@@ -28,7 +28,10 @@ on these files are not comparable with the real corpora's.
   tokens, ``<unk>`` for rare words); valid and test use only the words of train (as WikiText, whose rare words
   are ``<unk>`` everywhere). WikiText-103 has 103M training tokens in 28,475 articles; ``--train-words`` scales.
 
-Deterministic: the bytes depend on the arguments and the seed alone.
+Deterministic: the bytes depend on the arguments and the seed alone (the zip's too: its date is fixed). Each file
+is written whole or not at all; an existing output is replaced only with ``--overwrite``, and a folder never
+stands for a file. Exit status: 0 done, 2 a refused command line (one line naming the flag or path), 1 a failure
+of the machine (no space, read-only), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from data_tools.command_line import FAILURE, INTERRUPTED, USAGE_ERROR, OneLineParser, given_flags
+from txl_dist.fileio import atomic_write, describe_os_error
 
 CONSONANTS = np.frombuffer(b"bcdfghjklmnpqrstvwxyz", dtype=np.uint8)
 VOWELS = np.frombuffer(b"aeiou", dtype=np.uint8)
@@ -171,7 +177,9 @@ def wikitext_lines(words: int, vocabulary: Sequence[bytes], generator: np.random
 
 def write_wikitext(output: Path, train_words: int, seed: int = 0) -> dict[str, Path]:
     """``wiki.{train,valid,test}.tokens`` in ``output`` (valid and test ~1/40 of train each, as WT103's
-    217k/245k tokens against 103M ... 1/40 keeps them large enough to score at small scales)."""
+    217k/245k tokens against 103M ... 1/40 keeps them large enough to score at small scales). Each file is
+    written whole or not at all, test last, and those already there are removed first: an interrupted run leaves
+    no folder whose three files the importer would read as one corpus."""
     generator = np.random.default_rng([seed, 103])
     # WikiText-2 has 33k word types in 2M training tokens, WikiText-103 267k in 103M.
     words = zipf_words(min(267_000, max(1000, train_words // 40)), generator, wide_share=0.01)
@@ -180,31 +188,50 @@ def write_wikitext(output: Path, train_words: int, seed: int = 0) -> dict[str, P
     seen = {token for line in train for token in line.split()}
     heldout_vocabulary = [word for word in vocabulary if word in seen]
     output.mkdir(parents=True, exist_ok=True)
-    paths = {}
+    paths = {split: output / f"wiki.{split}.tokens" for split in ("train", "valid", "test")}
+    for path in paths.values():
+        path.unlink(missing_ok=True)
     for split, lines in (
         ("train", train),
         ("valid", wikitext_lines(max(1000, train_words // 40), heldout_vocabulary, generator)),
         ("test", wikitext_lines(max(1000, train_words // 40), heldout_vocabulary, generator)),
     ):
-        paths[split] = output / f"wiki.{split}.tokens"
-        paths[split].write_bytes(b"\n".join(lines) + b"\n")
+        data = b"\n".join(lines) + b"\n"
+        atomic_write(paths[split], lambda handle, data=data: handle.write(data))
     return paths
 
 
 def write_character_corpus(kind: str, output: Path, size: int, seed: int = 0, make_zip: bool = False) -> Path:
     """``output`` (enwik8 or text8 layout) of ``size`` bytes, and with ``make_zip`` also ``output.zip`` holding
-    it under the name ``kind``, as mattmahoney.net serves them. Returns the file written."""
+    it under the name ``kind``, as mattmahoney.net serves them. Returns the file written. Each file is written
+    whole or not at all (an old zip is removed first, so that no zip of other bytes stays beside a new file)."""
     data = enwik8_bytes(size, seed) if kind == "enwik8" else text8_bytes(size, seed)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_bytes(data)
+    archive_path = output.with_name(output.name + ".zip")
     if make_zip:
-        with zipfile.ZipFile(output.with_name(output.name + ".zip"), "w", zipfile.ZIP_DEFLATED) as archive:
-            archive.write(output, arcname=kind)
+        archive_path.unlink(missing_ok=True)
+    atomic_write(output, lambda handle: handle.write(data))
+    if make_zip:
+
+        def write_zip(handle) -> None:
+            with zipfile.ZipFile(handle, "w", zipfile.ZIP_DEFLATED) as archive:
+                info = zipfile.ZipInfo(kind, date_time=(2006, 3, 1, 0, 0, 0))  # fixed: the same bytes every run
+                info.external_attr = 0o644 << 16
+                archive.writestr(info, data, zipfile.ZIP_DEFLATED)
+
+        atomic_write(archive_path, write_zip)
     return output
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+# Sizes past which the file, built in memory, would need more memory than a workstation has: ten times enwik8's
+# bytes, twice WikiText-103's training words.
+MAX_BYTES = 1_000_000_000
+MAX_TRAIN_WORDS = 200_000_000
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = OneLineParser(
+        name="synthetic_charlm",
         prog="python -m data_tools.synthetic_charlm",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -214,19 +241,66 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bytes", type=int, default=100_000_000, help="enwik8/text8: the file's size")
     parser.add_argument("--train-words", type=int, default=2_000_000, help="wikitext: tokens of wiki.train.tokens")
     parser.add_argument("--zip", action="store_true", help="enwik8/text8: also write OUTPUT.zip")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="a non-negative integer")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
+    given = given_flags(parser, argv)
+    character = args.layout != "wikitext"
+    for flag, dest, applies in (
+        ("--bytes", "bytes", character),
+        ("--zip", "zip", character),
+        ("--train-words", "train_words", not character),
+    ):
+        if dest in given and not applies:
+            parser.error(f"{flag}: does not apply to the {args.layout} layout")
+    for flag, value, largest in (
+        ("--bytes", args.bytes, MAX_BYTES),
+        ("--train-words", args.train_words, MAX_TRAIN_WORDS),
+        ("--seed", args.seed, 2**63 - 1),
+    ):
+        smallest = 0 if flag == "--seed" else 1
+        if not smallest <= value <= largest:
+            parser.error(f"{flag} {value}: must lie in [{smallest}, {largest:,}]")
+    return args
+
+
+def _refuse_existing_output(args: argparse.Namespace) -> None:
+    """An output of an earlier run (or anything else of that name) is replaced only with --overwrite, and a
+    folder never stands for a file, nor a file for a folder."""
+    output = args.output
     if args.layout == "wikitext":
-        if args.train_words < 1:
-            parser.error(f"--train-words {args.train_words}: must be positive")
-        paths = write_wikitext(args.output, args.train_words, args.seed)
-        written = ", ".join(f"{p.name} {p.stat().st_size:,} bytes" for p in paths.values())
+        if output.exists() and not output.is_dir():
+            raise ValueError(f"{output}: exists and is not a directory (the wikitext layout is a folder)")
+        targets = [output / f"wiki.{split}.tokens" for split in ("train", "valid", "test")]
     else:
-        if args.bytes < 1:
-            parser.error(f"--bytes {args.bytes}: must be positive")
-        path = write_character_corpus(args.layout, args.output, args.bytes, args.seed, args.zip)
-        written = f"{path} {path.stat().st_size:,} bytes" + (" and its .zip" if args.zip else "")
+        targets = [output] + ([output.with_name(output.name + ".zip")] if args.zip else [])
+    for target in targets:
+        if target.is_dir() or (target.is_symlink() and not target.exists()):
+            raise ValueError(f"{target}: is a directory or a dangling link; give the path of the file to write")
+        if target.exists() and not args.overwrite:
+            raise ValueError(f"{target}: exists; pass --overwrite to replace it")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    started = time.perf_counter()
+    try:
+        _refuse_existing_output(args)
+        if args.layout == "wikitext":
+            paths = write_wikitext(args.output, args.train_words, args.seed)
+            written = ", ".join(f"{p.name} {p.stat().st_size:,} bytes" for p in paths.values())
+        else:
+            path = write_character_corpus(args.layout, args.output, args.bytes, args.seed, args.zip)
+            written = f"{path} {path.stat().st_size:,} bytes" + (" and its .zip" if args.zip else "")
+    except ValueError as error:
+        print(f"synthetic_charlm: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except OSError as error:
+        print(f"synthetic_charlm: error: {describe_os_error(error)}", file=sys.stderr)
+        return FAILURE
+    except KeyboardInterrupt:
+        print(f"synthetic_charlm: interrupted; no partial file left in {args.output}", file=sys.stderr)
+        return INTERRUPTED
     print(f"synthetic_charlm: {args.layout}: {written} in {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -9,11 +9,11 @@ import dataclasses
 
 import numpy as np
 
-from data_tools import corpus
+from data_tools import character_documents, corpus
 from data_tools.build_settings import Holdout
-from data_tools.corpus import InputError
 from txl_dist.data.format import token_dtype
-from txl_dist.tokenizer import Tokenizer, WordTokenizer, load_tokenizer
+from txl_dist.tokenizer import CharTokenizer, Tokenizer, WordTokenizer, load_tokenizer
+from txl_dist.tokenizer.characters import UnknownCharacterError
 from txl_dist.word_scan import scan_lines
 
 
@@ -83,17 +83,22 @@ def tokenize_chunk(task: Task) -> ChunkResult:
         result = _tokenize_lines(chunk, streams[0][0], tokenizer, dtype)
         if result is not None:
             return result
-    if (
-        tokenizer.character_level
-        and settings.doc_unit == "line"
-        and not chunk.jsonl
-        and len(streams) == 1
-        and streams[0][1] is not None
-    ):
-        return _tokenize_characters(chunk, streams[0][0], streams[0][1], tokenizer, dtype)
-    text = corpus.chunk_documents(
-        chunk, settings.doc_unit, settings.jsonl_field, settings.strict, keep_blank=settings.input_format == "wikitext"
-    )
+    if tokenizer.character_level:
+        if settings.doc_unit == "line" and not chunk.jsonl and len(streams) == 1 and streams[0][1] is not None:
+            return _tokenize_characters(chunk, streams[0][0], streams[0][1], tokenizer, dtype)
+        # --holdout, --doc-per file|blank-line, .jsonl: documents of their own, every byte (character) kept.
+        alphabet = tokenizer if isinstance(tokenizer, CharTokenizer) else None
+        text = character_documents.chunk_documents(
+            chunk, settings.doc_unit, settings.jsonl_field, tokenizer.kind, alphabet
+        )
+    else:
+        text = corpus.chunk_documents(
+            chunk,
+            settings.doc_unit,
+            settings.jsonl_field,
+            settings.strict,
+            keep_blank=settings.input_format == "wikitext",
+        )
     if len(streams) == 1:
         routes = {streams[0][0]: np.arange(len(text.documents))}
     else:
@@ -147,13 +152,12 @@ def _tokenize_characters(
         ids = np.frombuffer(data, dtype=np.uint8)
         is_space = _BYTE_IS_SPACE[ids]
     else:
-        text, _ = corpus._decode(chunk, strict=True)  # a character alphabet has no stand-in for bad bytes
+        text = character_documents.decode(chunk, "char")  # a character alphabet has no stand-in for bad bytes
         try:
-            ids = tokenizer.encode_text(text, where=f"{chunk.path}, the text from byte {chunk.start.offset}")
-        except ValueError as error:  # a character outside the tokenizer's alphabet
-            raise InputError(
-                f"{error}; train the tokenizer on this text, or give it an --alphabet that holds it"
-            ) from None
+            ids = tokenizer.encode_text(text)
+        except UnknownCharacterError as error:
+            alphabet = str(tokenizer.directory / tokenizer.files[0])
+            raise character_documents.unknown_character(chunk, text, error, alphabet) from None
         is_space = tokenizer.is_space[ids]
     newline = tokenizer.eos_id
     if len(ids) and ids[-1] != newline:

@@ -22,7 +22,15 @@ The output directory holds the tokenizer's file (``spm.model``, ``vocab.txt``, `
 ``tokenizer.json``; load it with `txl_dist.tokenizer.load_tokenizer`. Only the training split of --format lm1b|ptb
 is read. An input without a document (empty or blank files) is an error, before anything is written, unless
 --allow-empty (a word vocabulary of the special symbols only). A write failure (read-only or full output) is one
-line naming the file.
+line naming the file. The tokenizer is written into a staging folder inside --output and moved into place when it
+is complete, so that an error or Ctrl-C leaves --output as it was (a tokenizer there with --overwrite included)
+and removes a folder this run created. A flag that the chosen kind or format does not read (``--vocab-size``
+without sentencepiece, ``--min-count`` without word, ``--alphabet`` without char, ``--held-out-bytes`` without
+enwik8|text8, ``--doc-per`` or ``--strict`` for a byte tokenizer, ...) is refused, as is a damaged zip member
+(its CRC-32 is checked over the whole member, see `data_tools.zip_member`). Byte and char tokenizers read every
+byte (character) of a plain input and the text field of a .jsonl input's records. Exit status: 0 done; 2 a
+refused command line or input (one line naming the flag or file); 1 a failure of the machine (no space, a
+read-only output); 130 interrupted.
 
 Words are counted by ``--workers`` processes, each over the chunks it is given (with numpy for plain
 one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary
@@ -34,6 +42,9 @@ sentence ends, else at whitespace: `training_pieces`), so that documents of one 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +52,15 @@ from pathlib import Path
 from typing import Any
 
 from data_tools import corpus
+from data_tools.command_line import (
+    FAILURE,
+    INTERRUPTED,
+    USAGE_ERROR,
+    OneLineParser,
+    describe_inputs,
+    flag_name,
+    given_flags,
+)
 from data_tools.corpus import InputError, InputFile
 from data_tools.sentencepiece_training import (
     DEFAULT_MAX_SENTENCE_LENGTH,
@@ -88,6 +108,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "wikitext": {"kind": "word", "min_count": 1, "specials": ["<eos>"], "eos": "<eos>", "unk": "<unk>"},
 }
 OWN_FILES = (TOKENIZER_JSON, SENTENCEPIECE_MODEL, "spm.vocab", WORD_VOCAB, BYTE_VOCAB, CHAR_VOCAB)
+STAGING_PREFIX = ".train_tokenizer.partial-"
+"""The folder inside --output where a run writes its tokenizer before moving it in (the name ends in its pid)."""
 
 
 def _training_files(args: argparse.Namespace) -> list[InputFile]:
@@ -110,23 +132,122 @@ def _training_files(args: argparse.Namespace) -> list[InputFile]:
         if args.format == "wikitext":
             return corpus.wikitext_splits(directory)["train"]
         splits = corpus.enwik8_splits if args.format == "enwik8" else corpus.text8_splits
-        return splits(directory, args.held_out_bytes)["train"]
+        held_out = corpus.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
+        return splits(directory, held_out)["train"]
     return corpus.ptb_splits(directory)["train"]
 
 
-def _prepare_output(output: Path, overwrite: bool) -> None:
+def _prepare_output(output: Path, overwrite: bool) -> Path:
+    """Check the output folder (creating it) and make the staging folder inside it where the tokenizer is written.
+    Nothing of a tokenizer already in the folder is touched before the new one is complete (`_install`)."""
     if output.exists() and not output.is_dir():
         raise TrainError(f"{output}: exists and is not a directory")
     output.mkdir(parents=True, exist_ok=True)
+    for path in output.iterdir():  # left by a run that was killed (a Ctrl-C removes its own)
+        if _stale_staging(path.name):
+            shutil.rmtree(path)
     entries = sorted(p.name for p in output.iterdir())
     if entries and not overwrite:
         raise TrainError(f"{output}: not empty ({', '.join(entries[:3])}); pass --overwrite to replace the tokenizer")
-    for name in OWN_FILES:
-        (output / name).unlink(missing_ok=True)
+    staging = output / f"{STAGING_PREFIX}{os.getpid()}"
+    staging.mkdir()
+    return staging
+
+
+def _stale_staging(name: str) -> bool:
+    """Whether ``name`` is the staging folder of a run whose process is gone."""
+    pid = name.removeprefix(STAGING_PREFIX)
+    if pid == name or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def _install(staging: Path, output: Path) -> None:
+    """Move the tokenizer from ``staging`` into ``output``, replacing the files of the one there, with Ctrl-C held
+    back until it is done: tokenizer.json goes first (the folder is no tokenizer meanwhile) and comes back last."""
+    new = sorted(p.name for p in staging.iterdir())
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        (output / TOKENIZER_JSON).unlink(missing_ok=True)
+        for name in OWN_FILES:
+            if name not in new:
+                (output / name).unlink(missing_ok=True)
+        for name in [n for n in new if n != TOKENIZER_JSON] + [TOKENIZER_JSON]:
+            os.replace(staging / name, output / name)
+        staging.rmdir()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _clean_up(output: Path, staging: Path | None, created: bool) -> None:
+    """Remove what a run that stops leaves: its staging folder, and the output folder when this run created it."""
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+    if created and output.is_dir() and not any(output.iterdir()):
+        try:
+            output.rmdir()
+        except OSError:  # another process put a file there meanwhile: not ours to remove
+            pass
+
+
+# The flags each kind of tokenizer reads; given to another kind, they are refused rather than ignored.
+KIND_FLAGS = {
+    "sentencepiece": (
+        "vocab_size",
+        "model_type",
+        "character_coverage",
+        "input_sentence_size",
+        "seed",
+        "max_sentence_length",
+        "user_symbols",
+        "eod_symbol",
+        "threads",
+    ),
+    "word": ("min_count", "max_size", "specials", "eos", "eod", "unk", "workers"),
+    "char": ("alphabet",),
+}
+
+
+def _refuse_flags_that_do_not_apply(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set) -> None:
+    """A flag given on the command line that the chosen kind and format do not read is an error."""
+    if args.kind == "sentencepiece" and "workers" in given:
+        raise TrainError(
+            f"--workers {args.workers}: only --kind word counts in processes; sentencepiece trains with --threads"
+        )
+    for kind, flags in KIND_FLAGS.items():
+        for dest in sorted(given & set(flags)):
+            if args.kind != kind:
+                raise TrainError(f"{flag_name(parser, dest)}: applies to --kind {kind} only, not to --kind {args.kind}")
+    if "held_out_bytes" in given and args.format not in corpus.CHARACTER_FORMATS:
+        raise TrainError(
+            f"--held-out-bytes {args.held_out_bytes}: applies to --format enwik8|text8 only, not to --format "
+            f"{args.format}"
+        )
+    if args.kind in ("byte", "char") and "doc_per" in given:
+        raise TrainError(
+            f"--doc-per {args.doc_per}: a {args.kind} tokenizer's vocabulary does not depend on what a document "
+            f"is; give --doc-per to build_shards"
+        )
+    if args.kind == "sentencepiece" and args.allow_empty:
+        raise TrainError("--allow-empty: a sentencepiece model cannot be trained on an empty input")
+    if args.kind == "byte" and args.strict:
+        raise TrainError("--strict: a byte tokenizer keeps every byte, those that are not UTF-8 too; drop --strict")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    return _parser(argv).parse_args(argv)
+
+
+def _parser(argv: Sequence[str] | None) -> argparse.ArgumentParser:
+    """The command line's parser, with the defaults of the --preset that ``argv`` names."""
+    parser = OneLineParser(
+        name="train_tokenizer",
         prog="python -m data_tools.train_tokenizer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -159,7 +280,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     preset = parser.parse_known_args(argv)[0].preset
     if preset:
         parser.set_defaults(**PRESETS[preset])
-    return parser.parse_args(argv)
+    return parser
 
 
 def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,9 +319,8 @@ def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--held-out-bytes",
         type=int,
-        default=corpus.HELD_OUT_BYTES,
         help="--format enwik8|text8: bytes of valid and of test at the end of the file, left out "
-        "of training (the authors' 5,000,000; smaller for a scaled-down copy)",
+        f"of training (the authors' {corpus.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
     )
     char = parser.add_argument_group("char")
     char.add_argument(
@@ -217,17 +337,19 @@ def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = _parser(argv)
+    args = parser.parse_args(argv)
     started = time.perf_counter()
-    created = False
+    created, staging, installed = False, None, False
     try:
         if args.kind is None:
             raise TrainError("--kind: choose sentencepiece, word, byte or char (or a --preset)")
-        if args.kind == "sentencepiece" and args.workers != 1:
-            raise TrainError(
-                f"--workers {args.workers}: only --kind word counts in processes; sentencepiece trains with --threads"
-            )
+        _refuse_flags_that_do_not_apply(parser, args, given_flags(parser, argv))
         files = _training_files(args)
+        if args.jsonl_field != "text" and not any(f.jsonl for f in files):
+            raise TrainError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
+        if args.doc_per is not None and files and all(f.jsonl for f in files):
+            raise TrainError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
         try:  # before anything in the output is deleted
             refuse_output_over_inputs(
                 args.output, [f.name for f in files if not f.name.startswith(corpus.TREEBANK_PREFIX)]
@@ -235,40 +357,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OutputPathError as error:
             raise TrainError(str(error)) from None
         created = not args.output.exists()
-        _prepare_output(args.output, args.overwrite)
+        staging = _prepare_output(args.output, args.overwrite)
         reading = Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress, args.allow_empty)
-        tokenizer = _train(args, reading)
+        tokenizer = _train(args, reading, staging)
+        _install(staging, args.output)
+        installed = True
     except (TrainError, InputError, TokenizerError, OSError) as error:
         # A refused input leaves no trace: the folder this run created goes again while nothing is in it.
-        if created and args.output.is_dir() and not any(args.output.iterdir()):
-            try:
-                args.output.rmdir()
-            except OSError:  # another process put a file there meanwhile: not ours to remove
-                pass
-        # OSError: a read-only or full output, a file where the folder should be.
+        _clean_up(args.output, staging, created)
+        # OSError: a read-only or full output, a file where the folder should be; named by the output's path, as
+        # the staging folder's name means nothing to a user.
         message = describe_os_error(error) if isinstance(error, OSError) else str(error)
+        if staging is not None:
+            message = message.replace(str(staging), str(args.output))
         print(f"train_tokenizer: error: {message}", file=sys.stderr)
-        return 1
+        return FAILURE if isinstance(error, OSError) else USAGE_ERROR
+    except KeyboardInterrupt:
+        if installed:  # the Ctrl-C held back while the tokenizer was moved in
+            print(f"train_tokenizer: interrupted; the tokenizer in {args.output} is complete", file=sys.stderr)
+        else:
+            _clean_up(args.output, staging, created)
+            left = "removed again" if created else "left as it was"
+            print(f"train_tokenizer: interrupted; nothing written, {args.output} {left}", file=sys.stderr)
+        return INTERRUPTED
     statistics = reading.statistics
     print(
         f"train_tokenizer: {tokenizer.kind} tokenizer of {tokenizer.vocab_size:,} entries in {args.output} "
         f"(eos {tokenizer.eos_id}, eod {tokenizer.eod_id}, unk {tokenizer.unk_id}) from {statistics['documents']:,} "
         f"documents, {statistics['lines']:,} lines; {statistics['empty_documents']:,} empty documents skipped, "
-        f"{statistics['replaced_bytes']:,} non-UTF-8 bytes replaced; {time.perf_counter() - started:.1f} s"
+        f"{statistics['replaced_bytes']:,} non-UTF-8 bytes replaced; {time.perf_counter() - started:.1f} s; "
+        f"read {describe_inputs(files)}"
     )
     return 0
 
 
-def _train(args: argparse.Namespace, reading: Reading) -> Tokenizer:
-    """The tokenizer of ``--kind``, trained on ``reading`` and written to ``--output``."""
+def _train(args: argparse.Namespace, reading: Reading, output: Path) -> Tokenizer:
+    """The tokenizer of ``--kind``, trained on ``reading`` and written to ``output``."""
     if args.kind == "byte":
-        return train_byte(reading, args.output)
+        return train_byte(reading, output)
     if args.kind == "char":
-        return train_char(reading, args.output, args.alphabet)
+        return train_char(reading, output, args.alphabet)
     if args.kind == "word":
         return train_word(
             reading,
-            args.output,
+            output,
             args.min_count,
             args.max_size,
             args.specials,
@@ -279,7 +411,7 @@ def _train(args: argparse.Namespace, reading: Reading) -> Tokenizer:
         )
     return train_sentencepiece(
         reading,
-        args.output,
+        output,
         args.vocab_size,
         args.model_type,
         args.character_coverage,

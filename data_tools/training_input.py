@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from data_tools import corpus
+from data_tools import character_documents, corpus
 from data_tools.corpus import InputFile
 from data_tools.word_counting import CountSettings, WordCounts, count_chunk, counted, start_counting
 from data_tools.workers import WorkerError, ordered_map
@@ -111,8 +111,11 @@ class Reading:
                 f"symbols only"
             )
 
-    def raw_chunks(self, what: str) -> Iterator[corpus.Chunk]:
-        """The input's chunks as read, counted in ``self.statistics`` (every line a document, none skipped)."""
+    def character_texts(self, what: str, kind: str) -> Iterator[tuple[corpus.Chunk, bytes | str]]:
+        """Each chunk of the input and what a tokenizer of ``kind`` (byte, char) reads of it, every byte kept
+        (`character_documents`): a plain input's bytes (byte) or its UTF-8 text (char), each line a document; the
+        text fields of a .jsonl input's records (as UTF-8 for byte), each ending with a newline. Counted in
+        ``self.statistics``."""
         plain = all(not f.compressed for f in self.files)
         with tqdm(
             total=sum(f.size for f in self.files) if plain else None,
@@ -124,10 +127,20 @@ class Reading:
             dynamic_ncols=True,
         ) as bar:
             for chunk in corpus.read_chunks(self.files, "line", corpus.DEFAULT_CHUNK_BYTES):
-                lines = chunk.data.count(b"\n") + (not chunk.data.endswith(b"\n"))
-                self.statistics["documents"] += lines
+                data: bytes | str
+                if chunk.jsonl:
+                    text = character_documents.chunk_documents(chunk, "line", self.jsonl_field, kind)
+                    data = "".join(line + "\n" for document in text.documents for line in document)
+                    if kind == "byte":
+                        data = data.encode("utf-8", "surrogateescape")
+                    documents, lines = len(text.documents), sum(map(len, text.documents))
+                    self.statistics["empty_documents"] += text.empty
+                else:
+                    data = chunk.data if kind == "byte" else character_documents.decode(chunk, kind)
+                    documents = lines = chunk.data.count(b"\n") + (not chunk.data.endswith(b"\n"))
+                self.statistics["documents"] += documents
                 self.statistics["lines"] += lines
                 self.statistics["bytes"] += len(chunk.data)
                 bar.update(len(chunk.data))
-                yield chunk
+                yield chunk, data
         self._check_not_empty()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools import corpus
+from data_tools import character_documents, corpus
 from data_tools.training_input import Reading, TrainError
 from txl_dist.tokenizer import (
     BYTE_VOCAB,
@@ -98,8 +98,8 @@ def train_byte(reading: Reading, output: Path) -> Tokenizer:
     """Every byte value one id (256, id = value), the newline byte the separator; the bytes of the input are
     counted for the record."""
     counts = np.zeros(256, dtype=np.int64)
-    for chunk in reading.raw_chunks("counting bytes"):
-        counts += np.bincount(np.frombuffer(chunk.data, dtype=np.uint8), minlength=256)
+    for _, data in reading.character_texts("counting bytes", "byte"):
+        counts += np.bincount(np.frombuffer(data, dtype=np.uint8), minlength=256)
     write_word_vocab(output / BYTE_VOCAB, [byte_piece(value) for value in range(256)], counts.tolist())
     training = {"kind": "byte", "distinct_bytes": int(np.count_nonzero(counts)), **reading.record()}
     newline = byte_piece(NEWLINE)
@@ -113,20 +113,16 @@ def train_char(reading: Reading, output: Path, alphabet: str | None) -> Tokenize
     given: a training character outside it is then an error naming it) by descending count, ties in code point
     order."""
     counts: collections.Counter = collections.Counter()
-    for chunk in reading.raw_chunks("counting characters"):
-        text, _ = corpus._decode(chunk, strict=True)
+    if alphabet is not None and len(set(alphabet)) != len(alphabet):
+        raise TrainError(f"--alphabet {alphabet!r}: a character appears twice")
+    for chunk, text in reading.character_texts("counting characters", "char"):
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         values, value_counts = np.unique(codes, return_counts=True)
         counts.update(dict(zip(map(chr, values.tolist()), value_counts.tolist())))
         if alphabet is not None:
-            outside = sorted(set(counts) - set(alphabet) - {"\n"})
+            outside = set(counts) - set(alphabet) - {"\n"}
             if outside:
-                raise TrainError(
-                    f"{chunk.path}: character {outside[0]!r} (U+{ord(outside[0]):04X}) is not in "
-                    f"--alphabet {alphabet!r}"
-                )
-    if alphabet is not None and len(set(alphabet)) != len(alphabet):
-        raise TrainError(f"--alphabet {alphabet!r}: a character appears twice")
+                raise _outside_the_alphabet(chunk, text, outside, alphabet, reading.jsonl_field)
     characters = sorted(
         (set(alphabet) if alphabet is not None else set(counts)) - {"\n"},
         key=lambda character: (-counts.get(character, 0), character),
@@ -136,4 +132,26 @@ def train_char(reading: Reading, output: Path, alphabet: str | None) -> Tokenize
     training = {"kind": "char", "alphabet": alphabet, "distinct_characters": len(counts), **reading.record()}
     return write_tokenizer_json(
         output, "char", [CHAR_VOCAB], len(entries), 0, 0, None, {"eos": "\n", "eod": "\n"}, training
+    )
+
+
+def _outside_the_alphabet(chunk: corpus.Chunk, text: str, outside: set[str], alphabet: str, field: str) -> TrainError:
+    """The error for the first character of ``text`` (what the chunk holds for a char tokenizer) that is not in
+    ``alphabet``, naming where it is: the byte offset and line, or the line of the .jsonl record."""
+    advice = "add it to --alphabet, or leave --alphabet out to learn the text's characters"
+    if chunk.jsonl:
+        raw = character_documents.decode(chunk, "char")
+        for number, value in corpus.jsonl_records(raw, chunk, field):
+            found = [c for c in value if c in outside]
+            if found:
+                return TrainError(
+                    f"{chunk.path}, line {number}: character {found[0]!r} (U+{ord(found[0]):04X}) of the record's "
+                    f"text is not in --alphabet {alphabet!r}; {advice}"
+                )
+    index = min(text.find(character) for character in outside if character in text)
+    offset = chunk.start.offset + len(text[:index].encode("utf-8", "surrogatepass"))
+    line = chunk.start.line + text.count("\n", 0, index)
+    return TrainError(
+        f"{chunk.path}: character {text[index]!r} (U+{ord(text[index]):04X}) at byte offset {offset} (line {line}) "
+        f"is not in --alphabet {alphabet!r}; {advice}"
     )

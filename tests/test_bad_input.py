@@ -236,7 +236,7 @@ def test_build_shards_refuses_inputs_inside_its_output_before_deleting_anything(
         ]
     )
     error = capsys.readouterr().err
-    assert status == 1 and error.count("\n") == 1
+    assert status == 2 and error.count("\n") == 1
     assert f"output {shards} contains the input {shards}/train-000000.tar" in error
     assert {p.name: p.read_bytes() for p in shards.iterdir()} == before  # manifest.json and shards kept
 
@@ -251,7 +251,7 @@ def test_train_tokenizer_refuses_inputs_inside_its_output(tmp_path, capsys):
         train_tokenizer.main(
             ["--kind", "word", "--input", str(text), "--output", str(tmp_path / "tok"), "--overwrite", "--no-progress"]
         )
-        == 1
+        == 2
     )
     assert f"contains the input {text}" in capsys.readouterr().err
     assert text.read_text() == "a b c\n"
@@ -266,7 +266,7 @@ def test_train_tokenizer_leaves_no_empty_output_folder_when_it_refuses_its_input
         train_tokenizer.main(
             ["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "new" / "tok"), "--no-progress"]
         )
-        == 1
+        == 2
     )
     assert "no document in the input" in capsys.readouterr().err
     assert not (tmp_path / "new" / "tok").exists()
@@ -294,7 +294,7 @@ def test_a_second_holdout_is_refused_not_dropped(ptb_word_tokenizer, tmp_path, c
         ]
     )
     error = capsys.readouterr().err
-    assert status == 1 and error.count("\n") == 1
+    assert status == 2 and error.count("\n") == 1
     assert "--holdout is given 2 times (valid=0.05, test=0.05)" in error
     assert not (tmp_path / "shards").exists()
 

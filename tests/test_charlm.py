@@ -115,7 +115,7 @@ def test_char_tokenizer_round_trips_text_with_every_utf8_length(tmp_path):
                 "--no-progress",
             ]
         )
-        == 1
+        == 2
     )
 
 

@@ -381,7 +381,7 @@ def test_empty_input_is_an_error_unless_asked_for(ptb_word_tokenizer, tmp_path, 
         train_tokenizer.main(
             ["--kind", "word", "--input", str(empty), "--output", str(tmp_path / "tok"), "--no-progress"]
         )
-        == 1
+        == 2
     )
     error = capsys.readouterr().err
     assert "train_tokenizer: error: no document in the input" in error and f"{empty} (1 files" in error
@@ -411,7 +411,7 @@ def test_empty_input_is_an_error_unless_asked_for(ptb_word_tokenizer, tmp_path, 
         f"train={empty}",
         "--no-progress",
     ]
-    assert build_shards.main(shards) == 1
+    assert build_shards.main(shards) == 2
     assert "build_shards: error: split 'train' has no documents" in capsys.readouterr().err
     assert not (tmp_path / "shards" / "manifest.json").exists()
     assert build_shards.main([*shards, "--resume", "--allow-empty"]) == 0

@@ -197,12 +197,12 @@ def test_train_tokenizer_refuses_a_non_empty_output_and_bad_flags(ptb_text_dir, 
     output.mkdir()
     (output / "notes.txt").write_text("mine")
     argv = ["--kind", "word", "--input", str(ptb_text_dir / "ptb.valid.txt"), "--output", str(output), "--no-progress"]
-    assert train_tokenizer.main(argv) == 1
+    assert train_tokenizer.main(argv) == 2
     assert f"{output}: not empty" in capsys.readouterr().err
-    assert train_tokenizer.main(argv + ["--overwrite", "--eos", "<nope>"]) == 1
+    assert train_tokenizer.main(argv + ["--overwrite", "--eos", "<nope>"]) == 2
     assert "--eos '<nope>' is not one of --specials" in capsys.readouterr().err
     missing = tmp_path / "missing.txt"
-    assert train_tokenizer.main(["--kind", "word", "--input", str(missing), "--output", str(tmp_path / "t2")]) == 1
+    assert train_tokenizer.main(["--kind", "word", "--input", str(missing), "--output", str(tmp_path / "t2")]) == 2
     assert f"{missing}: no such input file" in capsys.readouterr().err
 
 
@@ -470,7 +470,7 @@ def test_sentencepiece_sample_stays_bounded_and_empty_input_is_one_error(tmp_pat
         train_tokenizer.main(
             ["--kind", "sentencepiece", "--input", str(blank), "--output", str(tmp_path / "none"), "--no-progress"]
         )
-        == 1
+        == 2
     )
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "no document in the input" in error[0] and "blank.txt" in error[0]

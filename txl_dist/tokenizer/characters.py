@@ -14,6 +14,16 @@ NEWLINE = 10
 """The byte tokenizer's ``eos_id`` and ``eod_id``: the newline byte."""
 
 
+class UnknownCharacterError(ValueError):
+    """A character outside a char tokenizer's alphabet: ``character``, at ``index`` (in characters) of the text
+    encoded, so that a caller that knows where the text came from can name the file and the byte offset."""
+
+    def __init__(self, message: str, character: str, index: int):
+        super().__init__(message)
+        self.character = character
+        self.index = index
+
+
 class ByteTokenizer(Tokenizer):
     """Every byte one id (its value); the newline byte ends lines and documents (see the module docstring)."""
 
@@ -96,15 +106,18 @@ class CharTokenizer(Tokenizer):
         return len(characters)
 
     def encode_codes(self, codes: np.ndarray, where: str = "the text") -> np.ndarray:
-        """Ids (int32) of code points; a character outside the alphabet is an error naming it."""
+        """Ids (int32) of code points; a character outside the alphabet is an `UnknownCharacterError` naming it."""
         inside = codes < len(self._ids)
         ids = self._ids[np.where(inside, codes, 0)] if not inside.all() else self._ids[codes]
         unknown = (ids < 0) | ~inside
         if unknown.any():
             first = int(np.flatnonzero(unknown)[0])
-            raise ValueError(
-                f"{where}: character {chr(int(codes[first]))!r} (U+{int(codes[first]):04X}, "
-                f"character {first}) is not in the alphabet of {self.directory / self.files[0]}"
+            character = chr(int(codes[first]))
+            raise UnknownCharacterError(
+                f"{where}: character {character!r} (U+{int(codes[first]):04X}, "
+                f"character {first}) is not in the alphabet of {self.directory / self.files[0]}",
+                character,
+                first,
             )
         return ids
 

@@ -1,0 +1,63 @@
+"""What the data tools' command lines share: one-line usage errors, the flags a user gave, the exit statuses."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from data_tools.corpus import InputFile
+
+USAGE_ERROR = 2
+"""Exit status of a refused command line or input (what argparse exits with for a bad flag)."""
+FAILURE = 1
+"""Exit status of a command stopped by its surroundings: no space, a read-only output, a worker that died."""
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as a shell reports it."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``NAME: error: MESSAGE`` with exit status 2, as every other
+    refusal of these commands (argparse prints its usage first; ``--help`` still shows it)."""
+
+    def __init__(self, *args, name: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.name = name
+
+    def error(self, message: str) -> None:
+        self.exit(USAGE_ERROR, f"{self.name}: error: {message}\n")
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The destinations of the options that ``argv`` itself sets (not defaults, nor a preset's): parsed again
+    with every default suppressed, so that only what the command line holds lands in the namespace."""
+    saved = [(action, action.default) for action in parser._actions]
+    saved_defaults = parser._defaults
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        parser._defaults = {}
+        namespace, _ = parser.parse_known_args(argv)
+    finally:
+        parser._defaults = saved_defaults
+        for action, default in saved:
+            action.default = default
+    return set(vars(namespace))
+
+
+def flag_name(parser: argparse.ArgumentParser, dest: str) -> str:
+    """The long option of a destination, as the user types it (``held_out_bytes`` -> ``--held-out-bytes``)."""
+    for action in parser._actions:
+        if action.dest == dest and action.option_strings:
+            return max(action.option_strings, key=len)
+    return dest
+
+
+def describe_inputs(files: Sequence[InputFile]) -> str:
+    """The input files, as a summary line names them: the one file (and the member of a zip archive that was
+    read), or how many files there were and the first of them."""
+    names = list(dict.fromkeys(f.name + (f" (its member {f.member})" if f.member else "") for f in files))
+    if len(names) == 1:
+        return names[0]
+    return f"{len(names)} files ({names[0]}, ...)" if names else "no file"
