@@ -35,12 +35,11 @@ def decode(chunk: Chunk, kind: str) -> str:
     try:
         return chunk.data.decode("utf-8")
     except UnicodeDecodeError as error:
-        offset = chunk.start.offset + error.start
-        line = chunk.start.line + chunk.data.count(b"\n", 0, error.start)
-        where = " of the decompressed text" if chunk.path.endswith(".gz") else ""
-        raise InputError(
-            f"{chunk.path}: invalid UTF-8 at byte offset {offset}{where} (line {line}): a char tokenizer reads "
-            f"UTF-8 text only; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8), or use a byte tokenizer"
+        raise corpus.invalid_utf8(
+            chunk,
+            error,
+            ": a char tokenizer reads UTF-8 text only; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8), "
+            "or use a byte tokenizer",
         ) from error
 
 

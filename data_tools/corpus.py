@@ -509,17 +509,22 @@ def chunk_documents(chunk: Chunk, doc_unit: str, jsonl_field: str, strict: bool,
     )
 
 
+def invalid_utf8(chunk: Chunk, error: UnicodeDecodeError, advice: str) -> InputError:
+    """The error for the first byte of ``chunk`` that is not UTF-8: the file, the byte offset (in the decompressed
+    text of a .gz) and the line, then ``advice`` (which starts with its own separator)."""
+    offset = chunk.start.offset + error.start
+    line = chunk.start.line + chunk.data.count(b"\n", 0, error.start)
+    where = " of the decompressed text" if chunk.path.endswith(".gz") else ""
+    return InputError(f"{chunk.path}: invalid UTF-8 at byte offset {offset}{where} (line {line}){advice}")
+
+
 def _decode(chunk: Chunk, strict: bool) -> tuple[str, int]:
     try:
         return chunk.data.decode("utf-8"), 0
     except UnicodeDecodeError as error:
         if strict:
-            offset = chunk.start.offset + error.start
-            line = chunk.start.line + chunk.data.count(b"\n", 0, error.start)
-            where = " of the decompressed text" if chunk.path.endswith(".gz") else ""
-            raise InputError(
-                f"{chunk.path}: invalid UTF-8 at byte offset {offset}{where} (line {line}); fix the file, or drop "
-                f"--strict to replace such bytes with U+FFFD"
+            raise invalid_utf8(
+                chunk, error, "; fix the file, or drop --strict to replace such bytes with U+FFFD"
             ) from error
     # The bytes that 'ignore' drops are exactly the invalid ones (valid UTF-8 re-encodes to itself).
     replaced = len(chunk.data) - len(chunk.data.decode("utf-8", "ignore").encode("utf-8"))

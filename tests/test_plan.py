@@ -219,9 +219,8 @@ def test_print_config_shows_the_plan_as_comments(capsys):
 # --- the planner's vocabulary ---------------------------------------------------------------------------------------
 
 
-def _plan(capsys, *args: str) -> tuple[int, str, str]:
-
-    base = ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--world-size", "2", "--device", "cpu"]
+def _plan(capsys, *args: str, world: tuple[str, ...] = ("--world-size", "2")) -> tuple[int, str, str]:
+    base = ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), *world, "--device", "cpu"]
     try:
         status = plan.main([*base, *args])
     except SystemExit as exited:
@@ -257,20 +256,10 @@ def test_the_planner_refuses_data_shards_without_a_manifest(capsys, tmp_path):
 # --- the planner's world from a hostfile ----------------------------------------------------------------------------
 
 
-def _plan_hosts(capsys, *args: str) -> tuple[int, str, str]:
-    base = ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--device", "cpu"]
-    try:
-        status = plan.main([*base, *args])
-    except SystemExit as exited:
-        status = exited.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
 def test_the_planner_takes_its_world_from_a_hostfile(capsys, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two nodes\nnode1 slots=3 max_slots=4\nnode2 slots=1\n")
-    status, out, _ = _plan_hosts(capsys, "--hostfile", str(hostfile))
+    status, out, _ = _plan(capsys, "--hostfile", str(hostfile), world=())
     assert status == 0 and "4 rank(s) of cpu" in out
 
 
@@ -285,7 +274,7 @@ def test_the_planner_takes_its_world_from_a_hostfile(capsys, tmp_path):
 def test_the_planner_refuses_a_hostfile_that_deepspeeds_runner_mishandles(capsys, tmp_path, text, message):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(text)
-    status, out, err = _plan_hosts(capsys, "--hostfile", str(hostfile))
+    status, out, err = _plan(capsys, "--hostfile", str(hostfile), world=())
     assert status == 2 and out == ""
     last = err.strip().splitlines()[-1]
     assert f"error: {hostfile}{message}" in last
@@ -294,7 +283,7 @@ def test_the_planner_refuses_a_hostfile_that_deepspeeds_runner_mishandles(capsys
 def test_the_planner_wants_one_of_world_size_and_hostfile(capsys, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=2\n")
-    status, _, err = _plan_hosts(capsys, "--hostfile", str(hostfile), "--world-size", "2")
+    status, _, err = _plan(capsys, "--hostfile", str(hostfile), "--world-size", "2", world=())
     assert status == 2 and "not allowed with argument" in err
-    status, _, err = _plan_hosts(capsys)
+    status, _, err = _plan(capsys, world=())
     assert status == 2 and "one of the arguments --world-size --hostfile is required" in err
