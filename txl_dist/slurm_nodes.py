@@ -290,7 +290,8 @@ def decide(
         say(f"the global batch does not split over {worlds} rank(s) (train.global_batch, train.micro_batch): {after}")
         return give_up
     if refused:
-        say(f"{refused[0]} node(s) would not hold the global batch; using {nodes} of the {len(healthy)} left")
+        counts = ", ".join(str(count) for count in refused)
+        say(f"{counts} node(s) would not hold the global batch; using {nodes} of the {len(healthy)} left")
     chosen = healthy[:nodes]
     old_world = len(situation.step_nodes) * situation.ranks_per_node
     say(

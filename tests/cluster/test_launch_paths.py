@@ -1,9 +1,7 @@
 """Every way users start a job, run for real on the two-node test cluster (tests/cluster/harness.py): each trains
 with the per-step losses of a 2-rank torchrun reference of the same run, and Slurm's time limit, scancel,
-preemption and a lost node end as the README says.
-
-Runs of configs/tiny_cpu.yaml, one rank per node, with the learning-rate schedule fixed at `SCHEDULE_STEPS` steps
-whatever train.max_steps says, so that a short run is the start of the reference run step for step.
+preemption and a lost node below TXL_MIN_NODES end as the README says (the run: tests/cluster/runs.py; elastic
+runs: tests/cluster/test_elastic.py).
 """
 
 from __future__ import annotations
@@ -11,133 +9,28 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.launcher import REPO, TORCHRUN, environment, free_port, records, run
+from tests.cluster.runs import (
+    CPU,
+    DEEPSPEED,
+    PYTHON,
+    REFERENCE_STEPS,
+    assert_same_losses,
+    fresh,
+    job_output,
+    losses,
+    newest_checkpoint,
+    running_at_step,
+    sbatch_job,
+    train_args,
+)
+from tests.launcher import REPO, environment, free_port
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-PYTHON = sys.executable
-DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
-SCHEDULE_STEPS = 1000
-REFERENCE_STEPS = 700
-CPU = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TXL_PYTHON": PYTHON}
-
-
-def train_args(shards: Path, output: Path, steps: int, *extra: str) -> list[str]:
-    return [
-        "--config",
-        "configs/tiny_cpu.yaml",
-        f"data.shards={shards}",
-        f"train.output_dir={output}",
-        f"train.max_steps={steps}",
-        f"schedule.total_steps={SCHEDULE_STEPS}",
-        "log.every=1",
-        "eval.every=0",
-        "eval.batch_size=64",
-        "eval.tgt_len=32",
-        "checkpoint.every=50",
-        "checkpoint.keep_last=0",
-        *extra,
-    ]
-
-
-@pytest.fixture(scope="module")
-def shared(slurm_cluster, ptb_word_shards) -> Path:
-    """A folder on the filesystem the nodes share, with the PTB shards in it."""
-    directory = slurm_cluster.shared_dir / f"launch-{uuid.uuid4().hex[:8]}"
-    directory.mkdir()
-    shutil.copytree(ptb_word_shards, directory / "shards")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def reference_run(shared) -> Path:
-    """The uninterrupted run on one host: 2 ranks under torchrun (its output directory)."""
-    output = shared / "reference"
-    run(
-        [
-            TORCHRUN,
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            "launchers/train.py",
-            *train_args(shared / "shards", output, REFERENCE_STEPS),
-        ],
-        timeout=400,
-    )
-    return output
-
-
-@pytest.fixture(scope="module")
-def reference(reference_run) -> dict[int, float]:
-    """Per-step losses of the uninterrupted run."""
-    return losses(reference_run)
-
-
-def losses(output: Path) -> dict[int, float]:
-    return {step: record["loss"] for step, record in records(output).items()}
-
-
-def assert_same_losses(output: Path, reference: dict[int, float], steps: int) -> None:
-    got = losses(output)
-    assert sorted(got) == list(range(1, steps + 1)), f"{output}: logged steps {sorted(got)[:5]}...{sorted(got)[-5:]}"
-    different = [step for step in got if got[step] != reference[step]]
-    assert not different, (
-        f"{output}: steps {different[:10]} differ from the reference ({got[different[0]]} vs {reference[different[0]]})"
-    )
-
-
-def assert_same_run(output: Path, reference_run: Path, steps: int, tolerance: float = 1e-5) -> None:
-    """Every step 1..STEPS logged, with the reference's data checksum and its loss within TOLERANCE (relative): a
-    world of another size sums the same gradients in another order. A step logged twice (recomputed after a
-    restart) counts by its last record."""
-    got, expected = records(output), records(reference_run)
-    assert sorted(got) == list(range(1, steps + 1)), f"{output}: logged steps {sorted(got)[:5]}...{sorted(got)[-5:]}"
-    for step in range(1, steps + 1):
-        assert got[step]["data_checksum"] == expected[step]["data_checksum"], (output, step)
-        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=tolerance), (output, step)
-
-
-def sbatch_job(
-    cluster, directory: Path, steps: int, *options: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
-) -> int:
-    return cluster.sbatch(
-        [
-            "--nodes=2",
-            "--ntasks-per-node=1",
-            "--cpus-per-task=1",
-            "--mem=1500",
-            f"--output={directory}/slurm-%j.out",
-            *options,
-            "launchers/slurm.sbatch",
-            *train_args(directory.parent / "shards", directory / "run", steps, *extra),
-        ],
-        env={**CPU, **(env or {})},
-        cwd=REPO,
-    )
-
-
-def job_output(directory: Path) -> str:
-    return "\n".join(path.read_text(errors="replace") for path in sorted(directory.glob("slurm-*.out")))
-
-
-def wait_for_logged_step(output: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        logged = records(output)
-        if logged and max(logged) >= step:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"{output}: no step {step} within {timeout} s")
 
 
 def deepspeed_on_first_node(
@@ -169,12 +62,6 @@ def deepspeed_on_first_node(
 def two_hosts(text: str) -> bool:
     """The ranks' start-up line names both nodes."""
     return bool(re.search(r"ranks' environment: .* on txlnode1, txlnode2", text))
-
-
-def fresh(shared: Path, name: str) -> Path:
-    directory = shared / f"{name}-{uuid.uuid4().hex[:6]}"
-    directory.mkdir()
-    return directory
 
 
 # ---- the launch paths ------------------------------------------------------------------------------------------
@@ -363,15 +250,10 @@ def test_time_limit_checkpoints_requeues_and_the_run_completes_exactly(slurm_clu
             process.wait()
 
 
-def _running_at_step(cluster, job: int, directory: Path, step: int) -> None:
-    assert cluster.wait_job(job, "RUNNING", timeout=120) == "RUNNING"
-    wait_for_logged_step(directory / "run", step)
-
-
 def test_scancel_checkpoints_and_does_not_requeue(slurm_cluster, shared, reference):
     directory = fresh(shared, "scancel")
     job = sbatch_job(slurm_cluster, directory, REFERENCE_STEPS, "--time=5", "--signal=B:USR1@10")
-    _running_at_step(slurm_cluster, job, directory, 5)
+    running_at_step(slurm_cluster, job, directory, 5)
     subprocess.run(["scancel", str(job)], env=slurm_cluster.env(), check=True, timeout=30)
     assert slurm_cluster.wait_job(job, timeout=60) == "CANCELLED"
     time.sleep(6)  # longer than a requeued job would take to show up again as PENDING
@@ -389,7 +271,7 @@ def test_preemption_checkpoints_and_slurm_requeues_the_job_which_resumes_exactly
     rerun resumes from that checkpoint and finishes with the reference losses."""
     directory = fresh(shared, "preempt")
     job = sbatch_job(slurm_cluster, directory, 60, "--time=5", "--signal=B:USR1@10")
-    _running_at_step(slurm_cluster, job, directory, 5)
+    running_at_step(slurm_cluster, job, directory, 5)
     slurm_cluster.scontrol("requeue", str(job))
     assert slurm_cluster.wait_job(job, "COMPLETED", timeout=180) == "COMPLETED", job_output(directory)[-3000:]
     out = job_output(directory)
@@ -398,67 +280,6 @@ def test_preemption_checkpoints_and_slurm_requeues_the_job_which_resumes_exactly
     assert re.search(rf"resumed from \S+ at step {stopped[0]} \(exact", out), out[-3000:]
     assert "restart 1" in out
     assert_same_losses(directory / "run", reference, 60)
-
-
-def _newest_checkpoint(run: Path) -> int:
-    return max(
-        int(path.name.removeprefix("step"))
-        for path in (run / "checkpoints").glob("step*")
-        if (path / "COMPLETE.json").is_file()
-    )
-
-
-def _print_cost_of_the_loss(directory: Path, lost_at: int, timeout: float = 240) -> None:
-    """Prints how long the job took, from the node's loss, to relaunch and to be back at step LOST_AT (detection,
-    restart and recomputation: the figure the README quotes)."""
-    began = time.monotonic()
-    relaunched = None
-    while time.monotonic() - began < timeout:
-        if relaunched is None and "relaunching on" in job_output(directory):
-            relaunched = round(time.monotonic() - began)
-        metrics = directory / "run" / "metrics.jsonl"
-        if metrics.is_file() and metrics.read_text().count(f'{{"step": {lost_at}, "kind": "train"') >= 2:
-            back = time.monotonic() - began
-            print(f"lost at step {lost_at}: relaunched after {relaunched} s, back at that step after {back:.0f} s")
-            return
-        time.sleep(0.5)
-
-
-def test_a_lost_node_costs_a_relaunch_on_the_node_left_within_the_same_job(slurm_cluster, shared, reference_run):
-    """The second node dies (every process of it) at step 60: the ranks name it, Slurm marks it DOWN, and the
-    batch script starts the step again on the first node alone, inside the same allocation (--no-kill). The one
-    rank resumes from the step-50 checkpoint with 4 accumulation steps instead of 2 and finishes the run: the same
-    data in the same order (checksums equal) and the same losses within float tolerance, without a requeue."""
-    directory = fresh(shared, "elastic")
-    steps = 100
-    job = sbatch_job(slurm_cluster, directory, steps, "--time=5", "--signal=B:USR1@10")
-    _running_at_step(slurm_cluster, job, directory, 60)  # past the checkpoint of step 50
-    lost = slurm_cluster.nodes[1]
-    slurm_cluster.kill_node(lost)
-    try:
-        _print_cost_of_the_loss(directory, max(records(directory / "run")))
-        wait_for_logged_step(directory / "run", steps, timeout=240)
-        state = slurm_cluster.wait_job(job, timeout=60)
-    finally:
-        slurm_cluster.restart_node(lost)
-        slurm_cluster.resume_node(lost)
-    out = job_output(directory)
-    assert state == "COMPLETED", (state, out[-3000:])
-    lost_at = re.search(
-        rf"slurm.sbatch: lost {lost} \(.*DOWN.*\) at step (\d+); newest checkpoint: checkpoint step 50", out
-    )
-    assert lost_at and int(lost_at.group(1)) >= 60, out[-3000:]
-    recomputed = int(lost_at.group(1)) - 50
-    assert re.search(
-        r"relaunch 1 of 3 .* on txlnode1: world 2 -> 1 rank\(s\).*"
-        rf"resuming from checkpoint step 50, {recomputed} step\(s\) recomputed",
-        out,
-    ), out[-3000:]
-    assert re.search(r"resumed from \S+step00000050 at step 50 \(exact", out), out[-3000:]
-    assert "restart 1" not in out and "requeue" not in out, out[-3000:]
-    # One run of the job: Slurm's record of the node's removal (RESIZING), then its end; a requeue would add one.
-    assert [record["JobState"] for record in slurm_cluster.job_history(job)] == ["RESIZING", "COMPLETED"]
-    assert_same_run(directory / "run", reference_run, steps)
 
 
 def test_below_the_node_floor_a_lost_node_ends_the_job_naming_it_and_the_next_job_resumes(
@@ -476,7 +297,7 @@ def test_below_the_node_floor_a_lost_node_ends_the_job_naming_it_and_the_next_jo
         "--no-requeue",
         env={"TXL_MIN_NODES": "2"},
     )
-    _running_at_step(slurm_cluster, job, directory, 60)  # past the checkpoint of step 50
+    running_at_step(slurm_cluster, job, directory, 60)  # past the checkpoint of step 50
     lost = slurm_cluster.nodes[1]
     began = time.monotonic()
     slurm_cluster.kill_node(lost)
@@ -493,7 +314,7 @@ def test_below_the_node_floor_a_lost_node_ends_the_job_naming_it_and_the_next_jo
     finally:
         slurm_cluster.restart_node(lost)
         slurm_cluster.resume_node(lost)
-    newest = _newest_checkpoint(directory / "run")
+    newest = newest_checkpoint(directory / "run")
     again = sbatch_job(slurm_cluster, directory, newest + 10, "--time=5", "--signal=B:USR1@10")
     assert slurm_cluster.wait_job(again, timeout=180) == "COMPLETED", job_output(directory)[-3000:]
     assert re.search(rf"resumed from \S+ at step {newest} \(exact", job_output(directory)), job_output(directory)[
@@ -501,122 +322,3 @@ def test_below_the_node_floor_a_lost_node_ends_the_job_naming_it_and_the_next_jo
     ]
     got = losses(directory / "run")
     assert all(got[step] == reference[step] for step in range(newest + 1, newest + 11))
-
-
-def test_a_bad_relaunch_limit_stops_the_job_before_training(slurm_cluster, shared):
-    directory = fresh(shared, "badlimit")
-    job = sbatch_job(slurm_cluster, directory, 10, "--time=5", env={"TXL_MAX_RELAUNCHES": "three"})
-    assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"
-    out = job_output(directory)
-    errors = [line for line in out.splitlines() if "error" in line]
-    assert errors == ["slurm.sbatch: error: TXL_MAX_RELAUNCHES='three' is not allowed: a whole number of at least 0"], (
-        out[-3000:]
-    )
-    assert "ranks' environment" not in out and not (directory / "run").exists(), out[-3000:]
-    assert slurm_cluster.job_history(job)[-1]["ExitCode"] == "2:0"
-
-
-# ---- torchrun's elastic agent ------------------------------------------------------------------------------------
-
-TORCHRUN_STEPS = 100
-# The rendezvous completes 5 s after its first MIN nodes joined (torch's default, 30 s, only makes a test slower).
-RDZV_CONF = "last_call_timeout=5"
-
-
-def _elastic_torchrun(cluster, node: str, directory: Path, port: int) -> subprocess.Popen:
-    """`torchrun --nnodes 1:2 --rdzv-backend c10d` on NODE, as the README shows it, its output in a file of
-    DIRECTORY; the rendezvous store on the first node."""
-    log = open(directory / f"torchrun-{node}.log", "ab")
-    try:
-        return cluster.popen_on(
-            node,
-            [
-                TORCHRUN,
-                "--nnodes",
-                "1:2",
-                "--nproc-per-node",
-                "1",
-                "--max-restarts",
-                "3",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"{cluster.nodes[0]}:{port}",
-                "--rdzv-id",
-                directory.name,
-                "--rdzv-conf",
-                RDZV_CONF,
-                "launchers/train.py",
-                *train_args(directory.parent / "shards", directory / "run", TORCHRUN_STEPS),
-            ],
-            env=CPU,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    finally:
-        log.close()
-
-
-def _agent_output(directory: Path) -> str:
-    return "\n".join(path.read_text(errors="replace") for path in sorted(directory.glob("torchrun-*.log")))
-
-
-def _finished(process: subprocess.Popen, directory: Path, timeout: float) -> str:
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail(f"torchrun still ran after {timeout} s:\n{_agent_output(directory)[-4000:]}")
-    out = _agent_output(directory)
-    assert process.returncode == 0, out[-4000:]
-    return out
-
-
-def test_torchrun_elastic_goes_on_at_world_1_when_the_other_node_dies(slurm_cluster, shared, reference_run):
-    """Both agents form a world of 2; at step 60 the second node dies with its agent and rank. The first rank
-    names it and exits 1; its agent (a restart left of --max-restarts) meets the rendezvous alone, restarts the
-    worker at world 1, which resumes from the step-50 checkpoint and finishes: exit 0, the reference's data and
-    losses."""
-    directory = fresh(shared, "torchrun-shrink")
-    port = free_port()
-    first = _elastic_torchrun(slurm_cluster, slurm_cluster.nodes[0], directory, port)
-    try:
-        _elastic_torchrun(slurm_cluster, slurm_cluster.nodes[1], directory, port)
-        wait_for_logged_step(directory / "run", 60)
-        slurm_cluster.kill_node(slurm_cluster.nodes[1])
-        out = _finished(first, directory, timeout=240)
-    finally:
-        first.kill()
-        slurm_cluster.restart_node(slurm_cluster.nodes[1])
-        slurm_cluster.resume_node(slurm_cluster.nodes[1])
-    named = [line for line in out.splitlines() if line.startswith("train.py: error")]
-    assert named and f"rank 1 ({slurm_cluster.nodes[1]}" in named[0], out[-4000:]
-    assert re.search(r"on 1 rank\(s\): global batch 8 = 1 ranks x micro-batch 2 x 4 accumulation", out), out[-4000:]
-    assert re.search(r"resumed from \S+step00000050 at step 50 \(exact", out), out[-4000:]
-    assert_same_run(directory / "run", reference_run, TORCHRUN_STEPS)
-
-
-def test_torchrun_elastic_grows_to_world_2_when_a_node_joins(slurm_cluster, shared, reference_run):
-    """The first agent trains alone (world 1, 4 accumulation steps); a second agent started later joins the
-    rendezvous, the first agent stops its worker (SIGTERM: a checkpoint at the step it was at) and both start at
-    world 2 from that checkpoint. Membership changes do not use up --max-restarts; the run ends with the
-    reference's data and losses."""
-    directory = fresh(shared, "torchrun-grow")
-    port = free_port()
-    first = _elastic_torchrun(slurm_cluster, slurm_cluster.nodes[0], directory, port)
-    second = None
-    try:
-        wait_for_logged_step(directory / "run", 20)
-        second = _elastic_torchrun(slurm_cluster, slurm_cluster.nodes[1], directory, port)
-        out = _finished(first, directory, timeout=240)
-        _finished(second, directory, timeout=60)
-    finally:
-        for process in (first, second):
-            if process is not None:
-                process.kill()
-    assert "on 1 rank(s)" in out and "on 2 rank(s)" in out, out[-4000:]
-    stopped = re.search(r"done: (\d+) steps \(\d+ this run\) in [0-9.]+ s, [0-9]+ tokens/s, stopped by SIGTERM", out)
-    assert stopped and 20 <= int(stopped.group(1)) < TORCHRUN_STEPS, out[-4000:]
-    assert re.search(rf"resumed from \S+ at step {stopped.group(1)} \(exact", out), out[-4000:]
-    assert_same_run(directory / "run", reference_run, TORCHRUN_STEPS)
