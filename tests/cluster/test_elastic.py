@@ -104,6 +104,11 @@ def test_a_bad_relaunch_limit_stops_the_job_before_training(slurm_cluster, share
 TORCHRUN_STEPS = 100
 # The rendezvous completes 5 s after its first MIN nodes joined (torch's default, 30 s, only makes a test slower).
 RDZV_CONF = "last_call_timeout=5"
+# torch 2.13's agents share the rendezvous store with the workers by default; then an agent that stays rank 0 when
+# a node joins does not publish the new round's MASTER_ADDR, and the joining agent times out waiting for it
+# (`wait timeout after 60000ms, keys: /torch.rendezvous.RUN.1/MASTER_ADDR`). With the sharing off, rank 0's worker
+# hosts the workers' store each round, as before torch 2.4.
+AGENT_ENV = {**CPU, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def _elastic_torchrun(cluster, node: str, directory: Path, port: int) -> subprocess.Popen:
@@ -132,7 +137,7 @@ def _elastic_torchrun(cluster, node: str, directory: Path, port: int) -> subproc
                 "launchers/train.py",
                 *train_args(directory.parent / "shards", directory / "run", TORCHRUN_STEPS),
             ],
-            env=CPU,
+            env=AGENT_ENV,
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
