@@ -23,25 +23,27 @@ from tests.cluster.runs import (
     train_args,
     wait_for_logged_step,
 )
-from tests.launcher import REPO, TORCHRUN, free_port, records
+from tests.launcher import REPO, TORCHRUN, free_port, rank_processes, records
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 
 def _print_cost_of_the_loss(directory: Path, lost_at: int, timeout: float = 240) -> None:
-    """Prints how long the job took, from the node's loss, to relaunch and to be back at step LOST_AT (detection,
-    restart and recomputation: the figure the README quotes)."""
+    """Prints how long the job took, from the node's loss, to relaunch the step, to resume, and to be back at step
+    LOST_AT (detection, restart, recomputation: the figures the README quotes). The resumed run rewinds
+    metrics.jsonl to its checkpoint, so being back is a logged LOST_AT after the resume."""
     began = time.monotonic()
-    relaunched = None
-    while time.monotonic() - began < timeout:
-        if relaunched is None and "relaunching on" in job_output(directory):
-            relaunched = round(time.monotonic() - began)
-        metrics = directory / "run" / "metrics.jsonl"
-        if metrics.is_file() and metrics.read_text().count(f'{{"step": {lost_at}, "kind": "train"') >= 2:
-            back = time.monotonic() - began
-            print(f"lost at step {lost_at}: relaunched after {relaunched} s, back at that step after {back:.0f} s")
-            return
+    marks: dict[str, float] = {}
+    while time.monotonic() - began < timeout and "back" not in marks:
+        out = job_output(directory)
+        for mark, text in (("relaunched", "relaunching on"), ("resumed", "resumed from")):
+            if mark not in marks and text in out:
+                marks[mark] = time.monotonic() - began
+        logged = records(directory / "run")
+        if "resumed" in marks and logged and max(logged) >= lost_at:
+            marks["back"] = time.monotonic() - began
         time.sleep(0.5)
+    print(f"lost at step {lost_at}: " + ", ".join(f"{mark} after {seconds:.0f} s" for mark, seconds in marks.items()))
 
 
 def test_a_lost_node_costs_a_relaunch_on_the_node_left_within_the_same_job(slurm_cluster, shared, reference_run):
@@ -189,14 +191,21 @@ def test_torchrun_elastic_grows_to_world_2_when_a_node_joins(slurm_cluster, shar
     """The first agent trains alone (world 1, 4 accumulation steps); a second agent started later joins the
     rendezvous, the first agent stops its worker (SIGTERM: a checkpoint at the step it was at) and both start at
     world 2 from that checkpoint. Membership changes do not use up --max-restarts; the run ends with the
-    reference's data and losses."""
+    reference's data and losses. The lone worker waits (SIGSTOP) from step 20 until its agent stops it, so that
+    it cannot finish the run before the second agent has started."""
     directory = fresh(shared, "torchrun-grow")
     port = free_port()
     first = _elastic_torchrun(slurm_cluster, slurm_cluster.nodes[0], directory, port)
     second = None
     try:
         wait_for_logged_step(directory / "run", 20)
+        worker = rank_processes(first)[0]
+        worker.suspend()
         second = _elastic_torchrun(slurm_cluster, slurm_cluster.nodes[1], directory, port)
+        deadline = time.monotonic() + 120
+        while "closing signal SIGTERM" not in _agent_output(directory) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker.resume()
         out = _finished(first, directory, timeout=240)
         _finished(second, directory, timeout=60)
     finally:
