@@ -1,4 +1,6 @@
-"""The ``slurm_cluster`` fixture: one real two-node Slurm cluster (tests/cluster/harness.py) for the whole session.
+"""The ``slurm_cluster`` fixture: one real two-node Slurm cluster (tests/cluster/harness.py) for the whole session;
+``shared`` (a folder the nodes share, with the PTB shards) and ``reference_run`` (the uninterrupted 2-rank run that
+every launch path is held to, made once per session: tests/cluster/runs.py).
 
 It skips, with one line saying why, where the cluster cannot run (not root, no namespaces, a missing package:
 ``make cluster-packages``), except on CI (``CI=true``), where these tests must run and the same line fails them.
@@ -9,10 +11,15 @@ stops the daemons of a crashed one). A failing test that used the cluster gets t
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.cluster.harness import DEFAULT_STATE_DIR, Cluster, ClusterUnavailable, check_machine
+from tests.cluster.runs import REFERENCE_STEPS, losses, train_args
+from tests.launcher import TORCHRUN, free_port, run
 
 
 def _unavailable(reason: str) -> None:
@@ -37,6 +44,42 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def shared(slurm_cluster, ptb_word_shards) -> Path:
+    """A folder on the filesystem the nodes share, with the PTB shards in it."""
+    directory = slurm_cluster.shared_dir / f"launch-{uuid.uuid4().hex[:8]}"
+    directory.mkdir()
+    shutil.copytree(ptb_word_shards, directory / "shards")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def reference_run(shared) -> Path:
+    """The uninterrupted run on one host: 2 ranks under torchrun (its output directory)."""
+    output = shared / "reference"
+    run(
+        [
+            TORCHRUN,
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "launchers/train.py",
+            *train_args(shared / "shards", output, REFERENCE_STEPS),
+        ],
+        timeout=400,
+    )
+    return output
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run) -> dict[int, float]:
+    """Per-step losses of the uninterrupted run."""
+    return losses(reference_run)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -979,12 +979,19 @@ class Cluster:
     def wait_job(self, job_id: int, states: Iterable[str] = FINISHED_STATES, timeout: float = 120.0) -> str:
         """Waits until the job is in one of STATES (default: any finished state) and returns that state.
 
-        Raises TimeoutError naming the job, its last state and reason, and the controller's log.
+        Raises TimeoutError naming the job, its last state and reason, and the controller's log. A query that the
+        controller does not answer in time (a loaded machine starves it: "build_job_queue has run for 2000000
+        usec" in its log) is asked again until TIMEOUT.
         """
         wanted = {states} if isinstance(states, str) else set(states)
         deadline = time.monotonic() + timeout
+        state = "(no answer from slurmctld)"
         while True:
-            state = self.job_state(job_id)
+            try:
+                state = self.job_state(job_id)
+            except ClusterError:
+                if time.monotonic() > deadline:
+                    raise
             if state in wanted:
                 return state
             if time.monotonic() > deadline:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -247,3 +248,41 @@ def _commands(pids: list[int]) -> list[str]:
         except OSError:
             continue
     return names
+
+
+def test_slurm_nodes_reads_a_drained_node_of_a_running_job_as_lost(slurm_cluster, job_dir):
+    """txl_dist.slurm_nodes (the relaunch decision of launchers/slurm.sbatch) against the real controller: a node
+    of a running job that an administrator drains is one the next step must avoid; the other is kept."""
+    job_id = slurm_cluster.sbatch(["-N2", "--ntasks-per-node=1", f"--output={job_dir}/out.txt", "--wrap=sleep 120"])
+    try:
+        assert slurm_cluster.wait_job(job_id, "RUNNING", timeout=60) == "RUNNING"
+        slurm_cluster.scontrol("update", f"nodename={slurm_cluster.nodes[1]}", "state=drain", "reason=txl-test")
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "txl_dist.slurm_nodes",
+                "relaunch",
+                "--job",
+                str(job_id),
+                "--step-nodes",
+                ",".join(slurm_cluster.nodes),
+                "--ranks-per-node",
+                "1",
+                "--relaunches",
+                "0",
+                "--",
+                f"train.output_dir={job_dir}/run",
+            ],
+            capture_output=True,
+            text=True,
+            env=slurm_cluster.env({"TXL_MIN_NODES": "1"}),
+            timeout=60,
+        )
+    finally:
+        slurm_cluster.resume_node(slurm_cluster.nodes[1])
+        slurm(slurm_cluster, ["scancel", str(job_id)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"relaunch 1 {slurm_cluster.nodes[0]}\n", result.stderr
+    assert f"lost {slurm_cluster.nodes[1]} (State=" in result.stderr and "DRAIN" in result.stderr, result.stderr
+    assert "before its first logged step; newest checkpoint: the start (no checkpoint yet)" in result.stderr
