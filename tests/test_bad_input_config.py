@@ -423,3 +423,23 @@ def test_an_evaluate_output_it_cannot_write_is_refused_before_the_evaluation(tmp
     # The model does not exist: the output is refused before it is looked for.
     assert evaluate.main([str(tmp_path / "no_model"), "--output", str(output[kind])]) == 2
     assert capsys.readouterr().err.startswith(f"evaluate.py: error: --output {output[kind]}: ")
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "file"])
+def test_synthetic_lm1b_into_a_dangling_link_or_a_file_is_one_line(tmp_path, capsys, kind):
+    from data_tools import synthetic_lm1b
+
+    output = tmp_path / "out"
+    if kind == "file":
+        output.write_text("mine")
+    else:
+        output.symlink_to(tmp_path / "gone")
+    with pytest.raises(SystemExit) as exited:  # was a FileExistsError traceback
+        synthetic_lm1b.main(["--output", str(output), "--scale", "0.0001", "--no-progress"])
+    assert exited.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(f"python -m data_tools.synthetic_lm1b: error: {output}: ")
+    )
