@@ -44,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_tools import corpus
+from txl_dist.fileio import describe_os_error, ensure_directory
 
 ROOT_NAME = "1-billion-word-language-modeling-benchmark-r13output"
 HELDOUT_FILES = tuple(f"news.en.heldout-{i:05d}-of-00050" for i in range(50))
@@ -245,6 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape = CorpusShape(scale=args.scale, seed=args.seed, vocabulary=args.vocabulary)
     except ValueError as error:
         parser.error(str(error))
+    try:  # a file, a dangling link or a read-only folder in the way: one line, before any work
+        ensure_directory(args.output)
+    except OSError as error:
+        parser.error(describe_os_error(error))
     statistics = write_corpus(args.output, shape, args.workers, args.progress)
     print(
         f"synthetic_lm1b: {statistics['train_sentences']:,} training sentences, {statistics['train_words']:,} words, "

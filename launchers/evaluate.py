@@ -243,6 +243,8 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: must be at least 1 (streams over all ranks)")
+    if args.output is not None:
+        _check_output(Path(args.output))
     rank, world_size, device = _distributed()
     overrides = {
         name: value
@@ -287,6 +289,23 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
     summary.update(_scores(result, manifest.splits[args.split], manifest.tokenizer.kind, tokenizer))
     summary["output"] = args.output or str(default_output)
     return summary if rank == 0 else {}
+
+
+def _check_output(output: Path) -> None:
+    """Refuse, before the evaluation, an ``--output`` that the result could not be written to as asked: a dangling
+    symbolic link (the atomic write would replace the link, not create its target), a folder, or a missing one."""
+    from txl_dist.fileio import dangling_link
+
+    target = dangling_link(output)
+    if target is not None:
+        raise ValueError(
+            f"--output {output}: a symbolic link to {target}, which leads nowhere: remove the link or "
+            f"choose another output"
+        )
+    if output.is_dir():
+        raise ValueError(f"--output {output}: a folder; give the JSON file to write (e.g. {output / 'eval.json'})")
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {output}: no folder {output.parent} to write it in")
 
 
 def _summary(args, shards, split, config, result, world_size: int, per_rank: int) -> dict[str, Any]:

@@ -389,3 +389,57 @@ def test_a_folder_or_a_zip_archive_given_as_the_original_state_dict_is_named(tmp
         archive.writestr("readme.txt", "not a checkpoint")
     with pytest.raises(ValueError, match=r"archive.pt: not a readable torch checkpoint \(.* bytes\): .*torch.load: "):
         load_original(tmp_path / "archive.pt")
+
+
+@pytest.mark.parametrize("include", ["''", "['']", f"['{TINY}', '']"])
+def test_an_empty_include_path_is_named_as_such(tmp_path, include):
+    path = write(tmp_path / "run.yaml", f"include: {include}\n")
+    with pytest.raises(ValueError, match=rf"^{path}: include=.* is not allowed: a path or a list of paths"):
+        load_config(path)
+
+
+def test_a_dangling_symbolic_link_as_data_shards_is_named(tmp_path, capsys):
+    from txl_dist.data import read_manifest
+    from txl_dist.training.cli import parse_run_args
+
+    link = tmp_path / "shards"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=rf"^{link}: a symbolic link to {tmp_path / 'gone'}, which leads nowhere"):
+        read_manifest(link)  # evaluate.py --shards, inspect_shards (was: 'rerun build_shards with --resume')
+    argv = ["--config", str(TINY), f"data.shards={link}", f"train.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit):
+        parse_run_args(argv, world_size=1, device="cpu")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(f"data.shards={str(link)!r}: a symbolic link to {tmp_path / 'gone'}, which leads nowhere")
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "folder", "no parent"])
+def test_an_evaluate_output_it_cannot_write_is_refused_before_the_evaluation(tmp_path, capsys, kind):
+    from launchers import evaluate
+
+    output = {"dangling link": tmp_path / "eval.json", "folder": tmp_path, "no parent": tmp_path / "a" / "e.json"}
+    if kind == "dangling link":  # the atomic write would replace the link, and the target stay missing
+        output[kind].symlink_to(tmp_path / "gone.json")
+    # The model does not exist: the output is refused before it is looked for.
+    assert evaluate.main([str(tmp_path / "no_model"), "--output", str(output[kind])]) == 2
+    assert capsys.readouterr().err.startswith(f"evaluate.py: error: --output {output[kind]}: ")
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "file"])
+def test_synthetic_lm1b_into_a_dangling_link_or_a_file_is_one_line(tmp_path, capsys, kind):
+    from data_tools import synthetic_lm1b
+
+    output = tmp_path / "out"
+    if kind == "file":
+        output.write_text("mine")
+    else:
+        output.symlink_to(tmp_path / "gone")
+    with pytest.raises(SystemExit) as exited:  # was a FileExistsError traceback
+        synthetic_lm1b.main(["--output", str(output), "--scale", "0.0001", "--no-progress"])
+    assert exited.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(f"python -m data_tools.synthetic_lm1b: error: {output}: ")
+    )

@@ -130,7 +130,8 @@ def _read_config_file(
         includes = []
     elif isinstance(includes, str):
         includes = [includes]
-    if not isinstance(includes, list) or not all(isinstance(item, str) for item in includes):
+    # An empty path would name the including file's own folder, and be read as "a folder, not a config file"
+    if not isinstance(includes, list) or not all(isinstance(item, str) and item for item in includes):
         raise ValueError(
             f"{shown}: include={includes!r} is not allowed: a path or a list of paths (relative to {shown})"
         )

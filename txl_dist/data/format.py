@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from txl_dist.fileio import atomic_write_text, read_json
+from txl_dist.fileio import atomic_write_text, dangling_link, read_json
 
 FORMAT_NAME = "txl_dist.shards"
 FORMAT_VERSION = 1
@@ -246,6 +246,9 @@ def _entry_from_dict(cls: type, data: Any, where: str) -> Any:
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     path = Path(directory) / MANIFEST_NAME
+    target = dangling_link(directory)
+    if target is not None:  # not an interrupted build: nothing is there
+        raise ManifestError(f"{directory}: a symbolic link to {target}, which leads nowhere (no shard directory)")
     if not path.is_file():
         raise ManifestError(
             f"{path}: no manifest; not a shard directory, or its build did not finish "

@@ -24,6 +24,7 @@ import deepspeed
 
 from txl_dist.config import RunConfig, load_config, with_shards_vocab
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
+from txl_dist.fileio import dangling_link
 from txl_dist.plan import device_memory_of, plan_comment
 from txl_dist.training.deepspeed_config import build_deepspeed_config
 
@@ -158,6 +159,8 @@ def _require_run_paths(cfg: RunConfig) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"train.output_dir={cfg.train.output_dir!r}: a file, not a directory")
     shards = cfg.data.shards
+    if dangling_link(shards) is not None:
+        raise ValueError(f"data.shards={shards!r}: a symbolic link to {dangling_link(shards)}, which leads nowhere")
     if not Path(shards, MANIFEST_NAME).is_file():
         raise ValueError(
             f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
@@ -179,7 +182,7 @@ def _require_writable_directory(output_dir: Path) -> None:
     tell a read-only mount or a root-squashed NFS export)."""
     import tempfile
 
-    from txl_dist.fileio import dangling_link, describe_os_error
+    from txl_dist.fileio import describe_os_error
 
     existing = output_dir
     while not existing.exists() and existing != existing.parent:
