@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,24 @@ def test_verification_names_every_damaged_missing_and_unlisted_file(tmp_path):
     del marker["files"]
     (tag_dir / COMPLETE).write_text(json.dumps(marker))
     assert "lists no file checksums" in verify_checkpoint(tag_dir)[0]
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../outside.bin", "txl_rank_states/../../outside.bin"])
+def test_verification_refuses_a_listed_name_outside_the_checkpoint(tmp_path, name):
+    tag_dir = _checkpoint(tmp_path)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not a checkpoint file")
+    marker = json.loads((tag_dir / COMPLETE).read_text())
+    # The size and CRC of the real file, so that only the name can give it away.
+    size, crc = outside.stat().st_size, f"{zlib.crc32(outside.read_bytes()):08x}"
+    if name.startswith("/"):
+        data = Path(name).read_bytes()
+        size, crc = len(data), f"{zlib.crc32(data):08x}"
+    entry = next(iter(marker["files"].values()))
+    marker["files"][name] = {**entry, "bytes": size, "crc32": crc}
+    (tag_dir / COMPLETE).write_text(json.dumps(marker))
+    problems = verify_checkpoint(tag_dir)
+    assert f"{tag_dir / COMPLETE}: lists {name!r}, which is not a file inside {tag_dir}" in problems, problems
 
 
 # ---- weights-only loading ----------------------------------------------------------------------------------------

@@ -90,6 +90,10 @@ def check_files(
     problems, to_read = [], []
     for name, want in sorted(expected.items()):
         path = tag_dir / name
+        if os.path.isabs(name) or ".." in Path(name).parts:
+            # A damaged or hand-edited record must not make verification read (or vouch for) a file elsewhere.
+            problems.append(f"{tag_dir / marker}: lists {name!r}, which is not a file inside {tag_dir}")
+            continue
         try:
             size = path.stat().st_size
         except FileNotFoundError:
