@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher import REPO, TORCHRUN, environment, finish, free_port, rank_processes, start, wait_for_step
+from tests.launcher import (
+    REPO,
+    TORCHRUN,
+    environment,
+    finish,
+    free_port,
+    rank_processes,
+    start,
+    torchrun_command,
+    wait_for_step,
+)
 
 TRAIN = "launchers/train.py"
 
@@ -44,19 +54,7 @@ def _rank_tracebacks(out: str) -> list[str]:
 
 def test_a_stopped_rank_is_named_within_the_stall_timeout_and_the_job_ends_non_zero(ptb_word_shards, tmp_path):
     output = tmp_path / "stalled"
-    process = start(
-        [
-            TORCHRUN,
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            TRAIN,
-            *_args(ptb_word_shards, output, "train.stall_timeout=6"),
-        ]
-    )
+    process = start(torchrun_command(TRAIN, _args(ptb_word_shards, output, "train.stall_timeout=6")))
     wait_for_step(output, 12, process)
     stopped = rank_processes(process)[1]
     stopped.send_signal(signal.SIGSTOP)  # a hung GPU or a dead NIC, as far as the other ranks can tell

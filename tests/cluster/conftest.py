@@ -19,7 +19,7 @@ import pytest
 
 from tests.cluster.harness import DEFAULT_STATE_DIR, Cluster, ClusterUnavailable, check_machine
 from tests.cluster.runs import REFERENCE_STEPS, losses, train_args
-from tests.launcher import TORCHRUN, free_port, run
+from tests.launcher import run, torchrun_command
 
 
 def _unavailable(reason: str) -> None:
@@ -59,20 +59,7 @@ def shared(slurm_cluster, ptb_word_shards) -> Path:
 def reference_run(shared) -> Path:
     """The uninterrupted run on one host: 2 ranks under torchrun (its output directory)."""
     output = shared / "reference"
-    run(
-        [
-            TORCHRUN,
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            "launchers/train.py",
-            *train_args(shared / "shards", output, REFERENCE_STEPS),
-        ],
-        timeout=400,
-    )
+    run(torchrun_command("launchers/train.py", train_args(shared / "shards", output, REFERENCE_STEPS)), timeout=400)
     return output
 
 
