@@ -13,6 +13,7 @@ that cannot happen.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -22,7 +23,7 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from txl_dist import slurm_env
+from txl_dist import launch_formats, slurm_env
 from txl_dist.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.training.world
     COMPARED_VARIABLES,
     FORWARDED_BY_DEEPSPEED,
@@ -352,8 +353,6 @@ def refuse_lone_batch_process(environ: Mapping[str, str], command: str = "python
 
 def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, extra: tuple[str, ...] = (), **kwargs):
     """`txl_dist.launch_formats.write_deepspeed_env` (kept here, where the run's variables are named)."""
-    from txl_dist import launch_formats
-
     return launch_formats.write_deepspeed_env(path, environ, extra, **kwargs)
 
 
@@ -361,10 +360,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m txl_dist.launch_env [--write-deepspeed-env [--launcher L] [--path P] [--also KEY ...]]
     [--hostfile H]``: show the launch this process sees (checked, with its rendezvous address resolved), write the
     run's variables into ``.deepspeed_env`` for the runner's launcher, or check a hostfile for DeepSpeed's runner."""
-    import argparse
-
-    from txl_dist import launch_formats
-
     parser = argparse.ArgumentParser(prog="python -m txl_dist.launch_env", description=main.__doc__)
     parser.add_argument(
         "--write-deepspeed-env",

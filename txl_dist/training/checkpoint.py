@@ -16,6 +16,7 @@ and always the newest verified one, so a damaged checkpoint never pushes the las
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -346,8 +347,6 @@ class CheckpointManager:
         if not has_optimizer_partitions(source):
             universal_from_stage0(source, target, names)
             return
-        import argparse
-
         from deepspeed.checkpoint import ds_to_universal
 
         log.info(

@@ -113,6 +113,7 @@ class RunLogger:
         if self._metrics is not None:
             self.earlier_starts = self._metrics.earlier_starts
         if tensorboard:
+            # Here, not at the top: tensorboard_events imports this module (file_identity, require_same_file).
             from txl_dist.training.tensorboard_events import EventFile
 
             # From the step after the resumed one, always: a run restarted from step 0 (killed before its first

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from txl_dist.config import RunConfig
+from txl_dist.training import run_info
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.stream_memory import SlotMemories
 
@@ -160,7 +161,6 @@ def log_start(
     """Collective (the ranks' host names): the run's first lines (its model, batch layout and steps, then the
     memory plan of a rank), and this start's TensorBoard text and HParams session (`txl_dist.training.run_info`)."""
     from txl_dist.plan import describe, device_memory_of
-    from txl_dist.training import run_info
 
     hosts = run_info.host_names()
 
