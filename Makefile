@@ -40,10 +40,10 @@ $(HF_STAMP):
 	touch $@
 
 # DeepSpeed compiles its shared-memory communication op on first use (30-70 s); build it once here, into this
-# environment's own cache ($(VENV)/torch_extensions, with its own ninja: txl_dist.training.world), so that no
+# environment's own cache ($(VENV)/torch_extensions, with its own ninja: txl_dist.world.process_group), so that no
 # launch compiles, whatever PATH a node gives its ranks.
 warm: venv
-	$(CPU_ENV) $(BIN)/python -m txl_dist.training.world
+	$(CPU_ENV) $(BIN)/python -m txl_dist.world.process_group
 
 # ruff, pinned in the test extra, configured in pyproject.toml: lint errors and unformatted files both fail.
 lint: venv

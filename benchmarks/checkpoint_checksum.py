@@ -14,7 +14,7 @@ tensors are random. Each repeat writes the whole set three ways, in rotating ord
                 `txl_dist.fileio.atomic_write_checksummed`).
 
 The checksum's save-time overhead is checksummed - atomic. Then the set is verified as a resume does
-(`txl_dist.training.checkpoint_verify.check_files`: each file's size, then its CRC-32): warm (just written, in the page
+(`txl_dist.checkpoints.verify.check_files`: each file's size, then its CRC-32): warm (just written, in the page
 cache) and cold (each file evicted from the page cache with posix_fadvise(DONTNEED) first, so it is read from
 disk), with one thread over all files and the largest share one rank gets when the ranks share the reading. The
 in-memory speed of CRC-32 and of sha256 (the shards' checksum) is printed beside, for the choice. The last line is
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
+from txl_dist.checkpoints.verify import check_files, deal_files_to_ranks
 from txl_dist.fileio import FileChecksum, atomic_write, atomic_write_checksummed, file_checksum
 from txl_dist.model import TransformerXLLM, preset
-from txl_dist.training.checkpoint_verify import check_files, deal_files_to_ranks
 
 
 def lm1b_base_parameters() -> int:

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from txl_dist.fileio import check_output_path, describe_os_error
-from txl_dist.interrupts import one_line_on_stop
+from txl_dist.world.interrupts import one_line_on_stop
 
 
 def zero_to_export(args: argparse.Namespace) -> str:

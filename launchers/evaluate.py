@@ -35,8 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from txl_dist.interrupts import one_line_on_stop, stop_this_process
-from txl_dist.training.launcher_watch import watching_launcher
+from txl_dist.world.interrupts import one_line_on_stop, stop_this_process
+from txl_dist.world.launcher_watch import watching_launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _distributed() -> tuple[int, int, Any]:
     """(rank, world size, device); a process group, as the trainer's, when a launcher started several processes."""
-    from txl_dist import launch_env
-    from txl_dist.training import ranks
+    from txl_dist.world import launch_env, ranks
 
     # torchrun, deepspeed, srun or mpirun: the same world whichever started the ranks.
     if launch_env.resolve(os.environ).world_size > 1:
@@ -100,7 +99,7 @@ def _verify_once(path: Path, verify: bool) -> None:
     import torch.distributed as dist
 
     from txl_dist.convert.zero import CheckpointError, locate_checkpoint, require_verified
-    from txl_dist.training.ranks import broadcast
+    from txl_dist.world.ranks import broadcast
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     problem = None

@@ -20,7 +20,7 @@ import argparse
 import math
 import sys
 
-from txl_dist.interrupts import one_line_on_stop
+from txl_dist.world.interrupts import one_line_on_stop
 
 
 def _parser() -> argparse.ArgumentParser:

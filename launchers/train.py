@@ -4,7 +4,7 @@
     deepspeed --num_gpus 8 launchers/train.py --config configs/lm1b_base.yaml \\
         data.shards=/data/lm1b/shards train.output_dir=runs/lm1b_base
     # several nodes: the launcher's flags come before the script; .deepspeed_env carries your variables to them
-    python -m txl_dist.launch_env --write-deepspeed-env
+    python -m txl_dist.world.launch_env --write-deepspeed-env
     deepspeed --hostfile launchers/hostfile.example launchers/train.py --config configs/lm1b_large.yaml \\
         data.shards=/shared/lm1b/shards train.output_dir=/shared/runs/lm1b_large
     # Slurm: a batch job (one task per rank), or srun, or DeepSpeed's srun/mpirun launchers
@@ -22,7 +22,7 @@ Rerunning the same command resumes from the newest checkpoint in train.output_di
 directory (a second is refused; the lock of a killed run is taken over). SIGTERM, SIGINT, or the end of the process
 that started the job (the deepspeed runner, srun's task) checkpoints and exits 0. A failure on any rank stops every
 rank with one message; a rank that dies or stops making progress (train.stall_timeout) is named. The rank and world
-come from whichever launcher started the process (txl_dist.launch_env); one that cannot form one world, or a
+come from whichever launcher started the process (txl_dist.world.launch_env); one that cannot form one world, or a
 process alone in the batch script of a Slurm allocation of several tasks (start it with srun; TXL_SINGLE_RANK=1
 to run it alone), stops with one line before anything starts. `--print-config` prints the resolved
 configuration and exits. Progress: the console, ``{output_dir}/metrics.jsonl`` and ``tensorboard --logdir
@@ -40,7 +40,7 @@ def _launch_environment() -> None:
     """Rank, world and rendezvous address from whichever launcher started this process (torchrun, deepspeed,
     srun, mpirun; a plain ``python launchers/train.py`` is a world of one), checked and written as torch's
     variables; ValueError (one line) for a launch that cannot form one world, before anything has started."""
-    from txl_dist import launch_env
+    from txl_dist.world import launch_env
 
     # Before `apply` writes RANK: a process alone in the batch script of an allocation of several tasks most
     # likely lacks its `srun`, and would train on one task of the allocation.
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     # First, before the heavy imports: signals, and the launcher chain this rank must not outlive.
-    from txl_dist.training.run_guard import RunGuard
+    from txl_dist.world.guard import RunGuard
 
     guard = RunGuard()
     # DeepSpeed calls a torch.distributed function that torch has deprecated, once per collective kind.

@@ -425,9 +425,9 @@ def test_another_zero_stage_is_accepted_before_any_rank_starts_and_stages_1_and_
     import sys
 
     from tests.launcher import copy_at_step, records, run
+    from txl_dist.checkpoints.universal import LoadKind, plan_load
+    from txl_dist.checkpoints.verify import read_marker, saved_zero_stages
     from txl_dist.convert.zero import consolidate_weights, read_training_checkpoint
-    from txl_dist.training.checkpoint_convert import LoadKind, plan_load
-    from txl_dist.training.checkpoint_verify import read_marker, saved_zero_stages
 
     settings = [f"data.shards={small_shards}", "train.max_steps=4", "checkpoint.every=2", "eval.every=0", "log.every=1"]
     first = tmp_path / "zero2"

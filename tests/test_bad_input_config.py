@@ -297,7 +297,7 @@ def _checkpoint(tag_dir: Path) -> Path:
     ],
 )
 def test_a_completion_marker_with_a_field_of_another_kind_is_named(tmp_path, change, message):
-    from txl_dist.training.checkpoint_verify import verify_checkpoint
+    from txl_dist.checkpoints.verify import verify_checkpoint
 
     tag_dir = _checkpoint(tmp_path / "step00000005")
     assert verify_checkpoint(tag_dir) == []

@@ -15,8 +15,8 @@ import pytest
 
 from tests.launcher import REPO, free_port
 from tests.test_launch_env import run_launch_env
-from txl_dist import launch_env
-from txl_dist.launch_env import LaunchError, expand_hostlist, resolve
+from txl_dist.world import launch_env
+from txl_dist.world.launch_env import LaunchError, expand_hostlist, resolve
 
 PYTHON = sys.executable
 TORCH = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -161,7 +161,7 @@ def test_the_consistent_neighbours_of_the_refused_launches_are_read_as_given():
     ],
 )
 def test_the_command_line_prints_no_impossible_world(environ, named):
-    """`python -m txl_dist.launch_env` shows only a launch that can happen: the rest exits 2 with one line."""
+    """`python -m txl_dist.world.launch_env` shows only a launch that can happen: the rest exits 2 with one line."""
     result = run_launch_env(**environ)
     assert result.returncode == 2 and result.stdout == "", result
     assert result.stderr.count("\n") == 1 and named in result.stderr, result.stderr
@@ -276,7 +276,7 @@ def test_a_rank_whose_rendezvous_never_opens_says_so_in_one_line_within_its_time
 def test_a_rank_0_whose_peers_never_come_says_so_in_one_line_within_its_timeout(monkeypatch):
     """Rank 0 of 2 alone: its store waits TXL_RENDEZVOUS_TIMEOUT for the other rank, then one line says how many
     came (a real store, in this process: torch is imported here already)."""
-    from txl_dist.training import world
+    from txl_dist.world import process_group as world
 
     port = free_port()
     _launch_variables_cleared(monkeypatch)

@@ -25,10 +25,11 @@ from txl_dist.config import (
     load_config,
     with_manifest_vocab,
 )
+from txl_dist.config.model import PRESETS, ModelConfig
+from txl_dist.config.sections import bucket_elements
 from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, write_manifest
-from txl_dist.model.config import PRESETS, ModelConfig
 from txl_dist.training.cli import parse_run_args
-from txl_dist.training.deepspeed_config import bucket_elements, build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.schedule import build_lr_scheduler, learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -491,7 +492,8 @@ ENGINE_PROBE = """
 import json, sys
 import deepspeed, torch
 from txl_dist.config import load_config
-from txl_dist.training.deepspeed_config import bucket_elements, build_deepspeed_config, build_torch_optimizer
+from txl_dist.config.sections import bucket_elements
+from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.schedule import build_lr_scheduler
 deepspeed.init_distributed(dist_backend="gloo")
 for files in json.loads(sys.argv[1]):

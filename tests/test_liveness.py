@@ -117,12 +117,14 @@ def test_ranks_that_disagree_on_their_environment_stop_before_training(ptb_word_
 
 
 def _op_build_dir() -> Path:
-    from txl_dist.training import world
+    from txl_dist.world import process_group as world
 
     return world._build_directory(world.prepare_extension_cache(dict(os.environ)), world.SHM_OP_NAME)
 
 
-_LOAD_OP = "from txl_dist.training import world; print('loaded', world.load_shm_op() is not None, flush=True)"
+_LOAD_OP = (
+    "from txl_dist.world import process_group as world; print('loaded', world.load_shm_op() is not None, flush=True)"
+)
 
 
 def _load_op(env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -166,7 +168,7 @@ def test_a_launch_after_a_build_killed_midway_does_not_wait_forever(tmp_path):
 
 def test_a_build_in_progress_is_waited_for_not_removed(tmp_path):
     """The lock file of a build that is running (its builder holds our build lock) is not stale."""
-    from txl_dist.training import world
+    from txl_dist.world import process_group as world
 
     cache = world.prepare_extension_cache(dict(os.environ))
     holder = subprocess.Popen(
@@ -174,7 +176,7 @@ def test_a_build_in_progress_is_waited_for_not_removed(tmp_path):
             sys.executable,
             "-c",
             (
-                "import sys, time; from pathlib import Path; from txl_dist.training import world\n"
+                "import sys, time; from pathlib import Path; from txl_dist.world import process_group as world\n"
                 f"cache = Path({str(cache)!r})\n"
                 "with world.build_lock(cache):\n"
                 "    lock = world._build_directory(cache, world.SHM_OP_NAME) / 'lock'; lock.write_text('')\n"

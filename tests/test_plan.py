@@ -13,8 +13,8 @@ import torch
 
 from txl_dist import plan
 from txl_dist.config import load_config, with_manifest_vocab
+from txl_dist.config.model import preset
 from txl_dist.model import TransformerXLLM
-from txl_dist.model.config import preset
 
 REPO = Path(__file__).resolve().parents[1]
 # Sizes that no two shape classes of the formula share (K B h != L B d_inner, ...).

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from txl_dist import fileio
-from txl_dist.training import weights_only
-from txl_dist.training.checkpoint_layout import COMPLETE
-from txl_dist.training.checkpoint_verify import verify_checkpoint
-from txl_dist.training.run_lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
+from txl_dist.checkpoints import weights_only
+from txl_dist.checkpoints.layout import COMPLETE
+from txl_dist.checkpoints.verify import verify_checkpoint
+from txl_dist.world.lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -455,7 +455,7 @@ def test_decoding_a_damaged_shard_is_one_line(ptb_word_shards, ptb_word_tokenize
 
 _RANK = """
 import os, sys, time
-from txl_dist.training.run_guard import RunGuard
+from txl_dist.world.guard import RunGuard
 guard = RunGuard(install_signals=False)
 print("ready", flush=True)
 deadline = time.monotonic() + 30

@@ -1,4 +1,4 @@
-"""txl_dist.slurm_nodes: what launchers/slurm.sbatch does after a failed training step, from Slurm's view of the
+"""txl_dist.world.slurm_nodes: what launchers/slurm.sbatch does after a failed training step, from Slurm's view of the
 job's nodes and the run's own progress (its reading of a real Slurm is tested on the two-node cluster:
 tests/cluster/test_cluster.py)."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from txl_dist import slurm_nodes
-from txl_dist.slurm_nodes import Limits, Situation, decide
+from txl_dist.world import slurm_nodes
+from txl_dist.world.slurm_nodes import Limits, Situation, decide
 
 NODES = ["n1", "n2", "n3", "n4"]
 DEFAULTS = Limits()

@@ -173,7 +173,7 @@ def test_a_signal_to_one_rank_stops_both_and_validation_leaves_training_unchange
 def _check_complete(tag_dir: Path, step: int, reference: Path) -> None:
     """COMPLETE.json of a 2-rank checkpoint: its step, ranks, streams and architecture (the reference run's), and a
     checksum for every file in the folder, which all verify."""
-    from txl_dist.training.checkpoint_verify import verify_checkpoint
+    from txl_dist.checkpoints.verify import verify_checkpoint
 
     marker = json.loads((tag_dir / "COMPLETE.json").read_text())
     expected_architecture = json.loads((reference / "checkpoints" / "step00000040" / "COMPLETE.json").read_text())

@@ -1,5 +1,5 @@
 """A checkpoint resumes under another ZeRO stage and another number of ranks, with its fp32 master weights, Adam's
-moments and step, and the schedule (`txl_dist.training.checkpoint_convert`); a world that cannot hold the global
+moments and step, and the schedule (`txl_dist.checkpoints.universal`); a world that cannot hold the global
 batch is refused in one line naming those that can.
 
 One uninterrupted run (ZeRO-0, one rank, 8 steps, a checkpoint every 2) is the reference; dropout is off and every
@@ -118,7 +118,7 @@ def test_a_checkpoint_resumes_under_another_zero_stage_and_world_size(runs, name
 
 
 def test_the_resume_plan_loads_as_saved_through_deepspeed_or_converted_as_deepspeed_0_19_8_allows():
-    from txl_dist.training.checkpoint_convert import LoadKind, plan_load
+    from txl_dist.checkpoints.universal import LoadKind, plan_load
 
     as_saved, universal, converted = LoadKind.AS_SAVED, LoadKind.UNIVERSAL, LoadKind.CONVERTED
     # (saved stages, saved ranks, optimizer partitions per rank, stage, ranks) -> how

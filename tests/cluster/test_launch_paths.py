@@ -125,7 +125,7 @@ def _deepspeed_env(directory: Path) -> Path:
     """.deepspeed_env written as the README says, from the variables set where deepspeed is typed."""
     path = directory / ".deepspeed_env"
     result = subprocess.run(
-        [PYTHON, "-m", "txl_dist.launch_env", "--write-deepspeed-env", "--path", str(path)],
+        [PYTHON, "-m", "txl_dist.world.launch_env", "--write-deepspeed-env", "--path", str(path)],
         cwd=REPO,
         env={**environment(), **CPU},
         capture_output=True,

@@ -27,9 +27,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from txl_dist.config.model import ModelConfig
 from txl_dist.convert.keymap import KeyMap
 from txl_dist.fileio import check_output_path, copy_tree, staged_output
-from txl_dist.model.config import ModelConfig
 
 # Our keys and HuggingFace's TransfoXLLMHeadModel keys.
 KEY_MAP = KeyMap(

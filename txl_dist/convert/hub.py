@@ -33,9 +33,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from txl_dist.config.model import ModelConfig
 from txl_dist.convert.keymap import KeyMap
 from txl_dist.fileio import check_output_path, staged_output
-from txl_dist.model.config import ModelConfig
 
 HUB_FILES = Path(__file__).with_name("hub_files")
 MODELING_FILES = ("configuration_txl.py", "modeling_txl.py", "memory_txl.py", "attention_txl.py", "adaptive_txl.py")

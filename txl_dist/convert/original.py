@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from txl_dist.config.model import ModelConfig
 from txl_dist.convert.hf import sinusoid_inv_freq
 from txl_dist.convert.keymap import KeyMap
 from txl_dist.fileio import atomic_write
-from txl_dist.model.config import ModelConfig
 
 # The authors' nn.LayerNorm(d_model) everywhere: PyTorch's default epsilon.
 AUTHORS_LAYER_NORM_EPS = 1e-5

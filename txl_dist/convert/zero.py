@@ -3,9 +3,9 @@
 Works offline, on one CPU process, on any machine that can read the folder: no process group, no GPU.
 
 Trust: a checkpoint is verified first (every file against the sizes and CRC-32s of its ``COMPLETE.json``, see
-`txl_dist.training.checkpoint_verify`), so a damaged one is refused rather than converted into plausible weights. Every
+`txl_dist.checkpoints.verify`), so a damaged one is refused rather than converted into plausible weights. Every
 file is then read weights-only: ours directly, DeepSpeed's consolidation (``zero_to_fp32``, which asks for a full
-unpickler) inside `txl_dist.training.weights_only.deepspeed_loads_weights_only`, which allows DeepSpeed's own
+unpickler) inside `txl_dist.checkpoints.weights_only.deepspeed_loads_weights_only`, which allows DeepSpeed's own
 classes and nothing else. A crafted pickle is refused, never run.
 """
 
@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from txl_dist.config import RunConfig
-from txl_dist.training import weights_only
-from txl_dist.training.checkpoint_layout import (
+from txl_dist.checkpoints import weights_only
+from txl_dist.checkpoints.layout import (
     CLIENT_KEY,
     COMPLETE,
     LATEST,
@@ -30,7 +29,8 @@ from txl_dist.training.checkpoint_layout import (
     named_by_latest,
     rank_state_path,
 )
-from txl_dist.training.checkpoint_verify import CheckpointVerificationError, read_marker, verify_checkpoint
+from txl_dist.checkpoints.verify import CheckpointVerificationError, read_marker, verify_checkpoint
+from txl_dist.config import RunConfig
 
 
 class CheckpointError(ValueError):

@@ -1,6 +1,6 @@
 """An export's checksums.json: every file's size and CRC-32, written last and verified before a load.
 
-The checks are the checkpoints' (txl_dist.training.checkpoint_verify). Loading verifies the files against
+The checks are the checkpoints' (txl_dist.checkpoints.verify). Loading verifies the files against
 ``checksums.json`` first (`require_verified_export`; ``verify=False`` skips it). A folder written before exports
 carried checksums loads with a warning that it is unverified. Files added later (evaluate.py's
 ``eval_{split}.json``) are not listed and not checked.
@@ -27,7 +27,7 @@ class ExportVerificationError(ValueError):
 
 def write_checksums(folder: str | os.PathLike) -> None:
     """``checksums.json`` of a folder being written: every file in it (sub-folders included), size and CRC-32."""
-    from txl_dist.training.checkpoint_layout import FILES_KEY
+    from txl_dist.checkpoints.layout import FILES_KEY
 
     folder = Path(folder)
     files = {
@@ -46,8 +46,8 @@ def write_checksums(folder: str | os.PathLike) -> None:
 def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
     """Every problem of an export folder's files against its checksums.json (an empty list: it verifies), each
     naming the file; None when the folder has no checksums.json (written before exports carried checksums)."""
-    from txl_dist.training.checkpoint_layout import FILES_KEY
-    from txl_dist.training.checkpoint_verify import check_files
+    from txl_dist.checkpoints.layout import FILES_KEY
+    from txl_dist.checkpoints.verify import check_files
 
     export_dir = Path(export_dir)
     path = export_dir / CHECKSUMS_FILE

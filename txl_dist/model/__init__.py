@@ -1,6 +1,6 @@
 """The Transformer-XL language model (Dai et al., 2019). Pure torch: nothing distributed is imported here."""
 
-from txl_dist.model.config import PRESETS, ModelConfig, preset
+from txl_dist.config.model import PRESETS, ModelConfig, preset
 from txl_dist.model.transformer import TransformerXLLM
 
 __all__ = ["PRESETS", "ModelConfig", "TransformerXLLM", "preset"]

@@ -7,19 +7,14 @@ takes its own from its config, and evaluation or decoding pass other settings in
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from txl_dist.model.config import ModelConfig
+from txl_dist.config.model import MEM_DTYPE_NAMES, ModelConfig
 
-MEM_DTYPES: dict[str, torch.dtype | None] = {
-    "compute": None,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+MEM_DTYPES: dict[str, torch.dtype | None] = dict(
+    zip(MEM_DTYPE_NAMES, (None, torch.float32, torch.bfloat16, torch.float16), strict=True)
+)
 """``model.mem_dtype`` -> the dtype the memory is stored in; None: that of the hidden states."""
 
 

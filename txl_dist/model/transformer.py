@@ -13,6 +13,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from txl_dist.config.model import ModelConfig
 from txl_dist.model.adaptive import AdaptiveEmbedding, ClusterRows, ProjectedAdaptiveLogSoftmax
 from txl_dist.model.attention import (
     RelPartialLearnableMultiHeadAttn,
@@ -22,7 +23,6 @@ from txl_dist.model.attention import (
     relative_positions,
     sinusoid_encoding,
 )
-from txl_dist.model.config import ModelConfig
 from txl_dist.model.dropout import Dropout
 from txl_dist.model.recurrence import MEM_DTYPES, SegmentSettings
 

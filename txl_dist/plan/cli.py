@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab, with_shards_vocab
-from txl_dist.launch_formats import read_hostfile
 from txl_dist.plan.report import describe_with_fit
+from txl_dist.world.launch_formats import read_hostfile
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {

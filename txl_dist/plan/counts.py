@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from txl_dist.model.config import ModelConfig
+from txl_dist.config.model import ModelConfig
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -11,7 +11,8 @@ import dataclasses
 import math
 
 from txl_dist.config import RunConfig, ZeroConfig
-from txl_dist.model.config import ModelConfig
+from txl_dist.config.model import ModelConfig
+from txl_dist.config.sections import BUCKET_ALIGNMENT, bucket_elements
 from txl_dist.model.recurrence import MEM_DTYPES
 from txl_dist.plan.counts import (
     FP32,
@@ -22,7 +23,6 @@ from txl_dist.plan.counts import (
     head_transient_bytes,
     layer_activation_bytes,
 )
-from txl_dist.training.deepspeed_config import BUCKET_ALIGNMENT, bucket_elements
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # DeepSpeed's default for a setting the typed config does not expose: the all-reduce bucket of ZeRO-0

@@ -1,2 +1,6 @@
-"""Training: the run's command line, the DeepSpeed config built from the typed run config, the learning-rate
-schedule, and the training loop."""
+"""The training loop: the run's command line (`cli`), the run folder, the DeepSpeed config built from the typed
+run config, the learning-rate schedule, the step cadence, the per-rank stream memories, the step log and its
+writers (metrics.jsonl, TensorBoard events and text), and the `Trainer` that joins them.
+
+Layer: may import every package below it (config, model, tokenizer, data, plan, world, checkpoints and
+txl_dist.evaluation), never export, convert or the launchers (docs/architecture.md)."""

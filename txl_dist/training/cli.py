@@ -8,7 +8,7 @@ with one line naming the key, not after minutes of start-up::
     python launchers/train.py --config configs/tiny_cpu.yaml --config configs/variants/zero3.yaml --print-config
 
 ``--config`` may be repeated: files are layered left to right, then the overrides are applied (see
-`txl_dist.config`). The world size is the launcher's (`txl_dist.launch_env`: torchrun, deepspeed, srun, mpirun; 1
+`txl_dist.config`). The world size is the launcher's (`txl_dist.world.launch_env`: torchrun, deepspeed, srun, mpirun; 1
 for a plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
 """
 
@@ -137,9 +137,9 @@ def _local_rank(args: argparse.Namespace) -> int | None:
 
 
 def _launch():
-    """The launch this process is part of (`txl_dist.launch_env`: torchrun, deepspeed, srun, mpirun), None when its
-    variables do not make one (train.py says why once the arguments are accepted)."""
-    from txl_dist import launch_env
+    """The launch this process is part of (`txl_dist.world.launch_env`: torchrun, deepspeed, srun, mpirun), None when
+    its variables do not make one (train.py says why once the arguments are accepted)."""
+    from txl_dist.world import launch_env
 
     try:
         return launch_env.resolve(os.environ)
@@ -232,14 +232,14 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
     checkpoint.resume=false, and a newest complete checkpoint of another architecture. (The trainer
     checks again on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
-    from txl_dist.tokenizer import load_tokenizer
-    from txl_dist.training.checkpoint_layout import complete_tags
-    from txl_dist.training.checkpoint_verify import (
+    from txl_dist.checkpoints.layout import complete_tags
+    from txl_dist.checkpoints.verify import (
         CheckpointVerificationError,
         read_marker,
         refuse_another_architecture,
         refuse_fresh_start,
     )
+    from txl_dist.tokenizer import load_tokenizer
 
     if cfg.data.tokenizer is not None:
         expected = read_manifest(cfg.data.shards).tokenizer.fingerprint

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from txl_dist.config import OptimConfig, PrecisionConfig, TrainConfig, ZeroConfig, merge_mappings
+from txl_dist.config.sections import bucket_elements
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Settings the typed config owns: an overlay that set them would silently disagree with what the trainer does
@@ -28,8 +29,6 @@ OWNED_KEYS = {
     "optimizer": "the optimizer is the optim section (optim.name, lr, betas, eps, weight_decay, implementation)",
     "bfloat16": "the precision is precision.dtype",
 }
-# Bucket sizes are multiples of this many elements (DeepSpeed asserts a multiple of its NCCL start alignment).
-BUCKET_ALIGNMENT = 512
 # DeepSpeed prints its own step line every steps_per_print steps; the trainer logs instead.
 STEPS_PER_PRINT = 2**31 - 1
 
@@ -116,22 +115,6 @@ def build_torch_optimizer(optim: OptimConfig, parameters):
     return kind(
         parameters, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay, fused=True
     )
-
-
-def bucket_elements(zero: ZeroConfig, num_parameters: int | None) -> int:
-    """Elements of DeepSpeed's gradient-reduction (and stage 1-2 all-gather) buckets: ``zero.bucket_size``, at
-    most the model's parameters.
-
-    DeepSpeed allocates its reduction bucket whole at every step (ZeRO 1-2: ``torch.empty(reduce_bucket_size)``
-    in ``setup_buckets``), however few gradients it will hold. A GPU's caching allocator hands the same block
-    back, but it stays reserved: 800 MB of fp32 for the default 200M elements, around a 2M-parameter model. On
-    a CPU each step maps that much fresh memory and takes a page fault for every 4 KiB the gradients touch,
-    which the kernel zero-fills, thousands of faults per step of a small model. A bucket the size
-    of the model holds every gradient, so a larger one only costs this. The cap is rounded up to a multiple of
-    `BUCKET_ALIGNMENT` elements: DeepSpeed wants bucket sizes aligned for its collectives."""
-    if num_parameters is None:
-        return zero.bucket_size
-    return min(zero.bucket_size, -(-max(1, num_parameters) // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT)
 
 
 def _zero_section(zero: ZeroConfig, on_cpu: bool, num_parameters: int | None = None) -> dict[str, Any]:

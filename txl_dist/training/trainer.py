@@ -7,14 +7,14 @@ memory of slot k always belongs to the text that follows (`txl_dist.training.str
 
 A checkpoint holds DeepSpeed's engine state, the client state (step, tokens seen, data position, resolved config,
 best validation result) and, per rank, the memory of each stream by stream id plus the RNG states (see
-`txl_dist.training.checkpoint_layout`). Rerunning the same command resumes from the newest complete checkpoint.
+`txl_dist.checkpoints.layout`). Rerunning the same command resumes from the newest complete checkpoint.
 With the same number of streams (whatever the world size) streams and memory continue exactly; with another number
 the data is re-partitioned and the memory starts empty (the log says so). Any ZeRO stage resumes any other's
-checkpoint (`txl_dist.training.checkpoint_convert`).
+checkpoint (`txl_dist.checkpoints.universal`).
 
 SIGTERM or SIGINT (what Slurm sends before preemption) finishes the current step, writes a checkpoint and exits
 with status 0; the ranks agree on the step through an all-reduce of the stop flag after every step. So does the
-end of the process that started the job (see `txl_dist.training.run_guard`: no rank trains on as an orphan). When
+end of the process that started the job (see `txl_dist.world.guard`: no rank trains on as an orphan). When
 the loop logs, evaluates and saves: `txl_dist.training.cadence`. The run owns its output directory
 (`txl_dist.training.run_dir`). A non-finite loss on the first step after a resume stops the run.
 """
@@ -30,6 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from txl_dist.checkpoints.layout import CLIENT_KEY, tag_for_step
+from txl_dist.checkpoints.manager import CheckpointManager
+from txl_dist.checkpoints.rank_state import RankState, rng_state, set_rng_state
+from txl_dist.checkpoints.universal import LoadKind
 from txl_dist.config import RunConfig, with_shards_vocab
 from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
 from txl_dist.data.format import read_manifest
@@ -37,19 +41,15 @@ from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings
 from txl_dist.tokenizer import CHARACTER_KINDS
-from txl_dist.training import ranks
 from txl_dist.training.cadence import Cadence
-from txl_dist.training.checkpoint import CheckpointManager
-from txl_dist.training.checkpoint_convert import LoadKind
-from txl_dist.training.checkpoint_layout import CLIENT_KEY, tag_for_step
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
-from txl_dist.training.rank_state import RankState, rng_state, set_rng_state
 from txl_dist.training.run_dir import RunDirectory
-from txl_dist.training.run_guard import RunFailure, RunGuard
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
 from txl_dist.training.step_log import StepLog, log_best, log_done, log_start
 from txl_dist.training.stream_memory import SlotMemories
+from txl_dist.world import ranks
+from txl_dist.world.guard import RunFailure, RunGuard
 
 log = logging.getLogger("txl_dist.training")
 

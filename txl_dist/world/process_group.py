@@ -2,7 +2,7 @@
 
 `start` is what every rank does before its first collective:
 
-1. `txl_dist.launch_env.apply`: rank, world and rendezvous address from whichever launcher started the process
+1. `txl_dist.world.launch_env.apply`: rank, world and rendezvous address from whichever launcher started the process
    (torchrun, DeepSpeed, srun, mpirun), or one line saying why this process cannot join one world.
 2. `prepare_extension_cache`: DeepSpeed's shared-memory op (used for CPU all-reduces) is compiled at first use by
    torch's JIT loader. The cache is made per virtual environment and built with the environment's own ``ninja``,
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from txl_dist import launch_env
+from txl_dist.world import launch_env
 
 log = logging.getLogger("txl_dist.training")
 
@@ -147,7 +147,7 @@ def environment_disagreement(records: list[dict]) -> str | None:
             more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
             advice = (
                 "set it for every rank: with `deepspeed --hostfile`, in .deepspeed_env "
-                "(python -m txl_dist.launch_env --write-deepspeed-env)"
+                "(python -m txl_dist.world.launch_env --write-deepspeed-env)"
                 if key in launch_env.COMPARED_VARIABLES
                 else "install the same software on every node"
             )
@@ -225,7 +225,7 @@ def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
     records = [json.loads(store.get(key)) for key in keys]
     problem = environment_disagreement(records)
     if problem:
-        from txl_dist.training.run_guard import ReportedByRankZero
+        from txl_dist.world.guard import ReportedByRankZero
 
         raise launch_env.LaunchError(problem) if rank == 0 else ReportedByRankZero(problem)
     return records
@@ -268,7 +268,7 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
         log.warning(
             "started over ssh (deepspeed --hostfile) without a .deepspeed_env: the variables set where "
             "deepspeed was typed (%s) reached no rank unless a login shell sets them; write one with "
-            "`python -m txl_dist.launch_env --write-deepspeed-env`",
+            "`python -m txl_dist.world.launch_env --write-deepspeed-env`",
             ", ".join(launch_env.RUN_VARIABLES[:3]),
         )
     return dist.get_rank(), dist.get_world_size(), records
@@ -291,7 +291,7 @@ def describe_environment(record: dict) -> str:
 
 
 def main() -> int:
-    """``python -m txl_dist.training.world``: build DeepSpeed's shared-memory op into this environment's cache
+    """``python -m txl_dist.world.process_group``: build DeepSpeed's shared-memory op into this environment's cache
     (``make warm`` runs it, so that no launch compiles)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cache = prepare_extension_cache()

@@ -16,7 +16,7 @@ import os
 import socket
 import time
 
-from txl_dist.training.processes import how_it_ended, process_start
+from txl_dist.world.processes import how_it_ended, process_start
 
 STORE_PREFIX = f"txl_dist/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 """Of this run's keys in the rendezvous store. torchrun's agent keeps its store across the restarts of a job's

@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import pydantic
 from pydantic import Field
 
-from txl_dist.config_fields import (
+from txl_dist.config.fields import (
     INT64_MAX,
     TUPLE_AS_LIST,
     Allowed,
@@ -25,7 +25,10 @@ from txl_dist.config_fields import (
     PositiveNumber,
     config_dataclass,
 )
-from txl_dist.model.recurrence import MEM_DTYPES
+
+MEM_DTYPE_NAMES = ("compute", "float32", "bfloat16", "float16")
+"""The dtypes ``model.mem_dtype`` may name for the memory (txl_dist.model.recurrence maps them to torch dtypes);
+"compute": that of the hidden states."""
 
 N_TOKEN_FROM_MANIFEST = "n_token_from_manifest"
 """Validation context: n_token is a placeholder (a preset's or the default) that the shards' manifest replaces at
@@ -90,7 +93,7 @@ class ModelConfig:
     """Run the model through ``torch.compile`` (TorchInductor) in training and evaluation. Not part of the
     architecture: checkpoints and exports do not depend on it. The first steps of each new segment shape pay
     for compilation (tens of seconds); see benchmarks/model_step.py --compile for what it gains."""
-    mem_dtype: Literal[tuple(MEM_DTYPES)] = "compute"
+    mem_dtype: Literal[MEM_DTYPE_NAMES] = "compute"
     """Storage dtype of the memory: "compute" keeps the dtype of the hidden states."""
     init_std: PositiveNumber = 0.02
     """Standard deviation of the normal initialisation of weights, embeddings and position biases."""

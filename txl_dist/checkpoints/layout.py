@@ -11,7 +11,7 @@ A checkpoint is the folder ``{directory}/{tag}`` (tag ``step00001234``) holding
 
 ``{directory}/latest`` names the newest complete checkpoint and is replaced atomically after ``COMPLETE.json``.
 A folder without ``COMPLETE.json`` is a save that was interrupted: it is never resumed from, and the next run
-removes it. Everything here reads names and paths only; nothing is verified (`txl_dist.training.checkpoint_verify`)
+removes it. Everything here reads names and paths only; nothing is verified (`txl_dist.checkpoints.verify`)
 and no process group is needed.
 """
 

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from txl_dist import launch_formats, slurm_env
-from txl_dist.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.training.world
+from txl_dist.world import launch_formats, slurm_env
+from txl_dist.world.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.world.process_group
     COMPARED_VARIABLES,
     FORWARDED_BY_DEEPSPEED,
     RUN_VARIABLES,
@@ -352,15 +352,15 @@ def refuse_lone_batch_process(environ: Mapping[str, str], command: str = "python
 
 
 def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, extra: tuple[str, ...] = (), **kwargs):
-    """`txl_dist.launch_formats.write_deepspeed_env` (kept here, where the run's variables are named)."""
+    """`txl_dist.world.launch_formats.write_deepspeed_env` (kept here, where the run's variables are named)."""
     return launch_formats.write_deepspeed_env(path, environ, extra, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m txl_dist.launch_env [--write-deepspeed-env [--launcher L] [--path P] [--also KEY ...]]
+    """``python -m txl_dist.world.launch_env [--write-deepspeed-env [--launcher L] [--path P] [--also KEY ...]]
     [--hostfile H]``: show the launch this process sees (checked, with its rendezvous address resolved), write the
     run's variables into ``.deepspeed_env`` for the runner's launcher, or check a hostfile for DeepSpeed's runner."""
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.launch_env", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.world.launch_env", description=main.__doc__)
     parser.add_argument(
         "--write-deepspeed-env",
         action="store_true",
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             require_resolvable_address(launch)
             print(launch)
     except (LaunchError, OSError) as error:
-        print(f"txl_dist.launch_env: error: {error}", file=sys.stderr)
+        print(f"txl_dist.world.launch_env: error: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,7 +1,7 @@
 """This process's place among the ranks: its device, the process group it joins, rank 0's values shared.
 
 The training loop and the multi-rank launchers (evaluate.py) start the same way: the device DeepSpeed's
-accelerator names (DS_ACCELERATOR=cpu forces the CPU), then the world of `txl_dist.training.world.start`.
+accelerator names (DS_ACCELERATOR=cpu forces the CPU), then the world of `txl_dist.world.process_group.start`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from txl_dist.training import world
+from txl_dist.world import process_group as world
 
 log = logging.getLogger("txl_dist.training")
 

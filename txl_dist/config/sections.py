@@ -1,5 +1,5 @@
 """The sections of the run config other than the model's: data, train, optim, schedule, precision, zero, eval,
-checkpoint, log. Each field's type, range and meaning are declared once (`txl_dist.config_fields`)."""
+checkpoint, log. Each field's type, range and meaning are declared once (`txl_dist.config.fields`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar, Literal
 import pydantic
 from pydantic import Field
 
-from txl_dist.config_fields import (
+from txl_dist.config.fields import (
     NOT_A_BOOLEAN,
     TUPLE_AS_LIST,
     ConfigError,
@@ -24,7 +24,7 @@ from txl_dist.config_fields import (
     PositiveNumber,
     config_dataclass,
 )
-from txl_dist.model.config import ModelConfig
+from txl_dist.config.model import ModelConfig
 
 SEED_MAX = 2**32 - 1
 
@@ -222,6 +222,26 @@ class ZeroConfig:
     """Stage 3: parameters with fewer elements stay whole on every rank instead of being partitioned."""
     stage3_max_live_parameters: Positive = 1_000_000_000
     """Stage 3: most gathered parameter elements held at once on a rank."""
+
+
+# Bucket sizes are multiples of this many elements (DeepSpeed asserts a multiple of its NCCL start alignment).
+BUCKET_ALIGNMENT = 512
+
+
+def bucket_elements(zero: ZeroConfig, num_parameters: int | None) -> int:
+    """Elements of DeepSpeed's gradient-reduction (and stage 1-2 all-gather) buckets: ``zero.bucket_size``, at
+    most the model's parameters.
+
+    DeepSpeed allocates its reduction bucket whole at every step (ZeRO 1-2: ``torch.empty(reduce_bucket_size)``
+    in ``setup_buckets``), however few gradients it will hold. A GPU's caching allocator hands the same block
+    back, but it stays reserved: 800 MB of fp32 for the default 200M elements, around a 2M-parameter model. On
+    a CPU each step maps that much fresh memory and takes a page fault for every 4 KiB the gradients touch,
+    which the kernel zero-fills, thousands of faults per step of a small model. A bucket the size
+    of the model holds every gradient, so a larger one only costs this. The cap is rounded up to a multiple of
+    `BUCKET_ALIGNMENT` elements: DeepSpeed wants bucket sizes aligned for its collectives."""
+    if num_parameters is None:
+        return zero.bucket_size
+    return min(zero.bucket_size, -(-max(1, num_parameters) // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT)
 
 
 @config_dataclass

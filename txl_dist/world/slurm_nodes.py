@@ -3,7 +3,7 @@
 The batch script decides every restart of a Slurm job; this module is the part of it that reads Slurm and the
 run. When the training step ends non-zero without a stop request, the script asks::
 
-    python -m txl_dist.slurm_nodes relaunch --job JOB --step-nodes NODES --ranks-per-node R --relaunches K \\
+    python -m txl_dist.world.slurm_nodes relaunch --job JOB --step-nodes NODES --ranks-per-node R --relaunches K \\
         -- TRAIN_ARGS...
 
 which prints one line on stdout: ``relaunch N NODELIST`` (start the step again on those N nodes), ``requeue`` (a
@@ -11,7 +11,7 @@ node was lost but the job cannot go on: below ``TXL_MIN_NODES``, past ``TXL_MAX_
 holds the global batch; the job is requeueable, so it goes back to the queue as a node failure did before) or
 ``end`` (no node was lost, or the job is not requeueable: the job ends with the step's status). Its reasons go to
 stderr, the job's log, in one line each: which node was lost and how Slurm sees it, at which step, the new world
-size and the steps that the relaunch recomputes. ``python -m txl_dist.slurm_nodes check`` validates the two
+size and the steps that the relaunch recomputes. ``python -m txl_dist.world.slurm_nodes check`` validates the two
 variables at the start of the job (exit 2 with one line naming the variable).
 
 A node counts as lost when Slurm has taken it out of the job (``--no-kill`` jobs keep running without a failed
@@ -200,7 +200,7 @@ def _config_args(train_args: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def output_dir_of(train_args: Sequence[str]) -> Path | None:
     """train.output_dir as the ranks read it (the files and overrides merged; YAML alone, no imports of torch)."""
-    from txl_dist.config_files import read_layers
+    from txl_dist.config.files import read_layers
 
     data, _ = read_layers(*_config_args(train_args))
     train = data.get("train")
@@ -319,7 +319,7 @@ def _situation(args: argparse.Namespace) -> Situation:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``check`` or ``relaunch`` (the module docstring); exit 2 with one line for a bad variable or argument."""
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.slurm_nodes")
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.world.slurm_nodes")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help=f"validate {MIN_NODES_VAR} and {MAX_RELAUNCHES_VAR}")
     check.add_argument("--nodes", type=int, default=None, help="the job's node count")

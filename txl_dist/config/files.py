@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from txl_dist.config_fields import ConfigError
+from txl_dist.config.fields import ConfigError
 
 COMMAND_LINE = "on the command line"
 

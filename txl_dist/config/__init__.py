@@ -22,12 +22,12 @@ Mappings merge key by key; any other value (lists included) replaces the earlier
 mapping is refused, naming the file or the command line. An override's value is read
 as YAML: ``train.max_steps=100`` is an int, ``model.cutoffs=[20000,40000]`` a list, ``model.d_embed=null`` None.
 Every value is checked against its field's type and range when its section is made, and the rules that join
-sections after (pydantic, see `txl_dist.config_fields`); an error is a ``ValueError`` naming the key path, the value
+sections after (pydantic, see `txl_dist.config.fields`); an error is a ``ValueError`` naming the key path, the value
 given, what is allowed and where the value was set (file or command line). The vocabulary size comes from the
 shards' manifest at run time (`with_manifest_vocab`), so config files normally leave ``model.n_token`` out.
 
-The sections are declared in `txl_dist.config_sections` (the model's in `txl_dist.model.config`), the files and
-overrides read by `txl_dist.config_files`.
+The sections are declared in `txl_dist.config.sections` (the model's in `txl_dist.config.model`), the files and
+overrides read by `txl_dist.config.files`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ import pydantic
 import yaml
 from pydantic import InstanceOf
 
-from txl_dist.config_fields import ConfigError, config_dataclass, make_validated
-from txl_dist.config_files import COMMAND_LINE, key_paths, merge_mappings, read_layers
-from txl_dist.config_sections import (
+from txl_dist.config.fields import ConfigError, config_dataclass, make_validated
+from txl_dist.config.files import COMMAND_LINE, key_paths, merge_mappings, read_layers
+from txl_dist.config.model import N_TOKEN_FROM_MANIFEST, PRESETS, ModelConfig
+from txl_dist.config.sections import (
     BatchLayout,
     CheckpointConfig,
     DataConfig,
@@ -57,7 +58,6 @@ from txl_dist.config_sections import (
     TrainConfig,
     ZeroConfig,
 )
-from txl_dist.model.config import N_TOKEN_FROM_MANIFEST, PRESETS, ModelConfig
 
 if TYPE_CHECKING:
     from txl_dist.data.format import Manifest

@@ -4,7 +4,7 @@
 loop agrees on it at the next step boundary, writes a checkpoint and exits 0.
 
 **No orphaned ranks.** Each rank watches the processes that started it and the reader of its output
-(`txl_dist.training.launcher_watch`); when any is gone it asks for a stop exactly like SIGTERM, and the stop-flag
+(`txl_dist.world.launcher_watch`); when any is gone it asks for a stop exactly like SIGTERM, and the stop-flag
 all-reduce tells the other ranks, including those on nodes that noticed nothing.
 
 **One failure, one message.** A rank that fails (a bad file, a full disk, a damaged shard) reports its one-line
@@ -14,7 +14,7 @@ status 1, even when it is blocked in a collective that would otherwise wait for 
 gloo "Connection closed by peer". Rank 0's cleanups (releasing the run lock, removing a checkpoint it was writing)
 run on every exit path.
 
-**Liveness.** Every rank's heartbeat goes into the same store (`txl_dist.training.heartbeats`). A rank whose
+**Liveness.** Every rank's heartbeat goes into the same store (`txl_dist.world.heartbeats`). A rank whose
 heartbeat has not moved for ``stall_timeout`` seconds is named in one line (rank, host, PID, step) and the job ends
 with status 1 so that the scheduler can requeue it. When a rank dies without a word, the collectives of the others
 fail: they name it, with its signal where it can be read, instead of printing the communication library's
@@ -35,8 +35,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from txl_dist.training.heartbeats import STORE_PREFIX, Heartbeats
-from txl_dist.training.launcher_watch import WATCH_S, LauncherWatch
+from txl_dist.world.heartbeats import STORE_PREFIX, Heartbeats
+from txl_dist.world.launcher_watch import WATCH_S, LauncherWatch
 
 log = logging.getLogger("txl_dist.training")
 

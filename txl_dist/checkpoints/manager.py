@@ -1,7 +1,7 @@
 """Saving, choosing, pruning and converting training checkpoints: the operations every rank takes part in.
 
-What a checkpoint holds and where (`txl_dist.training.checkpoint_layout`) and how its files are verified
-(`txl_dist.training.checkpoint_verify`) are apart; this module writes and reads them under a process group.
+What a checkpoint holds and where (`txl_dist.checkpoints.layout`) and how its files are verified
+(`txl_dist.checkpoints.verify`) are apart; this module writes and reads them under a process group.
 
 Every file is written under a temporary name, synced and renamed (DeepSpeed's too: its checkpoint engine is
 wrapped), and its checksum is computed from the bytes as they are written, so a checkpoint costs no second read;
@@ -9,7 +9,7 @@ wrapped), and its checksum is computed from the bytes as they are written, so a 
 without waiting for the other ranks' optimizer files, so it is turned off.)
 
 Resume takes the newest checkpoint that verifies -- the ranks share the reading -- says which it skipped and
-why, and loads it under any ZeRO stage and number of ranks (`txl_dist.training.checkpoint_convert`). Rotation
+why, and loads it under any ZeRO stage and number of ranks (`txl_dist.checkpoints.universal`). Rotation
 keeps the last ``keep_last`` checkpoints (all with 0) not known to be damaged, the best one by validation loss,
 and always the newest verified one, so a damaged checkpoint never pushes the last good one out.
 """
@@ -27,17 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_checksummed, atomic_write_text, file_checksum
-from txl_dist.training import weights_only
-from txl_dist.training.checkpoint_convert import (
-    LoadKind,
-    ResumePlan,
-    complete_universal,
-    load_into_stage0,
-    plan_load,
-    universal_from_stage0,
-)
-from txl_dist.training.checkpoint_layout import (
+from txl_dist.checkpoints import weights_only
+from txl_dist.checkpoints.layout import (
     COMPLETE,
     FILES_KEY,
     LATEST,
@@ -51,7 +42,16 @@ from txl_dist.training.checkpoint_layout import (
     tag_for_step,
     universal_tag,
 )
-from txl_dist.training.checkpoint_verify import (
+from txl_dist.checkpoints.rank_state import RankState, read_rank_states, write_rank_state
+from txl_dist.checkpoints.universal import (
+    LoadKind,
+    ResumePlan,
+    complete_universal,
+    load_into_stage0,
+    plan_load,
+    universal_from_stage0,
+)
+from txl_dist.checkpoints.verify import (
     CheckpointVerificationError,
     check_files,
     check_listing,
@@ -62,15 +62,15 @@ from txl_dist.training.checkpoint_verify import (
     refuse_fresh_start,
     saved_zero_stages,
 )
-from txl_dist.training.rank_state import RankState, read_rank_states, write_rank_state
-from txl_dist.training.ranks import broadcast
+from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_checksummed, atomic_write_text, file_checksum
+from txl_dist.world.ranks import broadcast
 
 log = logging.getLogger("txl_dist.training")
 
 
 class _RecordingCheckpointEngine:
     """DeepSpeed's checkpoint engine, but every file is written atomically (temporary name, fsync, rename) with
-    its size and CRC-32 recorded as the bytes pass, and read weights-only (`txl_dist.training.weights_only`)."""
+    its size and CRC-32 recorded as the bytes pass, and read weights-only (`txl_dist.checkpoints.weights_only`)."""
 
     def __init__(self, inner: Any):
         self._inner = inner
@@ -341,7 +341,7 @@ class CheckpointManager:
 
     def _write_universal(self, plan: ResumePlan, target: Path, names: list[str]) -> None:
         """Rank 0: ``plan.tag`` in DeepSpeed's universal layout at ``target``, completed for every stage when
-        the plan converts (`txl_dist.training.checkpoint_convert`)."""
+        the plan converts (`txl_dist.checkpoints.universal`)."""
         source = self.directory / plan.tag
         shutil.rmtree(target, ignore_errors=True)
         if not has_optimizer_partitions(source):

@@ -58,7 +58,7 @@ def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
         what = f"it refers to {found.group(1)}" if found else str(error).splitlines()[0]
         raise UnsafeCheckpointError(
             f"{name}: refused to unpickle: {what}, which is neither a tensor nor one of the DeepSpeed classes a "
-            f"checkpoint holds (txl_dist.training.weights_only.allowed_classes); loading it could run code. A "
+            f"checkpoint holds (txl_dist.checkpoints.weights_only.allowed_classes); loading it could run code. A "
             f"file written by txl_dist never needs it: treat this checkpoint as tampered with"
         ) from None
 

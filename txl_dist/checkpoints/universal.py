@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from txl_dist.training import weights_only
-from txl_dist.training.checkpoint_layout import model_state_files
+from txl_dist.checkpoints import weights_only
+from txl_dist.checkpoints.layout import model_state_files
 
 PARAM = "param"
 """The key of the tensor in a universal per-parameter file (DeepSpeed's ``checkpoint.constants.PARAM``)."""
@@ -70,7 +70,7 @@ def plan_load(
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """The checkpoint a run resumes from and how it is loaded (`txl_dist.training.checkpoint.CheckpointManager.
+    """The checkpoint a run resumes from and how it is loaded (`txl_dist.checkpoints.manager.CheckpointManager.
     plan_resume`)."""
 
     tag: str

@@ -3,8 +3,8 @@
 Before a checkpoint is trusted (resume, evaluate, convert) each file COMPLETE.json lists must exist with its size
 and CRC-32, and no other file may be there (DeepSpeed finds some files by pattern). A resuming run also refuses a
 checkpoint of another architecture, and a fresh start beside old checkpoints, before it builds anything
-(another ZeRO stage or number of ranks is not refused: `txl_dist.training.checkpoint_convert`). Nothing here
-writes, or needs a process group: the ranks' shared reading (`txl_dist.training.checkpoint`) deals the files out
+(another ZeRO stage or number of ranks is not refused: `txl_dist.checkpoints.universal`). Nothing here
+writes, or needs a process group: the ranks' shared reading (`txl_dist.checkpoints.manager`) deals the files out
 with `deal_files_to_ranks` and each rank checks its share with `check_files`.
 """
 
@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from txl_dist.checkpoints.layout import COMPLETE, FILES_KEY, files_on_disk, step_of_tag
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, file_checksum, read_json
-from txl_dist.training.checkpoint_layout import COMPLETE, FILES_KEY, files_on_disk, step_of_tag
 
 
 class CheckpointVerificationError(ValueError):

@@ -1,0 +1,6 @@
+"""Checkpoints, used alike by training, export and convert: the folder layout of a run's checkpoints, saving,
+choosing and pruning them (`manager`), verifying them (`verify`), converting between ZeRO stages and world sizes
+through DeepSpeed's universal format (`universal`), the per-rank stream state (`rank_state`) and reading weights
+without unpickling code (`weights_only`).
+
+Layer: may import txl_dist.fileio, txl_dist.config and txl_dist.world, nothing above (docs/architecture.md)."""

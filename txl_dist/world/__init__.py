@@ -1,0 +1,5 @@
+"""The world a run runs in: the launcher's environment (deepspeed, torchrun, Slurm, mpirun, a hostfile) read into
+one rank, world size and rendezvous; the process group; the run lock; heartbeats, stall and death detection of
+the ranks and of the launcher; the node verdicts of an elastic Slurm job; the one-line ending of a stopped process.
+
+Layer: may import txl_dist.fileio and txl_dist.config, nothing else of txl_dist (docs/architecture.md)."""
