@@ -18,7 +18,7 @@ HF_STAMP := $(HF_VENV)/.installed-$(subst ==,-,$(firstword $(HF_SPEC)))
 # CPU runs: DeepSpeed's CPU accelerator, one OpenMP thread per rank (ZeRO-3 is ~5x slower without it).
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
-.PHONY: venv hf-venv warm lint format test demo clean-demo clean gpu-check cluster-packages
+.PHONY: venv hf-venv warm lint format test test-quick demo clean-demo clean gpu-check cluster-packages
 
 venv: $(STAMP)
 
@@ -55,9 +55,16 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# cluster-packages: the Debian packages of the real two-node Slurm cluster that tests/cluster/ builds (root only).
+# The full suite, with the 20 slowest tests at the end. cluster-packages: the Debian packages of the real
+# two-node Slurm cluster that tests/cluster/ builds (root only).
 test: cluster-packages warm hf-venv
-	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q tests
+	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q --durations=20 tests
+
+# The quick tier: every test that starts no launcher, no cluster and no .venv-hf (markers applied by path in
+# tests/conftest.py; docs/architecture.md, Tests). Needs only .venv (and its compiled DeepSpeed op).
+QUICK := not launcher and not cluster and not hf
+test-quick: warm
+	$(CPU_ENV) $(BIN)/python -m pytest -q --durations=10 -m "$(QUICK)" tests
 
 # Debian packages of the two-node test cluster (tests/cluster: Slurm, munge, sshd per node, pdsh, mpirun), installed
 # when missing and when run as root; does nothing when all are present or when not root (the cluster tests then

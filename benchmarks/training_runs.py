@@ -70,7 +70,8 @@ def metrics(output_dir: Path) -> list[dict]:
 
 def run_config(config: str, overrides: list[str], shards: Path):
     """The config a run of launchers/train.py trains with: the file, the overrides, the manifest's vocabulary."""
-    from txl_dist.config import load_config, with_shards_vocab
+    from txl_dist.config import load_config
+    from txl_dist.data.run_vocab import with_shards_vocab
 
     return with_shards_vocab(load_config(config, [*overrides, f"data.shards={shards}"]))
 

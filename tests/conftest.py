@@ -1,17 +1,120 @@
-"""Shared fixtures: the Penn Treebank as files, PTB tokenizers and shards, a fabricated One Billion Word layout.
+"""Shared fixtures: the Penn Treebank as files, PTB tokenizers and shards, a fabricated One Billion Word layout;
+and the test tiers (docs/architecture.md, Tests).
 
 Session-scoped and built through the real command-line entry points; treat their directories as read-only
 (copy one before damaging it).
+
+Tiers: ``make test-quick`` runs ``-m "not launcher and not cluster and not hf"``. The markers are applied here by
+path (`PATH_MARKERS`), so a new test in a slow file is marked with it; and a test that starts a launcher, a
+cluster command or the current-transformers interpreter without its marker fails (`_starts_without_marker`), so
+that a new slow test cannot slip into the quick tier.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import treebank
 
 from data_tools import build_shards, corpus, train_tokenizer
+
+TIER_MARKERS = ("launcher", "cluster", "hf")
+"""The markers that keep a test out of the quick tier: it starts a launcher (deepspeed, torchrun, mpirun, srun),
+uses the two-node cluster, or runs the current-transformers interpreter (.venv-hf)."""
+
+PATH_MARKERS: dict[str, str] = {
+    "tests/cluster/": "cluster",
+    "tests/test_liveness.py": "launcher",
+    "tests/test_train_launcher.py": "launcher",
+    "tests/test_train_paths.py": "launcher",
+    "tests/test_run_integrity.py": "launcher",
+    "tests/test_zero_stages.py": "launcher",
+    "tests/test_lm1b_shape.py": "launcher",
+    "tests/test_lm1b_scale.py": "launcher",
+    "tests/test_tensorboard.py": "launcher",
+    "tests/test_downstream.py": "launcher",
+    "tests/test_hub_export.py": "hf",
+    "tests/test_charlm.py::test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses": "hf",
+    "tests/test_bad_input_downstream.py::test_every_id_and_every_short_sequence_decodes_as_txl_dist_decodes": "hf",
+    "tests/test_bad_input_downstream.py::test_short_texts_give_txl_dist_ids": "hf",
+    "tests/test_bad_input_downstream.py::test_the_char_folder_refuses_text_outside_its_alphabet_as_txl_dist": "hf",
+}
+"""Test path (a folder ending in /, a file, or file::test) -> the tier marker every test under it gets."""
+
+LAUNCH_PROGRAMS = ("deepspeed", "torchrun", "mpirun", "srun", "sbatch", "salloc", "ip", "unshare", "nsenter")
+"""Programs whose start marks a test as slow: the launchers, Slurm's commands and the cluster's namespace tools."""
+
+_REPO = Path(__file__).resolve().parents[1]
+_current: dict[str, object] = {"item": None, "unmarked": []}
+
+
+def _path_markers(nodeid: str) -> list[str]:
+    return [marker for path, marker in PATH_MARKERS.items() if nodeid == path or nodeid.startswith(path)]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        for marker in _path_markers(item.nodeid):
+            item.add_marker(marker)
+
+
+def _hf_python() -> str:
+    return os.path.abspath(os.environ.get("TXL_HF_PYTHON", _REPO / ".venv-hf" / "bin" / "python"))
+
+
+def _slow_start(argv: list[str]) -> str | None:
+    """What in ARGV (a process about to start) needs a tier marker, or None."""
+    if not argv:
+        return None
+    program = os.path.basename(str(argv[0]))
+    if program in LAUNCH_PROGRAMS:
+        return "cluster" if program in ("srun", "sbatch", "salloc", "ip", "unshare", "nsenter") else "launcher"
+    if os.path.abspath(str(argv[0])) == _hf_python():
+        return "hf"
+    if any(str(arg).endswith(("/deepspeed", "torch.distributed.run", "torch/distributed/run.py")) for arg in argv):
+        return "launcher"
+    return None
+
+
+def _starts_without_marker(event: str, args: tuple) -> None:
+    """Audit hook: records a slow start (subprocess.Popen) by a test that lacks its tier marker."""
+    item = _current["item"]
+    if event != "subprocess.Popen" or item is None:
+        return
+    argv = args[1]
+    if isinstance(argv, (str, bytes)) or argv is None:
+        argv = [args[0]] if args[0] else []
+    needed = _slow_start([os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in argv])
+    if needed and not any(item.get_closest_marker(name) for name in TIER_MARKERS):
+        _current["unmarked"].append(f"{needed}: {' '.join(map(str, argv))[:200]}")
+
+
+sys.addaudithook(_starts_without_marker)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """Fixtures count as the test's own: one that starts a launcher needs the marker as much."""
+    _current["item"], _current["unmarked"] = item, []
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _current["item"] = item
+    outcome = yield
+    _current["item"] = None
+    if _current["unmarked"] and outcome.excinfo is None:
+        first = _current["unmarked"][0]
+        pytest.fail(
+            f"{item.nodeid} started a slow process without a tier marker ({first}): mark it "
+            f"@pytest.mark.{first.split(':')[0]} or add its path to tests/conftest.py PATH_MARKERS",
+            pytrace=False,
+        )
+
 
 # Small blocks and shards so that the PTB splits span several of each (train: ~227 blocks, 8 shards).
 PTB_TOKENS_PER_BLOCK = 4096

@@ -1,7 +1,7 @@
 """TrainStreams: partition, continuity, shuffling, exact and elastic resume, shard errors, pipe: URLs, gloo ranks.
 
 The shards hold synthetic tokens whose value is their position in the split (tests/synthetic_shards.py), so the
-expected stream contents follow from the partition rule in DESIGN.md by plain arithmetic.
+expected stream contents follow from the partition rule of docs/architecture.md (Streams) by plain arithmetic.
 """
 
 from __future__ import annotations
@@ -491,7 +491,7 @@ def test_two_gloo_processes_read_disjoint_streams_covering_the_split(shards, tmp
 
 def test_penn_treebank_streams_tile_the_real_token_stream(ptb_word_shards, ptb_word_tokenizer):
     """On real shards from data_tools: the windows of every stream, over both ranks, are exactly the PTB token
-    stream (each sentence's words, then <eos>) cut as DESIGN.md says."""
+    stream (each sentence's words, then <eos>) cut as docs/architecture.md (Streams) says."""
     import treebank
 
     from txl_dist.tokenizer import load_tokenizer

@@ -2,9 +2,9 @@
 against an oracle computed here without the trainer: every micro-batch slot feeds its own streams' memory,
 train.max_epochs, eval.max_batches, resume on another number of ranks, and resume after the global batch changed.
 
-The oracles read the token stream straight from the shards (webdataset), cut it as DESIGN.md says, and run the
-model of a checkpoint's weights over it. Dropout is off in these runs, so a loss depends only on the weights, the
-tokens and the memory.
+The oracles read the token stream straight from the shards (webdataset), cut it as docs/architecture.md (Streams)
+says, and run the model of a checkpoint's weights over it. Dropout is off in these runs, so a loss depends only on
+the weights, the tokens and the memory.
 """
 
 from __future__ import annotations

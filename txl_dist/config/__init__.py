@@ -37,7 +37,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pydantic
 import yaml
@@ -59,9 +59,6 @@ from txl_dist.config.sections import (
     ZeroConfig,
 )
 
-if TYPE_CHECKING:
-    from txl_dist.data.format import Manifest
-
 __all__ = [
     "COMMAND_LINE",
     "PRESET_KEY",
@@ -81,7 +78,6 @@ __all__ = [
     "load_config",
     "merge_mappings",
     "with_manifest_vocab",
-    "with_shards_vocab",
 ]
 
 SECTIONS: dict[str, type] = {
@@ -224,20 +220,6 @@ def with_manifest_vocab(cfg: RunConfig, vocab_size: int, manifest_where: str) ->
         raise ValueError(f"{error} (with n_token={vocab_size} from {manifest_where})") from None
     sources = {**cfg.key_sources, "model.n_token": f"in {manifest_where}"}
     return dataclasses.replace(cfg, model=model, key_sources=sources)
-
-
-def with_shards_vocab(cfg: RunConfig, manifest: Manifest | None = None) -> RunConfig:
-    """`with_manifest_vocab` with the manifest of data.shards (``manifest``, when the caller has read it), when
-    there is one; else the config as it is (the command line and the planner check a config before, or without,
-    the shards)."""
-    from txl_dist.data.format import MANIFEST_NAME, read_manifest
-
-    if manifest is None:
-        if cfg.data.shards is None or not os.path.isfile(os.path.join(cfg.data.shards, MANIFEST_NAME)):
-            return cfg
-        manifest = read_manifest(cfg.data.shards)
-    where = f"the manifest {os.path.join(cfg.data.shards, MANIFEST_NAME)}"
-    return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, where)
 
 
 def load_config(

@@ -8,7 +8,8 @@ import re
 import sys
 from collections.abc import Sequence
 
-from txl_dist.config import RunConfig, load_config, with_manifest_vocab, with_shards_vocab
+from txl_dist.config import RunConfig, load_config, with_manifest_vocab
+from txl_dist.data.run_vocab import with_shards_vocab
 from txl_dist.plan.report import describe_with_fit
 from txl_dist.world.launch_formats import read_hostfile
 

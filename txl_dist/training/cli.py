@@ -22,8 +22,9 @@ from pathlib import Path
 
 import deepspeed
 
-from txl_dist.config import RunConfig, load_config, with_shards_vocab
+from txl_dist.config import RunConfig, load_config
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
+from txl_dist.data.run_vocab import with_shards_vocab
 from txl_dist.fileio import dangling_link
 from txl_dist.plan import device_memory_of, plan_comment
 from txl_dist.training.deepspeed_config import build_deepspeed_config

@@ -34,9 +34,10 @@ from txl_dist.checkpoints.layout import CLIENT_KEY, tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import RankState, rng_state, set_rng_state
 from txl_dist.checkpoints.universal import LoadKind
-from txl_dist.config import RunConfig, with_shards_vocab
+from txl_dist.config import RunConfig
 from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
 from txl_dist.data.format import read_manifest
+from txl_dist.data.run_vocab import with_shards_vocab
 from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings

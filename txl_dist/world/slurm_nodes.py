@@ -1,4 +1,5 @@
-"""Slurm's view of a job's nodes, and the relaunch decision of ``launchers/slurm.sbatch`` (DESIGN.md, Elastic runs).
+"""Slurm's view of a job's nodes, and the relaunch decision of ``launchers/slurm.sbatch`` (README.md, "Elastic
+runs").
 
 The batch script decides every restart of a Slurm job; this module is the part of it that reads Slurm and the
 run. When the training step ends non-zero without a stop request, the script asks::

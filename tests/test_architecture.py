@@ -1,0 +1,124 @@
+"""The import graph keeps the layers of docs/architecture.md (Layers): a module of txl_dist imports only from its
+own layer or below, at module level or inside a function, and no two modules import each other in a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS: list[tuple[str, ...]] = [
+    ("txl_dist.fileio", "txl_dist.word_scan"),
+    ("txl_dist.config",),
+    ("txl_dist.model",),
+    ("txl_dist.evaluation", "txl_dist.inference"),
+    ("txl_dist.tokenizer",),
+    ("txl_dist.data",),
+    ("txl_dist.world",),
+    ("txl_dist.plan",),
+    ("txl_dist.checkpoints",),
+    ("txl_dist.training",),
+    ("txl_dist.export",),
+    ("txl_dist.convert",),
+    ("txl_dist.plot", "txl_dist"),
+]
+"""Lowest first: docs/architecture.md, Layers. ``txl_dist`` is the package's own API (its __init__)."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted((ROOT / "txl_dist").rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest layer name that MODULE is or lies under."""
+    best, index = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, index = len(name), i
+    if index is None:
+        raise AssertionError(f"{module}: in no layer of tests/test_architecture.py LAYERS")
+    return index
+
+
+def imports_of(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported txl_dist module, line, at module level) for each import in PATH; ``from a import b`` counts as
+    a.b where that is a module, else as a."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            if name == "txl_dist" or name.startswith("txl_dist."):
+                found.append((name, node.lineno, id(node) in top))
+    return found
+
+
+def test_every_module_lies_in_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_a_module_imports_only_from_its_layer_or_below(module):
+    own = layer_of(module)
+    upward = [
+        f"{MODULES[module].relative_to(ROOT)}:{line} imports {name} ({LAYERS[layer_of(name)][0]} lies above "
+        f"{LAYERS[own][0]})"
+        for name, line, _ in imports_of(MODULES[module])
+        if name != module and layer_of(name) > own and not (module == "txl_dist" and name.startswith("txl_dist."))
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_circle_among_module_level_imports():
+    graph = {
+        module: {name for name, _, top in imports_of(path) if top and name in MODULES and name != module}
+        for module, path in MODULES.items()
+    }
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            circle = trail[trail.index(module) :] + [module]
+            # A package's __init__ importing its own submodules, which import the package, is not a circle of
+            # dependencies (Python finishes the package first); any other is.
+            if not all(
+                circle[0].startswith(m + ".") or m.startswith(circle[0] + ".") or m == circle[0] for m in circle
+            ):
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            return
+        if module in done:
+            return
+        for name in sorted(graph[module]):
+            visit(name, trail + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
+    """The checks can fail: an upward import names its file and line, and a circle is found."""
+    assert layer_of("txl_dist.model.transformer") < layer_of("txl_dist.training.trainer")
+    source = tmp_path / "m.py"
+    source.write_text("import os\n\ndef f():\n    from txl_dist.training import trainer\n", encoding="utf-8")
+    assert imports_of(source) == [("txl_dist.training.trainer", 4, False)]
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("elsewhere.module")
