@@ -29,6 +29,9 @@ from safetensors.torch import load_file
 
 from txl_dist.config.model import ModelConfig
 from txl_dist.convert.keymap import KeyMap
+from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, unique_weights
+from txl_dist.export.config_file import read_json_object
+from txl_dist.export.weights import save_safetensors
 from txl_dist.fileio import check_output_path, copy_tree, staged_output
 
 # Our keys and HuggingFace's TransfoXLLMHeadModel keys.
@@ -185,9 +188,6 @@ def write_hf_folder(
 
     ``out_dir`` may not be, contain or lie inside ``export_dir``; ``overwrite`` replaces only an empty folder or
     one txl_dist wrote (`txl_dist.fileio.check_output_path`)."""
-    from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, unique_weights
-    from txl_dist.export.weights import save_safetensors
-
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
     config, identity = read_config_file(export_dir / CONFIG_FILE)
@@ -213,8 +213,6 @@ def write_hf_folder(
 def read_hf_folder(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict | None, Path | None]:
     """(config, our state dict, tokenizer identity or None, tokenizer directory or None) of a HuggingFace
     TransfoXL folder (``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``)."""
-    from txl_dist.export.config_file import read_json_object
-
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     hf_config = read_json_object(config_path, "not a HuggingFace model folder")

@@ -34,7 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from txl_dist.config.model import ModelConfig
+from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
 from txl_dist.convert.keymap import KeyMap
+from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, unique_weights
+from txl_dist.export.weights import save_safetensors
 from txl_dist.fileio import check_output_path, staged_output
 
 HUB_FILES = Path(__file__).with_name("hub_files")
@@ -106,8 +109,6 @@ def hub_config(config: ModelConfig, tokenizer_identity: dict[str, Any] | None) -
 
 def hub_weights(state: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
     """Our state dict -> the modeling file's keys, each tied tensor once (under the embedding's name)."""
-    from txl_dist.export import unique_weights
-
     return {
         key: tensor.detach().contiguous().clone()
         for key, tensor in KEY_MAP.forward(unique_weights(state, config)).items()
@@ -118,10 +119,6 @@ def write_hub_folder(
     export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False, verify: bool = True
 ) -> Path:
     """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
-    from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
-    from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file
-    from txl_dist.export.weights import save_safetensors
-
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
     config, identity = read_config_file(export_dir / CONFIG_FILE)

@@ -13,6 +13,8 @@ import logging
 import os
 from pathlib import Path
 
+from txl_dist.checkpoints.layout import FILES_KEY
+from txl_dist.checkpoints.verify import check_files
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_text, file_checksum
 
 CHECKSUMS_FILE = "checksums.json"
@@ -27,8 +29,6 @@ class ExportVerificationError(ValueError):
 
 def write_checksums(folder: str | os.PathLike) -> None:
     """``checksums.json`` of a folder being written: every file in it (sub-folders included), size and CRC-32."""
-    from txl_dist.checkpoints.layout import FILES_KEY
-
     folder = Path(folder)
     files = {
         path.relative_to(folder).as_posix(): file_checksum(path)
@@ -46,9 +46,6 @@ def write_checksums(folder: str | os.PathLike) -> None:
 def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
     """Every problem of an export folder's files against its checksums.json (an empty list: it verifies), each
     naming the file; None when the folder has no checksums.json (written before exports carried checksums)."""
-    from txl_dist.checkpoints.layout import FILES_KEY
-    from txl_dist.checkpoints.verify import check_files
-
     export_dir = Path(export_dir)
     path = export_dir / CHECKSUMS_FILE
     if not path.exists():

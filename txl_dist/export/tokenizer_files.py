@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from txl_dist.export.config_file import CONFIG_FILE, IDENTITY_KEYS, read_config_file, read_json_object
-from txl_dist.tokenizer import fingerprint_files
+from txl_dist.tokenizer import fingerprint_files, load_tokenizer
 
 if TYPE_CHECKING:
     from txl_dist.tokenizer import Tokenizer
@@ -117,6 +117,4 @@ def load_export_tokenizer(export_dir: str | os.PathLike) -> Tokenizer | None:
             f"tokenizer mismatch: {folder} has vocab_size={found['vocab_size']}, but {config_path} "
             f"has n_token={config.n_token}"
         )
-    from txl_dist.tokenizer import load_tokenizer
-
     return load_tokenizer(folder)
