@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab
+from txl_dist.data.format import MANIFEST_NAME, read_manifest
 from txl_dist.data.run_vocab import with_shards_vocab
 from txl_dist.plan.report import describe_with_fit
 from txl_dist.world.launch_formats import read_hostfile
@@ -96,8 +97,6 @@ def _with_vocabulary(cfg: RunConfig, vocab_size: int | None) -> RunConfig:
     without a manifest, or a ``--vocab-size`` that disagrees with it, is refused), else from ``--vocab-size``."""
     if cfg.data.shards is None:
         return cfg if vocab_size is None else with_manifest_vocab(cfg, vocab_size, "--vocab-size")
-    from txl_dist.data.format import MANIFEST_NAME, read_manifest
-
     manifest = read_manifest(cfg.data.shards)
     manifest_vocab = manifest.tokenizer.vocab_size
     if vocab_size is not None and vocab_size != manifest_vocab:

@@ -11,7 +11,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import torch
+
 from txl_dist.config.model import ModelConfig
+from txl_dist.model import TransformerXLLM
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -35,10 +38,6 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: ModelConfig) -> ModelShape:
-        import torch
-
-        from txl_dist.model import TransformerXLLM
-
         with torch.device("meta"):
             module = TransformerXLLM(model)
         parameters = sum(p.numel() for p in module.parameters())

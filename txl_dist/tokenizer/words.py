@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import sentencepiece
 
 from txl_dist.tokenizer.base import Tokenizer, TokenizerError
 from txl_dist.tokenizer.vocab_files import read_word_vocab
+from txl_dist.word_scan import PackedVocabulary
 
 if TYPE_CHECKING:
-    from txl_dist.word_scan import LineWords, PackedVocabulary
+    from txl_dist.word_scan import LineWords
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -21,8 +23,6 @@ class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
 
     def _load(self) -> int:
-        import sentencepiece
-
         path = self.directory / self.files[0]
         try:
             self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
@@ -65,8 +65,6 @@ class WordTokenizer(Tokenizer):
 
     @functools.cached_property
     def _packed(self) -> PackedVocabulary:
-        from txl_dist.word_scan import PackedVocabulary
-
         return PackedVocabulary(self.words, missing=-1 if self.unk_id is None else self.unk_id)
 
     def encode(self, text: str) -> list[int]:

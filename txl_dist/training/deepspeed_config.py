@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from txl_dist.config import OptimConfig, PrecisionConfig, TrainConfig, ZeroConfig, merge_mappings
 from txl_dist.config.sections import bucket_elements
 
@@ -109,8 +111,6 @@ def build_torch_optimizer(optim: OptimConfig, parameters):
 
     The parameters may still be on the CPU (DeepSpeed moves them, or its ZeRO partitions, to the device later);
     the fused kernel is chosen per device at each step."""
-    import torch
-
     kind = torch.optim.AdamW if optim.name == "adamw" else torch.optim.Adam
     return kind(
         parameters, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay, fused=True

@@ -16,6 +16,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
 from txl_dist.config import RunConfig
 
 TEXT_TAGS = ("run/config", "run/environment", "run/model")
@@ -26,8 +31,6 @@ RESTART_VARIABLES = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 
 def host_names() -> list[str]:
     """Collective: every rank's host name, by rank (one name in a world of one)."""
-    import torch.distributed as dist
-
     name = socket.gethostname()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [name]
@@ -69,10 +72,6 @@ def git_commit(source: Path | None = None) -> str | None:
 
 
 def _versions() -> dict[str, str]:
-    import deepspeed
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     accelerator = get_accelerator()
     versions = {
         "python": platform.python_version(),

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from txl_dist.config import RunConfig
+from txl_dist.plan import describe, device_memory_of
 from txl_dist.training import run_info
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.stream_memory import SlotMemories
@@ -50,8 +52,6 @@ def _loss_scale(optimizer: Any) -> float | None:
 
 def _memory() -> dict[str, float]:
     """This rank's memory for the log line: resident memory on the CPU, the device's peak since the last line."""
-    from deepspeed.accelerator import get_accelerator
-
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
@@ -160,8 +160,6 @@ def log_start(
 ) -> None:
     """Collective (the ranks' host names): the run's first lines (its model, batch layout and steps, then the
     memory plan of a rank), and this start's TensorBoard text and HParams session (`txl_dist.training.run_info`)."""
-    from txl_dist.plan import describe, device_memory_of
-
     hosts = run_info.host_names()
 
     layout = cfg.train.batch_layout(world_size)

@@ -24,13 +24,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import psutil
+
 from txl_dist.world.processes import process_start, same_process
 
 
 def _process(pid: int) -> tuple[int, list[str]] | None:
     """(start time, command line) of a process; None when it is gone."""
-    import psutil
-
     start = process_start(pid)
     try:
         command_line = psutil.Process(pid).cmdline()
@@ -40,8 +40,6 @@ def _process(pid: int) -> tuple[int, list[str]] | None:
 
 
 def _parent_of(pid: int) -> int:
-    import psutil
-
     try:
         return psutil.Process(pid).ppid()
     except (psutil.Error, OSError):

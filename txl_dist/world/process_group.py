@@ -20,8 +20,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
+import io
 import json
 import logging
 import os
@@ -32,7 +34,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import deepspeed
+import psutil
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.comm.torch import build_shm_op
+from deepspeed.constants import default_pg_timeout
+
 from txl_dist.world import launch_env
+from txl_dist.world.guard import ReportedByRankZero
 
 log = logging.getLogger("txl_dist.training")
 
@@ -50,8 +61,6 @@ def prepare_extension_cache(environ: dict[str, str] | None = None) -> Path:
     own tools first on PATH; return the cache directory."""
     environ = os.environ if environ is None else environ
     if not environ.get("TORCH_EXTENSIONS_DIR"):
-        import torch
-
         # One folder per Python, accelerator build and torch release: a torch reinstalled in the environment
         # (a CUDA build over the CPU one) never loads an op compiled against the other.
         accelerator = (
@@ -99,14 +108,8 @@ def build_lock(cache: Path, name: str = SHM_OP_NAME) -> Iterator[None]:
 def load_shm_op() -> object | None:
     """DeepSpeed's shared-memory op for the CPU accelerator, built (once per cache) under `build_lock`; None where
     the accelerator has none. DeepSpeed's own start-up then finds it loaded."""
-    from deepspeed.accelerator import get_accelerator
-
     if get_accelerator().device_name() != "cpu":
         return None
-    import contextlib
-    import io
-
-    from deepspeed.comm.torch import build_shm_op
 
     # DeepSpeed prints "built successfully" at every load; its own start-up loads the op again and says so once.
     with build_lock(prepare_extension_cache()), contextlib.redirect_stdout(io.StringIO()):
@@ -115,10 +118,6 @@ def load_shm_op() -> object | None:
 
 def environment_record() -> dict[str, object]:
     """What this rank runs with: the run-wide variables, the accelerator it picked, the library versions."""
-    import deepspeed
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     return {
         "variables": {key: os.environ.get(key) for key in launch_env.COMPARED_VARIABLES},
         "accelerator": get_accelerator().device_name(),
@@ -180,8 +179,6 @@ def _wait_for_listener(launch: launch_env.LaunchEnvironment, timeout_s: float) -
 
 def _rendezvous(launch: launch_env.LaunchEnvironment):
     """The store every rank meets at, made within TXL_RENDEZVOUS_TIMEOUT or one line saying why not."""
-    import torch.distributed as dist
-
     timeout_s = launch_env.rendezvous_timeout_s()
     # Under torchrun every rank is a client of the agent's store; otherwise rank 0 serves it.
     client = launch.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -225,8 +222,6 @@ def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
     records = [json.loads(store.get(key)) for key in keys]
     problem = environment_disagreement(records)
     if problem:
-        from txl_dist.world.guard import ReportedByRankZero
-
         raise launch_env.LaunchError(problem) if rank == 0 else ReportedByRankZero(problem)
     return records
 
@@ -234,10 +229,6 @@ def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
 def start(device_type: str) -> tuple[int, int, list[dict]]:
     """Steps 2-4 of the module's docstring (`launch_env.apply` ran at process start); returns (rank, world size,
     every rank's environment record)."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
     launch = launch_env.resolve(os.environ)
     launch_env.require_resolvable_address(launch)
     load_shm_op()
@@ -250,8 +241,6 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
             if launch.world_size > 1
             else [environment_record()]
         )
-        from deepspeed.constants import default_pg_timeout
-
         dist.init_process_group(
             get_accelerator().communication_backend_name(),
             store=store,
@@ -276,8 +265,6 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
 
 def _started_over_ssh() -> bool:
     """Whether an sshd is among this process's ancestors (pdsh's way of starting DeepSpeed's launcher)."""
-    import psutil
-
     try:
         return any(parent.name() == "sshd" for parent in psutil.Process().parents())
     except (psutil.Error, OSError):

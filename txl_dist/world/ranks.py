@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from txl_dist.world import process_group as world
 
@@ -29,8 +30,6 @@ class Place(NamedTuple):
 def local_device() -> torch.device:
     """This rank's device, made current: the accelerator's device of index LOCAL_RANK, modulo the devices this
     process sees (a launcher that binds one device per task, srun --gpus-per-task, leaves each rank one)."""
-    from deepspeed.accelerator import get_accelerator
-
     accelerator = get_accelerator()
     device_type = accelerator.device_name()
     if device_type == "cpu":
