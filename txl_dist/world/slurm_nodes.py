@@ -34,6 +34,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from txl_dist.config import load_config
+from txl_dist.config.files import read_layers
+
 MIN_NODES_VAR = "TXL_MIN_NODES"
 MAX_RELAUNCHES_VAR = "TXL_MAX_RELAUNCHES"
 DEFAULT_MIN_NODES = 1
@@ -201,8 +204,6 @@ def _config_args(train_args: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def output_dir_of(train_args: Sequence[str]) -> Path | None:
     """train.output_dir as the ranks read it (the files and overrides merged; YAML alone, no imports of torch)."""
-    from txl_dist.config.files import read_layers
-
     data, _ = read_layers(*_config_args(train_args))
     train = data.get("train")
     output_dir = train.get("output_dir") if isinstance(train, dict) else None
@@ -212,7 +213,7 @@ def output_dir_of(train_args: Sequence[str]) -> Path | None:
 def batch_holds(train_args: Sequence[str], old_world: int) -> Callable[[int], bool]:
     """Whether a world of N ranks holds the run's global batch (`TrainConfig.batch_layout`, the one place of the
     rule). A world that divides OLD_WORLD always does (its accumulation is a multiple of the old one), so the full
-    config, whose import takes torch's seconds, is read only for the others."""
+    config is read only for the others."""
     cfg = None
 
     def holds(world: int) -> bool:
@@ -220,8 +221,6 @@ def batch_holds(train_args: Sequence[str], old_world: int) -> Callable[[int], bo
         if old_world % world == 0:
             return True
         if cfg is None:
-            from txl_dist.config import load_config
-
             cfg = load_config(*_config_args(train_args))
         try:
             cfg.train.batch_layout(world)
