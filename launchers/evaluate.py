@@ -35,6 +35,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from txl_dist.fileio import atomic_write_text, dangling_link, describe_os_error, read_json
+from txl_dist.tokenizer import CHARACTER_KINDS, load_tokenizer
+from txl_dist.world import launch_env
 from txl_dist.world.interrupts import one_line_on_stop, stop_this_process
 from txl_dist.world.launcher_watch import watching_launcher
 
@@ -80,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _distributed() -> tuple[int, int, Any]:
     """(rank, world size, device); a process group, as the trainer's, when a launcher started several processes."""
-    from txl_dist.world import launch_env, ranks
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
+    from txl_dist.world import ranks
 
     # torchrun, deepspeed, srun or mpirun: the same world whichever started the ranks.
     if launch_env.resolve(os.environ).world_size > 1:
@@ -96,6 +100,7 @@ class _SharedError(ValueError):
 def _verify_once(path: Path, verify: bool) -> None:
     """Rank 0 verifies the checkpoint and tells the other ranks (each reading every file would multiply the
     reads); all raise the same error."""
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     import torch.distributed as dist
 
     from txl_dist.convert.zero import CheckpointError, locate_checkpoint, require_verified
@@ -148,8 +153,8 @@ def _load(
     progress: bool = True,
 ) -> tuple[Any, Any, str | None, Path]:
     """(model, tokenizer or None, recorded shards or None, default output file)."""
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from txl_dist.export import CONFIG_FILE, TRAINING_FILE, load_export_tokenizer, load_model
-    from txl_dist.fileio import read_json
 
     if (path / CONFIG_FILE).is_file():
         training = read_json(path / TRAINING_FILE) if (path / TRAINING_FILE).is_file() else {}
@@ -165,9 +170,9 @@ def _load(
         tokenizer = load_export_tokenizer(path)
         shards = training["data"]["shards"] if training else None
         return model, tokenizer, shards, path / f"eval_{split}.json"
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
     from txl_dist.export import apply_eval_overrides, model_from_state_dict
-    from txl_dist.tokenizer import load_tokenizer
 
     _verify_once(path, verify)
     checkpoint = read_training_checkpoint(path, verify=False)  # verified just above
@@ -197,6 +202,7 @@ def _deepspeed_bars(shown: bool) -> Iterator[None]:
     if shown:
         yield
         return
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from deepspeed.utils import zero_to_fp32
 
     original = zero_to_fp32.tqdm
@@ -210,6 +216,7 @@ def _deepspeed_bars(shown: bool) -> Iterator[None]:
 def _consolidate_once(checkpoint, consolidate, device) -> dict:
     """The checkpoint's full weights on every rank, gathered from its ZeRO partitions by rank 0 alone (each
     rank reading every partition would multiply the reads and the host memory by the number of ranks)."""
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     import torch
     import torch.distributed as dist
 
@@ -237,6 +244,7 @@ def tokens_are_characters(tokenizer) -> bool:
 
 
 def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from txl_dist.data import EvalStreams, read_manifest
     from txl_dist.evaluation import evaluate
 
@@ -293,8 +301,6 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
 def _check_output(output: Path) -> None:
     """Refuse, before the evaluation, an ``--output`` that the result could not be written to as asked: a dangling
     symbolic link (the atomic write would replace the link, not create its target), a folder, or a missing one."""
-    from txl_dist.fileio import dangling_link
-
     target = dangling_link(output)
     if target is not None:
         raise ValueError(
@@ -331,8 +337,6 @@ def _scores(result, split, kind: str, tokenizer) -> dict[str, Any]:
     """What the loss means for this kind of tokenizer: bits per character for byte and char tokenizers (per byte:
     enwik8's bpc), whose tokens are no words; perplexity per token and per word for word and subword tokenizers
     (and bits per character too when every piece is one character)."""
-    from txl_dist.tokenizer import CHARACTER_KINDS
-
     bits = result.loss / math.log(2)
     if kind in CHARACTER_KINDS:
         return {"bits_per_character": bits}
@@ -371,9 +375,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate_and_write(args: argparse.Namespace) -> int:
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     import torch.distributed as dist
-
-    from txl_dist.fileio import atomic_write_text, describe_os_error
 
     try:
         summary = evaluate_split(args)

@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from txl_dist.export import load_pretrained
 
     overrides = {"mem_len": args.mem_len} if args.mem_len is not None else {}
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_scores(model, tokenizer, texts: list[str]) -> None:
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from txl_dist.inference import score
 
     for text, result in zip(texts, score(model, tokenizer, texts)):
@@ -100,6 +102,7 @@ def _print_scores(model, tokenizer, texts: list[str]) -> None:
 
 def _print_samples(model, tokenizer, args: argparse.Namespace) -> None:
     """--num-samples continuations of the prompt, printed as they are generated."""
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from txl_dist.inference import iter_generate
 
     for sample in range(args.num_samples):
@@ -125,6 +128,7 @@ def _print_samples(model, tokenizer, args: argparse.Namespace) -> None:
 
 def _require_device(name: str) -> None:
     """ValueError naming ``--device`` when it is no device of this machine (torch would fail deep in a copy)."""
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     import torch
 
     try:

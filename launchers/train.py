@@ -34,14 +34,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
+
+from txl_dist.world import launch_env
+from txl_dist.world.guard import RunGuard
 
 
 def _launch_environment() -> None:
     """Rank, world and rendezvous address from whichever launcher started this process (torchrun, deepspeed,
     srun, mpirun; a plain ``python launchers/train.py`` is a world of one), checked and written as torch's
     variables; ValueError (one line) for a launch that cannot form one world, before anything has started."""
-    from txl_dist.world import launch_env
-
     # Before `apply` writes RANK: a process alone in the batch script of an allocation of several tasks most
     # likely lacks its `srun`, and would train on one task of the allocation.
     launch_env.refuse_lone_batch_process(os.environ)
@@ -62,14 +64,11 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
-
     # First, before the heavy imports: signals, and the launcher chain this rank must not outlive.
-    from txl_dist.world.guard import RunGuard
-
     guard = RunGuard()
     # DeepSpeed calls a torch.distributed function that torch has deprecated, once per collective kind.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # lazy: --help stays under 1 s (torch/DeepSpeed)
     from txl_dist.training.cli import parse_run_args
 
     try:
@@ -87,18 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _configure_logging()
     try:
+        # lazy: --help stays under 1 s (torch/DeepSpeed)
+        import torch.distributed as dist
+
         from txl_dist.training.trainer import Trainer
 
         summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config, guard=guard).run()
         # Every rank done before any tears gloo down: rank 1 of a 2-rank run aborted once at exit ("terminate
         # called without an active exception") after a finished run.
-        import torch.distributed as dist
-
         dist.barrier()
     except BaseException as error:  # noqa: BLE001 -- every failure ends every rank, with one message
         guard.fail(error)
-    import torch.distributed as dist
-
     dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
     if int(os.environ.get("RANK", "0")) == 0:
         try:

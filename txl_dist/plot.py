@@ -149,11 +149,11 @@ def read_run(directory: str | Path) -> Run:
 
 def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
     """The picture as PNG bytes: rows loss and ppl/bpc, one column per x axis."""
-    import matplotlib
+    import matplotlib  # optional dependency
 
     matplotlib.use("Agg")  # files only: no display on a login node
-    from matplotlib import pyplot as plt
-    from matplotlib.lines import Line2D
+    from matplotlib import pyplot as plt  # optional dependency
+    from matplotlib.lines import Line2D  # optional dependency
 
     second = "bpc" if all(run.character_level for run in runs) else "ppl"
     longest = max((t for run in runs for t in run.x["time"].values() if math.isfinite(t)), default=0.0)

@@ -69,7 +69,7 @@ def device_memory_of(device: str, index: int = 0) -> int | None:
     if device == "cpu":
         return None
     try:
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # lazy: python -m txl_dist.plan imports no DeepSpeed
 
         return int(get_accelerator().total_memory(index))
     except Exception:  # no DeepSpeed, no such device here: plan without a device size
