@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from txl_dist.fileio import atomic_write, describe_os_error
+from txl_dist.run_layout import METRICS
 
-METRICS = "metrics.jsonl"
 AXES = {"step": "optimizer step", "tokens": "tokens seen", "time": "training time"}
 
 

@@ -21,6 +21,13 @@ from txl_dist.checkpoints.layout import rank_state_path
 from txl_dist.fileio import FileChecksum, atomic_write_checksummed
 
 
+def dropout_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The torch seed of ``rank``'s dropout at ``step``: at the start of a run (step 0), and after a resume whose
+    saved RNG states do not map onto this run's ranks. Each rank's stream differs from every other's, and from
+    the one all ranks share while the model is built (``seed`` itself: identical initial weights)."""
+    return seed + 1_000_003 * rank + 7919 * step
+
+
 def rng_state() -> dict[str, Any]:
     """This process's generator states, in types that ``torch.load(weights_only=True)`` accepts."""
     np_state = np.random.get_state()

@@ -31,6 +31,7 @@ from txl_dist.checkpoints.layout import (
 )
 from txl_dist.checkpoints.verify import CheckpointVerificationError, read_marker, verify_checkpoint
 from txl_dist.config import RunConfig
+from txl_dist.run_layout import checkpoints_dir
 
 
 class CheckpointError(ValueError):
@@ -64,7 +65,7 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    for candidate in (path, path / "checkpoints"):
+    for candidate in (path, checkpoints_dir(path)):
         tag = named_by_latest(candidate)
         if tag is not None:
             if is_complete(candidate / tag):

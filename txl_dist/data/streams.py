@@ -161,6 +161,15 @@ class TrainStreams:
         """The global stream ids of this rank's micro-batch ``slot``, in row order."""
         return list(self._slots[slot].stream_ids)
 
+    def slot_stream_ids(self) -> list[list[int]]:
+        """`stream_ids` of every slot, slot by slot."""
+        return [self.stream_ids(slot) for slot in range(len(self._slots))]
+
+    def rank_stream_ids(self) -> list[int]:
+        """Every stream id this rank owns, slot by slot and in row order within a slot: the column order of the
+        memory a checkpoint stores for the rank (`txl_dist.training.stream_memory.SlotMemories.for_checkpoint`)."""
+        return [stream for ids in self.slot_stream_ids() for stream in ids]
+
     @property
     def epoch(self) -> int:
         """The epoch of the next step (it moves on as the last micro-batch of an epoch is handed out)."""

@@ -23,10 +23,11 @@ from pathlib import Path
 import deepspeed
 
 from txl_dist.config import RunConfig, load_config
-from txl_dist.data.format import MANIFEST_NAME, read_manifest
-from txl_dist.data.run_vocab import with_shards_vocab
+from txl_dist.data.format import MANIFEST_NAME, Manifest
+from txl_dist.data.run_vocab import shards_manifest, with_shards_vocab
 from txl_dist.fileio import dangling_link
 from txl_dist.plan import device_memory_of, plan_comment
+from txl_dist.run_layout import checkpoints_dir
 from txl_dist.training.deepspeed_config import build_deepspeed_config
 
 
@@ -99,7 +100,8 @@ def parse_run_args(
         if args.deepscale_config is not None:
             raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
         cfg = load_config(args.config, args.overrides)
-        cfg = with_shards_vocab(cfg)
+        manifest = shards_manifest(cfg)  # read once, here: the Trainer is handed what it resolves
+        cfg = with_shards_vocab(cfg, manifest)
         build_deepspeed_config(
             train=cfg.train,
             optim=cfg.optim,
@@ -114,8 +116,8 @@ def parse_run_args(
             sys.stdout.write(cfg.dump_yaml() + plan_comment(cfg, world_size, device, device_memory_of(device)))
             sys.stdout.flush()
             raise SystemExit(0)
-        _require_run_paths(cfg)
-        _require_a_run_that_can_start(cfg)
+        _require_run_paths(cfg, manifest)
+        _require_a_run_that_can_start(cfg, manifest)
         device = device or detect_device()
         if device != "cpu":  # this rank's own device: no rank touches another's before the process group
             require_memory_fits(cfg, world_size, device, device_memory_of(device, _local_rank(args) or 0))
@@ -148,8 +150,9 @@ def _launch():
         return None
 
 
-def _require_run_paths(cfg: RunConfig) -> None:
-    """The keys a config file may leave to the command line but a run cannot do without."""
+def _require_run_paths(cfg: RunConfig, manifest: Manifest | None) -> None:
+    """The keys a config file may leave to the command line but a run cannot do without (``manifest``: that of
+    data.shards, None where it has none)."""
     if cfg.data.shards is None:
         raise ValueError(
             "data.shards is not set: give the shard directory written by data_tools.build_shards, e.g. data.shards=DIR"
@@ -162,12 +165,12 @@ def _require_run_paths(cfg: RunConfig) -> None:
     shards = cfg.data.shards
     if dangling_link(shards) is not None:
         raise ValueError(f"data.shards={shards!r}: a symbolic link to {dangling_link(shards)}, which leads nowhere")
-    if not Path(shards, MANIFEST_NAME).is_file():
+    if manifest is None:
         raise ValueError(
             f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
             f"finished data_tools.build_shards output; its shard paths may be pipe: URLs)"
         )
-    splits = read_manifest(shards).splits
+    splits = manifest.splits
     # The evaluation split is read at the first evaluation and at the end of training: hours into a run.
     for key, split in (("data.train_split", cfg.data.train_split), ("eval.split", cfg.eval.split)):
         if split not in splits:
@@ -228,7 +231,7 @@ def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_mem
     )
 
 
-def _require_a_run_that_can_start(cfg: RunConfig) -> None:
+def _require_a_run_that_can_start(cfg: RunConfig, manifest: Manifest) -> None:
     """What the trainer would refuse only after every rank has started, found here from the files alone: a
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
     checkpoint.resume=false, and a newest complete checkpoint of another architecture. (The trainer
@@ -243,7 +246,7 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
     from txl_dist.tokenizer import load_tokenizer
 
     if cfg.data.tokenizer is not None:
-        expected = read_manifest(cfg.data.shards).tokenizer.fingerprint
+        expected = manifest.tokenizer.fingerprint
         try:
             found = load_tokenizer(cfg.data.tokenizer).fingerprint  # the whole check (the trainer then hashes only)
         except ValueError as error:
@@ -254,7 +257,7 @@ def _require_a_run_that_can_start(cfg: RunConfig) -> None:
                 f"{Path(cfg.data.shards, MANIFEST_NAME)}'s {expected}: the shards were built with another "
                 f"tokenizer"
             )
-    directory = Path(cfg.train.output_dir) / "checkpoints"
+    directory = checkpoints_dir(cfg.train.output_dir)
     tags = complete_tags(directory)
     if not tags:
         return

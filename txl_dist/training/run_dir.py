@@ -19,6 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from txl_dist.fileio import make_temporary_directory
+from txl_dist.run_layout import checkpoints_dir
 from txl_dist.world.guard import RunFailure, RunGuard
 from txl_dist.world.lock import LOCK_NAME, RunLock, read_holder
 from txl_dist.world.ranks import broadcast
@@ -39,7 +40,7 @@ class RunDirectory:
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return checkpoints_dir(self.path)
 
     @classmethod
     def take(cls, path: str | os.PathLike, rank: int, world_size: int, guard: RunGuard) -> RunDirectory:

@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from txl_dist.fileio import atomic_write_text, describe_os_error
+from txl_dist.run_layout import METRICS, TENSORBOARD
 
 log = logging.getLogger("txl_dist.training")
-
-METRICS = "metrics.jsonl"
-TENSORBOARD = "tensorboard"
 
 
 class FileGone(RuntimeError):

@@ -5,11 +5,12 @@ global streams (consecutive ids), and its rows continue exactly where the previo
 memory of slot k always belongs to the text that follows (`txl_dist.training.stream_memory`) -- the authors'
 ``batch_chunk``, made distributed. The memory is detached after every forward.
 
-A checkpoint holds DeepSpeed's engine state, the client state (step, tokens seen, data position, resolved config,
-best validation result) and, per rank, the memory of each stream by stream id plus the RNG states (see
-`txl_dist.checkpoints.layout`). Rerunning the same command resumes from the newest complete checkpoint.
-With the same number of streams (whatever the world size) streams and memory continue exactly; with another number
-the data is re-partitioned and the memory starts empty (the log says so). Any ZeRO stage resumes any other's
+A checkpoint holds DeepSpeed's engine state and the `TrainState` (`txl_dist.training.train_state`: step, tokens
+seen, data position, best validation result, and per rank the memory of each stream by stream id plus the RNG
+states), saved as one and loaded as one. Rerunning the same command resumes from the newest complete checkpoint
+that verifies; `CheckpointManager.plan_resume` decides which before the engine is built, and how it loads. With
+the same number of streams (whatever the world size) streams and memory continue exactly; with another number the
+data is re-partitioned and the memory starts empty (the log says so). Any ZeRO stage resumes any other's
 checkpoint (`txl_dist.checkpoints.universal`).
 
 SIGTERM or SIGINT (what Slurm sends before preemption) finishes the current step, writes a checkpoint and exits
@@ -30,14 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from txl_dist.checkpoints.layout import CLIENT_KEY, tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
-from txl_dist.checkpoints.rank_state import RankState, rng_state, set_rng_state
-from txl_dist.checkpoints.universal import LoadKind
+from txl_dist.checkpoints.rank_state import dropout_seed
+from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.config import RunConfig
-from txl_dist.data import EvalStreams, ResumeKind, TrainStreams
+from txl_dist.data import EvalStreams, TrainStreams
 from txl_dist.data.format import read_manifest
-from txl_dist.data.run_vocab import with_shards_vocab
+from txl_dist.data.run_vocab import require_shards_vocab
 from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings
@@ -49,6 +49,7 @@ from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
 from txl_dist.training.step_log import StepLog, log_best, log_done, log_start
 from txl_dist.training.stream_memory import SlotMemories
+from txl_dist.training.train_state import TrainState
 from txl_dist.world import ranks
 from txl_dist.world.guard import RunFailure, RunGuard
 
@@ -66,7 +67,8 @@ def _tokenizer_fingerprint(directory: str | None) -> str | None:
 
 
 class Trainer:
-    """Builds everything from a validated `RunConfig`; `run()` trains and returns a summary.
+    """Builds everything from a `RunConfig` as `txl_dist.training.cli.parse_run_args` returns it (validated, its
+    vocabulary resolved from the shards); `run()` trains and returns a summary.
 
     ``guard``: the process's `RunGuard` (launchers/train.py creates it first thing, so that signals and the
     launcher chain are watched from the start); one is made here when not given."""
@@ -81,7 +83,7 @@ class Trainer:
         self._flag_group = dist.new_group(backend="gloo") if self.device_type != "cpu" else None
 
         manifest = read_manifest(cfg.data.shards)
-        cfg = with_shards_vocab(cfg, manifest)
+        require_shards_vocab(cfg, manifest)
         self.cfg = cfg
         self.manifest = manifest
         # Byte and character tokenizers: the loss per token in bits is the bits per character, logged as bpc.
@@ -101,7 +103,13 @@ class Trainer:
             )
         dist.barrier()
 
-        self.engine = self._build_engine(deepspeed_overlay)
+        resume_plan = self.checkpoints.plan_resume(
+            resume=cfg.checkpoint.resume,
+            verify=cfg.checkpoint.verify,
+            architecture=cfg.model.architecture(),
+            zero_stage=cfg.zero.stage,
+        )
+        self.engine, self.num_parameters = self._build_engine(deepspeed_overlay, resume_plan)
         self.fingerprint = _tokenizer_fingerprint(cfg.data.tokenizer) or manifest.tokenizer.fingerprint
         self.streams = TrainStreams(
             cfg.data.shards,
@@ -116,27 +124,42 @@ class Trainer:
             expected_fingerprint=self.fingerprint,
             verify_sha256=cfg.data.verify_sha256,
         )
-        self.step = 0
-        self.tokens_seen = 0
-        self.best: dict[str, Any] | None = None
         self.memories = SlotMemories(self.layout.grad_accum, self.device)
-        self.resumed_from = self._resume()
+        self.state = TrainState(
+            self.streams,
+            self.memories,
+            seed=cfg.train.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            facts={
+                "config": cfg.to_dict(),
+                "architecture": cfg.model.architecture(),
+                "tokenizer": dataclasses.asdict(manifest.tokenizer),
+                "layout": self.layout._asdict(),
+            },
+        )
+        self.resumed_from = resume_plan.tag if resume_plan is not None else None
+        if resume_plan is not None:
+            self.state.load(self.checkpoints, self.engine, resume_plan)
+            self.guard.progress(self.state.step)
+            self.guard.checkpointed(self.state.step)
         self.logger = RunLogger(
-            self.run_dir.path, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, resume_step=self.step
+            self.run_dir.path, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, resume_step=self.state.step
         )
 
-    def _build_engine(self, deepspeed_overlay: str | None):
-        """The model and DeepSpeed's engine around it, configured to load the checkpoint to resume from."""
+    def _build_engine(self, deepspeed_overlay: str | None, resume_plan: ResumePlan | None):
+        """The model and DeepSpeed's engine around it, configured to load ``resume_plan``'s checkpoint; returns
+        the engine and the model's number of parameters."""
         import deepspeed
 
         cfg = self.cfg
         # Identical initial weights on every rank, then a different dropout stream per rank.
         torch.manual_seed(cfg.train.seed)
         model = TransformerXLLM(cfg.model)
-        self.num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
+        num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
         if cfg.model.compile:
             model.compile_body()  # the module itself stays: no "_orig_mod." keys in checkpoints
-        torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
+        torch.manual_seed(dropout_seed(cfg.train.seed, self.rank))
 
         ds_config = build_deepspeed_config(
             train=cfg.train,
@@ -146,15 +169,9 @@ class Trainer:
             world_size=self.world_size,
             device=self.device_type,
             overlay_path=deepspeed_overlay,
-            num_parameters=self.num_parameters,
+            num_parameters=num_parameters,
         )
-        self.resume_plan = self.checkpoints.plan_resume(
-            resume=cfg.checkpoint.resume,
-            verify=cfg.checkpoint.verify,
-            architecture=cfg.model.architecture(),
-            zero_stage=cfg.zero.stage,
-        )
-        if self.resume_plan is not None and self.resume_plan.load is not LoadKind.AS_SAVED and cfg.zero.stage:
+        if resume_plan is not None and resume_plan.engine_loads_universal:
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
         optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
@@ -166,81 +183,13 @@ class Trainer:
             lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
         )
         self.checkpoints.install(engine)
-        return engine
-
-    # ---- resume ------------------------------------------------------------------------------------------------
-
-    def _resume(self) -> str | None:
-        if self.resume_plan is None:
-            return None
-        tag = self.resume_plan.tag
-        client_state = self.checkpoints.load(self.engine, self.resume_plan)
-        if client_state is None or CLIENT_KEY not in client_state:
-            raise RuntimeError(f"{self.checkpoints.directory / tag}: not a txl_dist checkpoint (no client state)")
-        saved = client_state[CLIENT_KEY]
-        self.step, self.tokens_seen, self.best = saved["step"], saved["tokens_seen"], saved.get("best")
-        self.guard.progress(self.step)
-        self.guard.checkpointed(self.step)
-        kind = self.streams.load_state_dict(saved["data"])
-        rng = None
-        if kind == ResumeKind.EXACT:
-            slot_streams = [self.streams.stream_ids(slot) for slot in range(self.layout.grad_accum)]
-            mems_by_stream, rng = self.checkpoints.load_rank_states(tag, [s for ids in slot_streams for s in ids])
-            self.memories.restore(mems_by_stream, slot_streams)
-        else:
-            log.warning("rank %d: the number of streams changed; memory starts empty", self.rank)
-        if rng is not None:
-            set_rng_state(rng)
-        else:
-            torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.rank + 7919 * self.step)
-            if self.rank == 0:
-                log.info(
-                    "the checkpoint's ranks (%d) and streams do not map onto these %d ranks one to one: "
-                    "dropout RNG reseeded from (seed, step, rank)",
-                    saved["world_size"],
-                    self.world_size,
-                )
-        if self.rank == 0:
-            log.info(
-                "resumed from %s at step %d (%s, %d tokens seen)",
-                self.checkpoints.directory / tag,
-                self.step,
-                kind.value,
-                self.tokens_seen,
-            )
-        return tag
+        return engine, num_parameters
 
     # ---- checkpoint --------------------------------------------------------------------------------------------
 
-    def _client_state(self) -> dict[str, Any]:
-        return {
-            CLIENT_KEY: {
-                "step": self.step,
-                "tokens_seen": self.tokens_seen,
-                "data": self.streams.state_dict(),
-                "config": self.cfg.to_dict(),
-                "architecture": self.cfg.model.architecture(),
-                "tokenizer": dataclasses.asdict(self.manifest.tokenizer),
-                "best": self.best,
-                "world_size": self.world_size,
-                "layout": self.layout._asdict(),
-            }
-        }
-
     def save(self) -> str:
         started = time.perf_counter()
-        stream_ids = [s for slot in range(self.layout.grad_accum) for s in self.streams.stream_ids(slot)]
-        mems = self.memories.for_checkpoint()
-        state = RankState(stream_ids=stream_ids, mems=mems, rng=rng_state(), world_size=self.world_size, rank=self.rank)
-        best_tag = tag_for_step(self.best["step"]) if self.best else None
-        tag = self.checkpoints.save(
-            self.engine,
-            self.step,
-            self._client_state(),
-            state,
-            architecture=self.cfg.model.architecture(),
-            best_tag=best_tag,
-        )
+        tag = self.state.save(self.checkpoints, self.engine)
         seconds = time.perf_counter() - started
         megabytes = self.checkpoints.last_save_bytes / 1e6
         self.logger.info(
@@ -251,7 +200,7 @@ class Trainer:
             megabytes / max(seconds, 1e-9),
         )
         self._last_save_clock = time.monotonic()
-        self.guard.checkpointed(self.step)
+        self.guard.checkpointed(self.state.step)
         return tag
 
     # ---- evaluation --------------------------------------------------------------------------------------------
@@ -278,19 +227,20 @@ class Trainer:
         values = {"loss": result.loss, "ppl": result.ppl, "targets": result.targets}
         if self.character_level:
             values["bpc"] = result.loss / math.log(2)
-        self.logger.record(self.step, "eval", values)
+        self.logger.record(self.state.step, "eval", values)
         self.logger.info(
             "step %d | eval loss %.4f | eval ppl %.2f%s | %d targets",
-            self.step,
+            self.state.step,
             result.loss,
             result.ppl,
             f" | eval bpc {values['bpc']:.4f}" if self.character_level else "",
             result.targets,
         )
         # Only full passes are compared: a sampled evaluation (eval.max_batches) scores other tokens.
-        if max_batches == 0 and (self.best is None or result.loss < self.best["loss"]):
-            self.best = {"step": self.step, "loss": result.loss, "ppl": result.ppl, "targets": result.targets}
-        log_best(self.logger, self.step, self.best, self.character_level)
+        state = self.state
+        if max_batches == 0 and (state.best is None or result.loss < state.best["loss"]):
+            state.best = {"step": state.step, "loss": result.loss, "ppl": result.ppl, "targets": result.targets}
+        log_best(self.logger, state.step, state.best, self.character_level)
         return result
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -322,26 +272,26 @@ class Trainer:
             self.num_parameters,
             self.world_size,
             self.device_type,
-            self.step,
+            self.state.step,
             self.manifest.tokenizer.kind,
         )
         self.engine.train()
-        start_step, run_start = self.step, time.perf_counter()
+        start_step, run_start = self.state.step, time.perf_counter()
         try:
             stopped_by, last_eval = self._train()
         finally:
             self.streams.close()
         elapsed = time.perf_counter() - run_start
         summary = {
-            "steps": self.step,
-            "steps_this_run": self.step - start_step,
-            "tokens_seen": self.tokens_seen,
+            "steps": self.state.step,
+            "steps_this_run": self.state.step - start_step,
+            "tokens_seen": self.state.tokens_seen,
             "seconds": elapsed,
-            "tokens_per_s": (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9),
+            "tokens_per_s": (self.state.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9),
             "stopped_by": stopped_by,
             "eval_loss": last_eval.loss if last_eval else None,
             "eval_ppl": last_eval.ppl if last_eval else None,
-            "best": self.best,
+            "best": self.state.best,
             "output_dir": str(self.run_dir.path),
         }
         log_done(self.logger, summary)
@@ -362,30 +312,30 @@ class Trainer:
             max_steps=self.cfg.train.max_steps,
         )
         batches = iter(self.streams)
-        start_step, last_eval = self.step, None
+        start_step, last_eval = self.state.step, None
         self._last_save_clock = time.monotonic()
-        last_saved = self.step if self.resumed_from else None
-        while (stopped_by := self.cadence.stop_before(self.step, self.streams.epoch)) is None:
+        last_saved = self.state.step if self.resumed_from else None
+        while (stopped_by := self.cadence.stop_before(self.state.step, self.streams.epoch)) is None:
             self._train_step(batches, step_log)
-            if self.resumed_from and self.step == start_step + 1:
+            if self.resumed_from and self.state.step == start_step + 1:
                 self._require_finite_loss_after_resume(step_log.loss)
-            if self.cadence.log_after(self.step):
-                step_log.write(self.step, self.tokens_seen, self.engine, self.memories)
-            evaluated = self.cadence.evaluate_after(self.step)
+            if self.cadence.log_after(self.state.step):
+                step_log.write(self.state.step, self.state.tokens_seen, self.engine, self.memories)
+            evaluated = self.cadence.evaluate_after(self.state.step)
             if evaluated:
                 last_eval = self._validate_and_track(self.cfg.eval.max_batches)
             stopping, clock_due = self._agree()
-            new_best = evaluated and self.best is not None and self.best["step"] == self.step
-            if self.cadence.save_after(self.step, stopping=stopping, new_best=new_best, clock_due=clock_due):
+            new_best = evaluated and self.state.best is not None and self.state.best["step"] == self.state.step
+            if self.cadence.save_after(self.state.step, stopping=stopping, new_best=new_best, clock_due=clock_due):
                 self.save()
-                last_saved = self.step
-            if evaluated or last_saved == self.step:  # keep evaluation and saving out of tokens/s
+                last_saved = self.state.step
+            if evaluated or last_saved == self.state.step:  # keep evaluation and saving out of tokens/s
                 step_log.restart_clock()
             if stopping:
                 return self.guard.reason or "a stop request on another rank", last_eval
         # A full pass over the split when training ends, then the last checkpoint, which records it.
         last_eval = self._validate_and_track(0)
-        if last_saved != self.step:
+        if last_saved != self.state.step:
             self.save()
         return stopped_by, last_eval
 
@@ -401,9 +351,9 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             step_log.add(loss, batch, self.layout.grad_accum)
-        self.step += 1
-        self.guard.progress(self.step)
-        self.tokens_seen += self.tokens_per_step
+        self.state.step += 1
+        self.guard.progress(self.state.step)
+        self.state.tokens_seen += self.tokens_per_step
         step_log.end_step()
 
     def _require_finite_loss_after_resume(self, step_loss: torch.Tensor) -> None:
@@ -415,7 +365,7 @@ class Trainer:
         if not math.isfinite(loss):
             verified = "" if self.cfg.checkpoint.verify else " (its files were not verified: checkpoint.verify=false)"
             raise RunFailure(
-                f"the training loss is {loss} at step {self.step}, the first step after resuming from "
+                f"the training loss is {loss} at step {self.state.step}, the first step after resuming from "
                 f"{self.checkpoints.directory / self.resumed_from}: the checkpoint's weights or optimizer state are "
                 f"not finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before"
             )

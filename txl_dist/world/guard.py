@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from txl_dist.world.heartbeats import STORE_PREFIX, Heartbeats
+from txl_dist.world.heartbeats import HEARTBEAT_EVERY, STALL_CHECK_EVERY, STORE_PREFIX, Heartbeats
 from txl_dist.world.launcher_watch import WATCH_S, LauncherWatch
 
 log = logging.getLogger("txl_dist.training")
@@ -46,12 +46,6 @@ GRACE_S = 3.0
 """After another rank's failure: how long this rank's own code may take to exit before the watchdog ends it."""
 FAILURE_KEY = STORE_PREFIX + "failure"
 SEEN_KEY = STORE_PREFIX + "failure_seen"
-
-HEARTBEAT_EVERY = 4
-"""Write this rank's heartbeat every this many watch periods (one second)."""
-STALL_CHECK_EVERY = 8
-"""Look at the other ranks' heartbeats every this many watch periods (two seconds)."""
-DEFAULT_STALL_TIMEOUT_S = 120.0
 
 # Errors whose message says everything: printed as one line, without a traceback. Anything else is a bug (ours or
 # a library's) and keeps its traceback.
@@ -110,7 +104,8 @@ class RunGuard:
         self._closed = threading.Event()
         self.step = 0
         self.last_checkpoint: int | None = None
-        self.stall_timeout = DEFAULT_STALL_TIMEOUT_S
+        self.stall_timeout: float | None = None
+        """train.stall_timeout, from `connect` on (no heartbeat is followed before)."""
         self._thread = threading.Thread(target=self._watch, name="txl_dist-guard", daemon=True)
         self._thread.start()
 
@@ -136,12 +131,12 @@ class RunGuard:
     def checkpointed(self, step: int) -> None:
         self.last_checkpoint = step
 
-    def connect(self, rank: int, world_size: int, stall_timeout: float | None = None) -> None:
+    def connect(self, rank: int, world_size: int, stall_timeout: float) -> None:
         """Join the failure channel: the rendezvous store that torch.distributed's env:// start-up created (every
-        launcher sets MASTER_ADDR and MASTER_PORT)."""
+        launcher sets MASTER_ADDR and MASTER_PORT); a rank whose heartbeat stops for ``stall_timeout`` seconds
+        (train.stall_timeout) is named."""
         self.rank, self.world_size = rank, world_size
-        if stall_timeout is not None:
-            self.stall_timeout = stall_timeout
+        self.stall_timeout = stall_timeout
         address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world_size <= 1 or not address or not port:
             return

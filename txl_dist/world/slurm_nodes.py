@@ -34,8 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from txl_dist.checkpoints.layout import complete_tags, step_of_tag
 from txl_dist.config import load_config
 from txl_dist.config.files import read_layers
+from txl_dist.run_layout import METRICS, checkpoints_dir
 
 MIN_NODES_VAR = "TXL_MIN_NODES"
 MAX_RELAUNCHES_VAR = "TXL_MAX_RELAUNCHES"
@@ -162,7 +164,7 @@ def run_progress(output_dir: Path) -> tuple[int | None, int | None]:
     is where the relaunch resumes when that checkpoint is whole, which it is unless the disk damaged it."""
     logged = None
     try:
-        with open(output_dir / "metrics.jsonl", encoding="utf-8") as lines:
+        with open(output_dir / METRICS, encoding="utf-8") as lines:
             for line in lines:
                 try:
                     record = json.loads(line)
@@ -173,10 +175,9 @@ def run_progress(output_dir: Path) -> tuple[int | None, int | None]:
     except OSError:
         pass
     checkpointed = None
-    for marker in (output_dir / "checkpoints").glob("step*/COMPLETE.json"):
-        digits = marker.parent.name.removeprefix("step")
-        if digits.isdigit():
-            checkpointed = max(checkpointed or 0, int(digits))
+    tags = complete_tags(checkpoints_dir(output_dir))
+    if tags:
+        checkpointed = step_of_tag(tags[-1])
     return logged, checkpointed
 
 

@@ -1,0 +1,24 @@
+"""The names inside a run's directory (``train.output_dir``), stated once for the trainer that writes them and
+for what reads a run from outside: the Slurm relaunch decision (`txl_dist.world.slurm_nodes`), the plots
+(`txl_dist.plot`), the checkpoint converters (`txl_dist.convert.zero`) and the command line's pre-flight.
+
+What lies inside the checkpoints folder: `txl_dist.checkpoints.layout`. Bottom layer: imports nothing of
+txl_dist (docs/architecture.md, Layers).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CHECKPOINTS = "checkpoints"
+"""The folder of the run's checkpoints (one folder per tag, `txl_dist.checkpoints.layout`)."""
+METRICS = "metrics.jsonl"
+"""One JSON record per line: the run's start, every logged step and evaluation (`txl_dist.training.run_logger`)."""
+TENSORBOARD = "tensorboard"
+"""TensorBoard's event files, with log.tensorboard=true."""
+
+
+def checkpoints_dir(output_dir: str | os.PathLike) -> Path:
+    """The checkpoints folder of the run in ``output_dir``."""
+    return Path(output_dir) / CHECKPOINTS
