@@ -22,7 +22,7 @@ from typing import Any
 
 from data_tools.block_packer import StreamPosition
 from data_tools.build_settings import BuildError
-from data_tools.corpus import ReadPosition
+from data_tools.chunking import ReadPosition
 from txl_dist.data.format import ShardEntry
 from txl_dist.fileio import atomic_write_text, read_json
 

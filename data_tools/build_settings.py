@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from data_tools import corpus
-from data_tools.corpus import InputFile
+from data_tools import chunking
+from data_tools.corpus_inputs import InputFile
 from txl_dist.tokenizer import Tokenizer
 
 DEFAULT_TOKENS_PER_BLOCK = 1 << 16
@@ -51,7 +51,7 @@ class BuildSettings:
     holdout: Holdout | None = None
     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
     tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD
-    chunk_bytes: int = corpus.DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES
     """Bytes of text per unit of work; part of the settings because resume positions count chunks."""
 
     def __post_init__(self) -> None:
@@ -60,8 +60,8 @@ class BuildSettings:
                 raise BuildError(f"split name {name!r}: use letters, digits and '_' only")
         if not self.sources:
             raise BuildError("no split to build: give --split NAME=GLOB (or --format lm1b|ptb)")
-        if self.doc_unit not in corpus.DOC_UNITS:
-            raise BuildError(f"--doc-per {self.doc_unit!r}: expected one of {list(corpus.DOC_UNITS)}")
+        if self.doc_unit not in chunking.DOC_UNITS:
+            raise BuildError(f"--doc-per {self.doc_unit!r}: expected one of {list(chunking.DOC_UNITS)}")
         for flag, value in (
             ("--tokens-per-block", self.tokens_per_block),
             ("--chunk-bytes", self.chunk_bytes),

@@ -28,7 +28,7 @@ U+FFFD and are counted, or with ``--strict`` stop the build with the file and by
 sends a training document to split NAME when its 64-bit BLAKE2b hash (of its lines joined by ``\n``, in UTF-8,
 read little-endian) is below F * 2**64: the same document always lands in the same split.
 
-How it works. The parent process reads chunks of whole documents (`data_tools.corpus.read_chunks`), ``--workers``
+How it works. The parent process reads chunks of whole documents (`data_tools.chunking.read_chunks`), ``--workers``
 processes decode and tokenise them, the parent and ``--workers - 1`` spawned ones (the tokenizer is loaded once
 per worker; `data_tools.workers.ordered_map`: results in input order, up to 16 unanswered chunks per spawned
 worker, so that none runs dry while the parent writes; the parent takes a chunk when they are all busy), and
@@ -49,7 +49,7 @@ one split or the other; ``--doc-per blank-line`` keeps the blank lines with the 
 `data_tools.character_documents`). A char tokenizer stops at invalid UTF-8 or a character outside its alphabet,
 naming the file, byte offset and line. ``--format enwik8|text8`` cut the one file (or the file inside its zip,
 whose CRC-32 is checked over the whole member first: `data_tools.zip_member`) at the authors' byte offsets
-(`corpus.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's parts stripped of their end spaces as
+(`benchmark_corpora.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's parts stripped of their end spaces as
 prep_text8.py does); a zip saved under the raw name, and a folder holding both the file and its zip, are refused,
 and the summary line names the file read. ``--format wikitext`` reads ``wiki.*.tokens`` and keeps every line as
 a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data. A flag that the chosen
@@ -77,7 +77,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_tools import corpus
+from data_tools import benchmark_corpora, chunking, corpus_inputs
 from data_tools.build_journal import STATE_NAME
 from data_tools.build_settings import (
     DEFAULT_TOKENS_PER_BLOCK,
@@ -87,7 +87,8 @@ from data_tools.build_settings import (
     Holdout,
 )
 from data_tools.command_line import FAILURE, INTERRUPTED, USAGE_ERROR, OneLineParser
-from data_tools.corpus import InputError, InputFile
+from data_tools.corpus_inputs import InputFile
+from data_tools.input_error import InputError
 from data_tools.shard_builder import build_shards
 from data_tools.workers import WorkerError
 from txl_dist.data.format import ManifestError
@@ -133,7 +134,7 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, type=Path, help="directory for the shards and manifest.json")
     parser.add_argument(
         "--format",
-        choices=corpus.FORMATS,
+        choices=benchmark_corpora.FORMATS,
         default="text",
         help="text: --split NAME=GLOB inputs; lm1b: the One Billion Word r13output directory "
         "(--input); ptb: the Penn Treebank (--input DIR, or the treebank package)",
@@ -156,12 +157,12 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--held-out-bytes",
         type=int,
         help="--format enwik8|text8: bytes of valid and of test at the end of the file (the "
-        f"authors' {corpus.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
+        f"authors' {benchmark_corpora.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
     )
     parser.add_argument(
         "--lm1b-valid",
         help="--format lm1b: heldout file used as the valid split (never the test file heldout-00000; default "
-        f"{corpus.LM1B_DEFAULT_VALID_FILE})",
+        f"{benchmark_corpora.LM1B_DEFAULT_VALID_FILE})",
     )
     parser.add_argument(
         "--holdout",
@@ -171,7 +172,9 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=FRACTION",
         help="draw split NAME from the train documents by a hash of each document (once per build)",
     )
-    parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
+    parser.add_argument(
+        "--doc-per", choices=chunking.DOC_UNITS, help="what a document is in text inputs (default: line)"
+    )
     parser.add_argument("--jsonl-field", help="field of a .jsonl record that holds the document (default: text)")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
 
@@ -199,7 +202,7 @@ def _add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-bytes",
         type=int,
-        help=f"bytes of text per unit of work sent to a worker (default {corpus.DEFAULT_CHUNK_BYTES:,}; with "
+        help=f"bytes of text per unit of work sent to a worker (default {chunking.DEFAULT_CHUNK_BYTES:,}; with "
         "--doc-per file a unit is a whole file)",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted build in --output")
@@ -225,7 +228,7 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
             raise BuildError("--input is for --format lm1b|ptb|wikitext|enwik8|text8; give text inputs with --split")
         sources: dict[str, list[InputFile]] = {}
         for name, patterns in args.split:
-            sources.setdefault(name, []).extend(corpus.input_files(patterns))
+            sources.setdefault(name, []).extend(corpus_inputs.input_files(patterns))
     else:
         if args.split:
             raise BuildError(f"--split is for --format text; --format {args.format} defines train/valid/test")
@@ -234,12 +237,14 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         if args.format == "lm1b":
             if args.input is None:
                 raise BuildError("--format lm1b needs --input DIR (the r13output directory)")
-            sources = corpus.lm1b_splits(args.input, args.lm1b_valid or corpus.LM1B_DEFAULT_VALID_FILE)
+            sources = benchmark_corpora.lm1b_splits(
+                args.input, args.lm1b_valid or benchmark_corpora.LM1B_DEFAULT_VALID_FILE
+            )
         elif args.format in ("enwik8", "text8", "wikitext"):
-            held_out = corpus.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
+            held_out = benchmark_corpora.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
             sources = benchmark_sources(args.format, args.input, held_out)
         else:
-            sources = corpus.ptb_splits(args.input)
+            sources = benchmark_corpora.ptb_splits(args.input)
     files = [f for split_files in sources.values() for f in split_files]
     if args.jsonl_field is not None and not any(f.jsonl for f in files):
         raise BuildError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
@@ -257,14 +262,14 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         holdout=args.holdout[0] if args.holdout else None,
         tokens_per_block=args.tokens_per_block,
         tokens_per_shard=args.tokens_per_shard,
-        chunk_bytes=corpus.DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes,
+        chunk_bytes=chunking.DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes,
     )
 
 
 def _refuse_flags_of_other_formats(args: argparse.Namespace) -> None:
     """A flag that the chosen --format does not read is an error, not silently ignored."""
     for flag, value, formats in (
-        ("--held-out-bytes", args.held_out_bytes, corpus.CHARACTER_FORMATS),
+        ("--held-out-bytes", args.held_out_bytes, benchmark_corpora.CHARACTER_FORMATS),
         ("--lm1b-valid", args.lm1b_valid, ("lm1b",)),
     ):
         if value is not None and args.format not in formats:
@@ -273,7 +278,7 @@ def _refuse_flags_of_other_formats(args: argparse.Namespace) -> None:
 
 
 def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int) -> dict[str, list[InputFile]]:
-    """The splits of ``--format enwik8|text8|wikitext`` (see `data_tools.corpus`)."""
+    """The splits of ``--format enwik8|text8|wikitext`` (see `data_tools.benchmark_corpora`)."""
     if path is None:
         what = (
             "the folder of wiki.*.tokens"
@@ -282,8 +287,8 @@ def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int)
         )
         raise BuildError(f"--format {input_format} needs --input ({what})")
     if input_format == "wikitext":
-        return corpus.wikitext_splits(path)
-    splits = corpus.enwik8_splits if input_format == "enwik8" else corpus.text8_splits
+        return benchmark_corpora.wikitext_splits(path)
+    splits = benchmark_corpora.enwik8_splits if input_format == "enwik8" else benchmark_corpora.text8_splits
     return splits(path, held_out_bytes)
 
 

@@ -1,6 +1,6 @@
 """The documents of a chunk as a byte or character tokenizer reads them: every byte (character) kept.
 
-The text path of word and SentencePiece tokenizers (`corpus.chunk_documents`) skips blank documents, reads
+The text path of word and SentencePiece tokenizers (`text_decoding.chunk_documents`) skips blank documents, reads
 ``\\r\\n`` as ``\\n`` and replaces bytes that are not UTF-8 with U+FFFD. None of that happens here, on any path a
 byte or char tokenizer takes (``--holdout``, ``--doc-per``, ``.jsonl``):
 
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from data_tools import corpus
-from data_tools.corpus import Chunk, ChunkText, InputError
+from data_tools import text_decoding
+from data_tools.chunking import Chunk
+from data_tools.input_error import InputError
+from data_tools.text_decoding import ChunkText
 from txl_dist.tokenizer import CharTokenizer
 from txl_dist.tokenizer.characters import UnknownCharacterError
 
@@ -35,7 +37,7 @@ def decode(chunk: Chunk, kind: str) -> str:
     try:
         return chunk.data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise corpus.invalid_utf8(
+        raise text_decoding.invalid_utf8(
             chunk,
             error,
             ": a char tokenizer reads UTF-8 text only; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8), "
@@ -99,7 +101,7 @@ def _jsonl_documents(
     chunk: Chunk, text: str, field: str, kind: str, alphabet: CharTokenizer | None
 ) -> tuple[list[list[str]], int]:
     documents, empty = [], 0
-    for number, value in corpus.jsonl_records(text, chunk, field):
+    for number, value in text_decoding.jsonl_records(text, chunk, field):
         where = f"{chunk.path}, line {number}, field '{field}'"
         if kind == "byte":
             try:

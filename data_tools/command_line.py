@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from data_tools.corpus import InputFile
+    from data_tools.corpus_inputs import InputFile
 
 USAGE_ERROR = 2
 """Exit status of a refused command line or input (what argparse exits with for a bad flag)."""

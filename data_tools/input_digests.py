@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from data_tools.build_settings import BuildError
-from data_tools.corpus import Chunk, InputFile, ReadPosition
+from data_tools.chunking import Chunk, ReadPosition
+from data_tools.corpus_inputs import InputFile
 
 _READ_BYTES = 1 << 20
 

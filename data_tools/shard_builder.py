@@ -14,12 +14,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_tools import corpus
+from data_tools import chunking, corpus_inputs
 from data_tools.block_packer import BlockPacker, StreamPosition
 from data_tools.build_journal import STATE_NAME, BuildJournal
 from data_tools.build_settings import BuildError, BuildSettings
+from data_tools.chunking import ReadPosition
 from data_tools.command_line import describe_inputs
-from data_tools.corpus import ReadPosition
 from data_tools.input_digests import InputDigests, Mark
 from data_tools.tokenize_chunks import ChunkResult, Task, WorkerSettings, start_worker, tokenize_chunk
 from data_tools.workers import ordered_map
@@ -110,7 +110,7 @@ class _Builder:
             f.name
             for files in self.settings.sources.values()
             for f in files
-            if not f.name.startswith(corpus.TREEBANK_PREFIX)
+            if not f.name.startswith(corpus_inputs.TREEBANK_PREFIX)
         ]
         try:
             refuse_output_over_inputs(self.output, inputs)
@@ -346,7 +346,7 @@ class _SourceBuild:
 
     def _tasks(self) -> Iterator[Task]:
         settings = self.builder.settings
-        for chunk in corpus.read_chunks(self.files, settings.doc_unit, settings.chunk_bytes, self.read_from):
+        for chunk in chunking.read_chunks(self.files, settings.doc_unit, settings.chunk_bytes, self.read_from):
             index = chunk.start.chunk
             self.chunk_starts[index] = chunk.start
             before = self.digests.mark()
@@ -359,7 +359,7 @@ class _SourceBuild:
                     firsts.append((split, None))
                 else:
                     firsts.append((split, position.document if position.chunk == index else 0))
-            yield corpus.portable(chunk) if self.workers > 1 else chunk, tuple(firsts)
+            yield chunking.portable(chunk) if self.workers > 1 else chunk, tuple(firsts)
 
     def _add(self, result: ChunkResult, bar: tqdm) -> None:
         for split, piece in result.pieces.items():

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_tools import corpus
+from data_tools import benchmark_corpora
 from txl_dist.fileio import describe_os_error, ensure_directory
 
 ROOT_NAME = "1-billion-word-language-modeling-benchmark-r13output"
@@ -80,9 +80,9 @@ class CorpusShape:
         """(path relative to the root, sentences) of every file, training files first."""
         train = max(1, round(TRAIN_SENTENCES_PER_FILE * self.scale))
         heldout = max(1, round(HELDOUT_SENTENCES_PER_FILE * self.scale))
-        return [(f"{corpus.LM1B_TRAIN_DIR}/{name}", train) for name in corpus.LM1B_TRAIN_FILES] + [
-            (f"{corpus.LM1B_HELDOUT_DIR}/{name}", heldout) for name in HELDOUT_FILES
-        ]
+        return [
+            (f"{benchmark_corpora.LM1B_TRAIN_DIR}/{name}", train) for name in benchmark_corpora.LM1B_TRAIN_FILES
+        ] + [(f"{benchmark_corpora.LM1B_HELDOUT_DIR}/{name}", heldout) for name in HELDOUT_FILES]
 
 
 def sample_ranks(shape: CorpusShape, size: int, generator: np.random.Generator) -> np.ndarray:
@@ -185,7 +185,7 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
     """Write the corpus under ``output/{ROOT_NAME}``; returns its statistics (also written as
     ``synthetic.json`` beside the two folders)."""
     root = Path(output) / ROOT_NAME
-    for directory in (corpus.LM1B_TRAIN_DIR, corpus.LM1B_HELDOUT_DIR):
+    for directory in (benchmark_corpora.LM1B_TRAIN_DIR, benchmark_corpora.LM1B_HELDOUT_DIR):
         (root / directory).mkdir(parents=True, exist_ok=True)
     tasks = [
         (shape, relative, index, sentences, str(root)) for index, (relative, sentences) in enumerate(shape.files())
@@ -207,7 +207,7 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
             disable=not progress,
             dynamic_ncols=True,
         ):
-            part = totals["train" if relative.startswith(corpus.LM1B_TRAIN_DIR) else "heldout"]
+            part = totals["train" if relative.startswith(benchmark_corpora.LM1B_TRAIN_DIR) else "heldout"]
             part[0] += size
             part[1] += sentences
             part[2] += words

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from data_tools import character_documents, corpus
+from data_tools import character_documents, chunking, text_decoding
 from data_tools.build_settings import Holdout
 from txl_dist.data.format import token_dtype
 from txl_dist.tokenizer import CharTokenizer, Tokenizer, WordTokenizer, load_tokenizer
@@ -27,7 +27,7 @@ class StreamPiece:
     document_words: np.ndarray
     document_characters: np.ndarray
     document_indices: np.ndarray
-    """Each document's index within its chunk (see `corpus.ChunkText.indices`)."""
+    """Each document's index within its chunk (see `text_decoding.ChunkText.indices`)."""
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ def start_worker(settings: WorkerSettings, tokenizer: Tokenizer | None = None) -
     _worker = (settings, tokenizer, token_dtype(tokenizer.vocab_size))
 
 
-Task = tuple[corpus.Chunk, tuple[tuple[str, int | None], ...]]
+Task = tuple[chunking.Chunk, tuple[tuple[str, int | None], ...]]
 """A chunk and, per split it feeds, the index of its first document still to tokenise (None: the split already
 holds all of them)."""
 
@@ -70,7 +70,7 @@ holds all of them)."""
 def tokenize_chunk(task: Task) -> ChunkResult:
     """Documents of a chunk -> token arrays per split (see `Task`)."""
     chunk, streams = task
-    chunk = corpus.resolve(chunk)
+    chunk = chunking.resolve(chunk)
     settings, tokenizer, dtype = _worker
     if (
         isinstance(tokenizer, WordTokenizer)
@@ -92,7 +92,7 @@ def tokenize_chunk(task: Task) -> ChunkResult:
             chunk, settings.doc_unit, settings.jsonl_field, tokenizer.kind, alphabet
         )
     else:
-        text = corpus.chunk_documents(
+        text = text_decoding.chunk_documents(
             chunk,
             settings.doc_unit,
             settings.jsonl_field,
@@ -116,7 +116,7 @@ def tokenize_chunk(task: Task) -> ChunkResult:
     return ChunkResult(chunk.start.chunk, len(chunk.data), len(text.documents), text.empty, text.replaced_bytes, pieces)
 
 
-def _tokenize_lines(chunk: corpus.Chunk, split: str, tokenizer: WordTokenizer, dtype: np.dtype) -> ChunkResult | None:
+def _tokenize_lines(chunk: chunking.Chunk, split: str, tokenizer: WordTokenizer, dtype: np.dtype) -> ChunkResult | None:
     """The word tokenizer's fast path for one-document-per-line text (One Billion Word, PTB): the words are
     found and looked up with numpy (`txl_dist.word_scan`), faster than ``str.split`` and a dict lookup per word.
     None for text it does not take (see `txl_dist.word_scan.scan_lines`)."""
@@ -142,7 +142,7 @@ _BYTE_IS_SPACE = np.array([code < 128 and chr(code).isspace() for code in range(
 
 
 def _tokenize_characters(
-    chunk: corpus.Chunk, split: str, first_document: int, tokenizer: Tokenizer, dtype: np.dtype
+    chunk: chunking.Chunk, split: str, first_document: int, tokenizer: Tokenizer, dtype: np.dtype
 ) -> ChunkResult:
     """The byte and character tokenizers' path: every line a document, blank lines included, nothing replaced
     or dropped, so the chunk's tokens are its bytes (characters) with a newline closing an unended last line.
@@ -180,7 +180,9 @@ def _tokenize_characters(
     return ChunkResult(chunk.start.chunk, len(data), len(ends), 0, 0, {split: piece})
 
 
-def _encode_piece(tokenizer: Tokenizer, text: corpus.ChunkText, selected: np.ndarray, dtype: np.dtype) -> StreamPiece:
+def _encode_piece(
+    tokenizer: Tokenizer, text: text_decoding.ChunkText, selected: np.ndarray, dtype: np.dtype
+) -> StreamPiece:
     """The documents ``text.documents[selected]`` as a piece of a split's stream."""
     if len(selected) == len(text.documents):
         documents = text.documents

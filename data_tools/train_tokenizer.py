@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from data_tools import corpus
+from data_tools import benchmark_corpora, chunking, corpus_inputs
 from data_tools.command_line import (
     FAILURE,
     INTERRUPTED,
@@ -61,7 +61,8 @@ from data_tools.command_line import (
     flag_name,
     given_flags,
 )
-from data_tools.corpus import InputError, InputFile
+from data_tools.corpus_inputs import InputFile
+from data_tools.input_error import InputError
 from data_tools.sentencepiece_training import (
     DEFAULT_MAX_SENTENCE_LENGTH,
     sample_lines,
@@ -116,7 +117,7 @@ def _training_files(args: argparse.Namespace) -> list[InputFile]:
     if args.format == "text":
         if not args.input:
             raise TrainError("--input: give the training files (paths or glob patterns)")
-        return corpus.input_files([str(p) for p in args.input])
+        return corpus_inputs.input_files([str(p) for p in args.input])
     if args.doc_per not in (None, "line"):
         raise TrainError(f"--doc-per {args.doc_per}: --format {args.format} has one sentence per line")
     if len(args.input or []) > 1:
@@ -125,16 +126,16 @@ def _training_files(args: argparse.Namespace) -> list[InputFile]:
     if args.format == "lm1b":
         if directory is None:
             raise TrainError("--format lm1b needs --input DIR (the r13output directory)")
-        return corpus.lm1b_splits(directory)["train"]
+        return benchmark_corpora.lm1b_splits(directory)["train"]
     if args.format in ("enwik8", "text8", "wikitext"):
         if directory is None:
             raise TrainError(f"--format {args.format} needs --input (the file as downloaded, or its folder)")
         if args.format == "wikitext":
-            return corpus.wikitext_splits(directory)["train"]
-        splits = corpus.enwik8_splits if args.format == "enwik8" else corpus.text8_splits
-        held_out = corpus.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
+            return benchmark_corpora.wikitext_splits(directory)["train"]
+        splits = benchmark_corpora.enwik8_splits if args.format == "enwik8" else benchmark_corpora.text8_splits
+        held_out = benchmark_corpora.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
         return splits(directory, held_out)["train"]
-    return corpus.ptb_splits(directory)["train"]
+    return benchmark_corpora.ptb_splits(directory)["train"]
 
 
 def _prepare_output(output: Path, overwrite: bool) -> Path:
@@ -224,7 +225,7 @@ def _refuse_flags_that_do_not_apply(parser: argparse.ArgumentParser, args: argpa
         for dest in sorted(given & set(flags)):
             if args.kind != kind:
                 raise TrainError(f"{flag_name(parser, dest)}: applies to --kind {kind} only, not to --kind {args.kind}")
-    if "held_out_bytes" in given and args.format not in corpus.CHARACTER_FORMATS:
+    if "held_out_bytes" in given and args.format not in benchmark_corpora.CHARACTER_FORMATS:
         raise TrainError(
             f"--held-out-bytes {args.held_out_bytes}: applies to --format enwik8|text8 only, not to --format "
             f"{args.format}"
@@ -260,8 +261,10 @@ def _parser(argv: Sequence[str] | None) -> argparse.ArgumentParser:
         help="text/.gz/.jsonl files or glob patterns; for --format "
         "lm1b|ptb the corpus directory (ptb: optional, default the treebank package)",
     )
-    parser.add_argument("--format", choices=corpus.FORMATS, default="text")
-    parser.add_argument("--doc-per", choices=corpus.DOC_UNITS, help="what a document is in text inputs (default: line)")
+    parser.add_argument("--format", choices=benchmark_corpora.FORMATS, default="text")
+    parser.add_argument(
+        "--doc-per", choices=chunking.DOC_UNITS, help="what a document is in text inputs (default: line)"
+    )
     parser.add_argument("--jsonl-field", default="text", help="field of a .jsonl record that holds the document")
     parser.add_argument("--strict", action="store_true", help="fail on non-UTF-8 bytes instead of replacing them")
     parser.add_argument("--output", required=True, type=Path, help="the tokenizer directory to write")
@@ -320,7 +323,7 @@ def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
         "--held-out-bytes",
         type=int,
         help="--format enwik8|text8: bytes of valid and of test at the end of the file, left out "
-        f"of training (the authors' {corpus.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
+        f"of training (the authors' {benchmark_corpora.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
     )
     char = parser.add_argument_group("char")
     char.add_argument(
@@ -352,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise TrainError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
         try:  # before anything in the output is deleted
             refuse_output_over_inputs(
-                args.output, [f.name for f in files if not f.name.startswith(corpus.TREEBANK_PREFIX)]
+                args.output, [f.name for f in files if not f.name.startswith(corpus_inputs.TREEBANK_PREFIX)]
             )
         except OutputPathError as error:
             raise TrainError(str(error)) from None

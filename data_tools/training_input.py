@@ -10,8 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from data_tools import character_documents, corpus
-from data_tools.corpus import InputFile
+from data_tools import character_documents, chunking, text_decoding
+from data_tools.corpus_inputs import InputFile
 from data_tools.word_counting import CountSettings, WordCounts, count_chunk, counted, start_counting
 from data_tools.workers import WorkerError, ordered_map
 
@@ -48,8 +48,8 @@ class Reading:
             disable=not self.progress,
             dynamic_ncols=True,
         ) as bar:
-            for chunk in corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES):
-                text = corpus.chunk_documents(chunk, self.doc_unit, self.jsonl_field, self.strict)
+            for chunk in chunking.read_chunks(self.files, self.doc_unit, chunking.DEFAULT_CHUNK_BYTES):
+                text = text_decoding.chunk_documents(chunk, self.doc_unit, self.jsonl_field, self.strict)
                 lines = [line for document in text.documents for line in document if line.strip()]
                 statistics = self.statistics
                 statistics["documents"] += len(text.documents)
@@ -71,9 +71,9 @@ class Reading:
             raise TrainError(f"--workers {workers}: must be at least 1")
         plain = all(not f.name.endswith(".gz") for f in self.files)
         settings = CountSettings(self.doc_unit, self.jsonl_field, self.strict)
-        chunks = corpus.read_chunks(self.files, self.doc_unit, corpus.DEFAULT_CHUNK_BYTES)
+        chunks = chunking.read_chunks(self.files, self.doc_unit, chunking.DEFAULT_CHUNK_BYTES)
         if workers > 1:
-            chunks = map(corpus.portable, chunks)
+            chunks = map(chunking.portable, chunks)
         totals: list[WordCounts] = []
         results = ordered_map(count_chunk, chunks, workers, start_counting, (settings,), finalizer=counted)
         try:
@@ -111,7 +111,7 @@ class Reading:
                 f"symbols only"
             )
 
-    def character_texts(self, what: str, kind: str) -> Iterator[tuple[corpus.Chunk, bytes | str]]:
+    def character_texts(self, what: str, kind: str) -> Iterator[tuple[chunking.Chunk, bytes | str]]:
         """Each chunk of the input and what a tokenizer of ``kind`` (byte, char) reads of it, every byte kept
         (`character_documents`): a plain input's bytes (byte) or its UTF-8 text (char), each line a document; the
         text fields of a .jsonl input's records (as UTF-8 for byte), each ending with a newline. Counted in
@@ -126,7 +126,7 @@ class Reading:
             disable=not self.progress,
             dynamic_ncols=True,
         ) as bar:
-            for chunk in corpus.read_chunks(self.files, "line", corpus.DEFAULT_CHUNK_BYTES):
+            for chunk in chunking.read_chunks(self.files, "line", chunking.DEFAULT_CHUNK_BYTES):
                 data: bytes | str
                 if chunk.jsonl:
                     text = character_documents.chunk_documents(chunk, "line", self.jsonl_field, kind)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools import character_documents, corpus
+from data_tools import character_documents, chunking, text_decoding
 from data_tools.training_input import Reading, TrainError
 from txl_dist.tokenizer import (
     BYTE_VOCAB,
@@ -135,13 +135,13 @@ def train_char(reading: Reading, output: Path, alphabet: str | None) -> Tokenize
     )
 
 
-def _outside_the_alphabet(chunk: corpus.Chunk, text: str, outside: set[str], alphabet: str, field: str) -> TrainError:
+def _outside_the_alphabet(chunk: chunking.Chunk, text: str, outside: set[str], alphabet: str, field: str) -> TrainError:
     """The error for the first character of ``text`` (what the chunk holds for a char tokenizer) that is not in
     ``alphabet``, naming where it is: the byte offset and line, or the line of the .jsonl record."""
     advice = "add it to --alphabet, or leave --alphabet out to learn the text's characters"
     if chunk.jsonl:
         raw = character_documents.decode(chunk, "char")
-        for number, value in corpus.jsonl_records(raw, chunk, field):
+        for number, value in text_decoding.jsonl_records(raw, chunk, field):
             found = [c for c in value if c in outside]
             if found:
                 return TrainError(

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from data_tools import corpus
+from data_tools import chunking, text_decoding
 from txl_dist import word_scan
 
 
@@ -77,15 +77,15 @@ def start_counting(settings: CountSettings) -> None:
     _counts = (settings, WordCounts())
 
 
-def count_chunk(chunk: corpus.Chunk) -> dict[str, int]:
+def count_chunk(chunk: chunking.Chunk) -> dict[str, int]:
     """Count a chunk's words into this process's totals; returns the chunk's statistics."""
     settings, counts = _counts
-    chunk = corpus.resolve(chunk)
+    chunk = chunking.resolve(chunk)
     scan = None
     if settings.doc_unit == "line" and not chunk.jsonl:
         scan = word_scan.scan_lines(chunk.data)
     if scan is None:
-        text = corpus.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
+        text = text_decoding.chunk_documents(chunk, settings.doc_unit, settings.jsonl_field, settings.strict)
         lines = [line for document in text.documents for line in document if line.strip()]
         counts.text.update(" ".join(lines).split())
         return {

@@ -18,8 +18,7 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
-# The module, not its names: corpus imports this one, and InputError is looked up when raised.
-from data_tools import corpus
+from data_tools.input_error import InputError
 
 ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08")  # a local file header; an empty archive; a spanned one
 GZIP_MAGIC = b"\x1f\x8b"
@@ -32,7 +31,7 @@ def file_magic(path: str | os.PathLike) -> bytes:
         with open(path, "rb") as handle:
             return handle.read(4)
     except OSError as error:
-        raise corpus.InputError(f"{path}: cannot read ({error.strerror})") from error
+        raise InputError(f"{path}: cannot read ({error.strerror})") from error
 
 
 def is_zip(magic: bytes) -> bool:
@@ -44,11 +43,11 @@ def open_member(path: str, member: str) -> BinaryIO:
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as error:
-        raise corpus.InputError(f"{path}: not a readable zip archive ({error})") from error
+        raise InputError(f"{path}: not a readable zip archive ({error})") from error
     try:
         return archive.open(member)
     except KeyError:
-        raise corpus.InputError(f"{path}: holds no file {member!r} (it holds {archive.namelist()[:5]})") from None
+        raise InputError(f"{path}: holds no file {member!r} (it holds {archive.namelist()[:5]})") from None
     finally:
         archive.close()
 
@@ -62,9 +61,7 @@ def check_member_crc(path: str | os.PathLike, member: str) -> None:
             while handle.read(_READ_BYTES):
                 pass
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as error:
-        raise corpus.InputError(
-            f"{path}: {member!r} inside is damaged ({error}); download the archive again"
-        ) from error
+        raise InputError(f"{path}: {member!r} inside is damaged ({error}); download the archive again") from error
 
 
 def character_corpus(path: str | os.PathLike, name: str) -> tuple[str, str | None, int]:
@@ -74,36 +71,36 @@ def character_corpus(path: str | os.PathLike, name: str) -> tuple[str, str | Non
     if path.is_dir():
         found = [c for c in (path / name, path / f"{name}.zip") if c.exists()]
         if not found:
-            raise corpus.InputError(f"{path}: holds neither {name} nor {name}.zip")
+            raise InputError(f"{path}: holds neither {name} nor {name}.zip")
         if len(found) == 2:
-            raise corpus.InputError(
+            raise InputError(
                 f"{path}: holds both {name} and {name}.zip, which may differ; give the one to read as --input "
                 f"({found[0]} or {found[1]})"
             )
         path = found[0]
     if not path.is_file():
-        raise corpus.InputError(f"{path}: no such file (expected {name} or {name}.zip)")
+        raise InputError(f"{path}: no such file (expected {name} or {name}.zip)")
     magic = file_magic(path)
     named_zip = path.suffix.lower() == ".zip"
     if is_zip(magic) and not named_zip:
-        raise corpus.InputError(
+        raise InputError(
             f"{path}: is a zip archive (it begins with 'PK'), not the raw {name}; name it {path.name}.zip, or unzip it"
         )
     if not named_zip:
         if magic.startswith(GZIP_MAGIC):
-            raise corpus.InputError(f"{path}: is gzip-compressed, not the raw {name}; gunzip it first")
+            raise InputError(f"{path}: is gzip-compressed, not the raw {name}; gunzip it first")
         return str(path.resolve()), None, path.stat().st_size
     if not is_zip(magic):
-        raise corpus.InputError(
+        raise InputError(
             f"{path}: named .zip but not a zip archive (it begins with {magic!r}); name it {name} if it is the raw file"
         )
     try:
         with zipfile.ZipFile(path) as archive:
             members = [info for info in archive.infolist() if not info.is_dir()]
     except (zipfile.BadZipFile, OSError) as error:
-        raise corpus.InputError(f"{path}: not a readable zip archive ({error})") from error
+        raise InputError(f"{path}: not a readable zip archive ({error})") from error
     info = next((i for i in members if Path(i.filename).name == name), members[0] if len(members) == 1 else None)
     if info is None:
-        raise corpus.InputError(f"{path}: holds no file {name!r} (it holds {[i.filename for i in members][:5]})")
+        raise InputError(f"{path}: holds no file {name!r} (it holds {[i.filename for i in members][:5]})")
     check_member_crc(path, info.filename)
     return str(path.resolve()), info.filename, info.file_size

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from data_tools import build_shards, corpus, inspect_shards
+from data_tools import benchmark_corpora, build_shards, chunking, corpus_inputs, inspect_shards, text_decoding
+from data_tools.input_error import InputError
 from data_tools.workers import WorkerError, ordered_map
 from tests.conftest import PTB_TOKENS_PER_BLOCK, PTB_TOKENS_PER_SHARD, ptb_sentences
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
@@ -326,7 +327,7 @@ def test_word_counts_follow_str_split_for_every_kind_of_whitespace():
         lines = text.split("\n")
         if text.endswith("\n"):
             lines.pop()
-        assert corpus.words_per_line(text).tolist() == [len(line.split()) for line in lines], repr(text)
+        assert text_decoding.words_per_line(text).tolist() == [len(line.split()) for line in lines], repr(text)
 
 
 def test_gzip_input_gives_the_shards_of_the_plain_text(ptb_word_tokenizer, ptb_text_dir, tmp_path):
@@ -374,7 +375,7 @@ def test_lm1b_layout_builds_train_valid_and_test(fabricated_lm1b_dir, ptb_word_t
     manifest = read_manifest(output)
     assert sorted(manifest.splits) == ["test", "train", "valid"]
     inputs = manifest.build["inputs"]
-    assert [Path(f["name"]).name for f in inputs["train"]] == list(corpus.LM1B_TRAIN_FILES)
+    assert [Path(f["name"]).name for f in inputs["train"]] == list(benchmark_corpora.LM1B_TRAIN_FILES)
     assert Path(inputs["valid"][0]["name"]).name == "news.en.heldout-00001-of-00050"
     assert Path(inputs["test"][0]["name"]).name == "news.en.heldout-00000-of-00050"
     for split in ("train", "valid", "test"):  # the fixture put PTB's split of the same name in each place
@@ -397,12 +398,12 @@ def test_lm1b_layout_builds_train_valid_and_test(fabricated_lm1b_dir, ptb_word_t
     )
     assert "that is the test file; validating on it selects models on the test set" in capsys.readouterr().err
     empty = tmp_path / "empty_layout"
-    (empty / corpus.LM1B_TRAIN_DIR).mkdir(parents=True)
+    (empty / benchmark_corpora.LM1B_TRAIN_DIR).mkdir(parents=True)
     assert (
         run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--format", "lm1b", "--input", empty)
         == 2
     )
-    assert f"{empty / corpus.LM1B_TRAIN_DIR / 'news.en-00001-of-00100'}: missing" in capsys.readouterr().err
+    assert f"{empty / benchmark_corpora.LM1B_TRAIN_DIR / 'news.en-00001-of-00100'}: missing" in capsys.readouterr().err
 
 
 def test_holdout_is_a_deterministic_hash_partition_of_train(ptb_word_tokenizer, ptb_text_dir, tmp_path, capsys):
@@ -865,15 +866,15 @@ def test_chunks_travel_to_workers_without_their_bytes_and_are_checked_when_read_
     text = write_lines(tmp_path / "a.txt", [f"line {i} of the text" for i in range(2000)])
     packed = tmp_path / "b.txt.gz"
     packed.write_bytes(gzip.compress(text.read_bytes()))
-    plain_chunks = list(corpus.read_chunks(corpus.input_files([str(text)]), "line", 4096))
-    travelling = [corpus.portable(chunk) for chunk in plain_chunks]
+    plain_chunks = list(chunking.read_chunks(corpus_inputs.input_files([str(text)]), "line", 4096))
+    travelling = [chunking.portable(chunk) for chunk in plain_chunks]
     assert all(chunk.data is None for chunk in travelling) and len(plain_chunks) > 5
-    assert [corpus.resolve(chunk).data for chunk in travelling] == [chunk.data for chunk in plain_chunks]
-    gz_chunk = next(corpus.read_chunks(corpus.input_files([str(packed)]), "line", 4096))
-    assert corpus.portable(gz_chunk) is gz_chunk  # offsets of decompressed bytes: it travels with its bytes
+    assert [chunking.resolve(chunk).data for chunk in travelling] == [chunk.data for chunk in plain_chunks]
+    gz_chunk = next(chunking.read_chunks(corpus_inputs.input_files([str(packed)]), "line", 4096))
+    assert chunking.portable(gz_chunk) is gz_chunk  # offsets of decompressed bytes: it travels with its bytes
     data = bytearray(text.read_bytes())
     data[travelling[2].start.offset + 3] ^= 1  # one bit flipped, same size
     text.write_bytes(bytes(data))
-    with pytest.raises(corpus.InputError, match=r"a\.txt, bytes \d+-\d+: the file changed while it was being read"):
-        corpus.resolve(travelling[2])
-    assert corpus.resolve(travelling[1]).data == plain_chunks[1].data
+    with pytest.raises(InputError, match=r"a\.txt, bytes \d+-\d+: the file changed while it was being read"):
+        chunking.resolve(travelling[2])
+    assert chunking.resolve(travelling[1]).data == plain_chunks[1].data

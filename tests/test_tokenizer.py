@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import treebank
 
-from data_tools import corpus, train_tokenizer
+from data_tools import benchmark_corpora, train_tokenizer
 from tests.conftest import ptb_sentences
 from txl_dist.data.format import TokenizerIdentity
 from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer, verified_fingerprint
@@ -117,8 +117,8 @@ def test_lm1b_preset_counts_training_words_seen_three_times(fabricated_lm1b_dir,
         == 0
     )
     counts = collections.Counter()
-    for name in corpus.LM1B_TRAIN_FILES:  # the training files only, never the heldout ones
-        counts.update((fabricated_lm1b_dir / corpus.LM1B_TRAIN_DIR / name).read_text().split())
+    for name in benchmark_corpora.LM1B_TRAIN_FILES:  # the training files only, never the heldout ones
+        counts.update((fabricated_lm1b_dir / benchmark_corpora.LM1B_TRAIN_DIR / name).read_text().split())
     words = sorted((w for w, c in counts.items() if c >= 3), key=lambda w: (-counts[w], w))
     tokenizer = load_tokenizer(output)
     assert [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)] == ["<S>", "</S>", "<UNK>"] + words
@@ -316,7 +316,7 @@ def test_word_vocabulary_is_the_same_for_any_worker_count(tmp_path):
     from data_tools import synthetic_lm1b
 
     synthetic_lm1b.write_corpus(tmp_path / "corpus", synthetic_lm1b.CorpusShape(scale=0.0003, seed=1), progress=False)
-    root = tmp_path / "corpus" / synthetic_lm1b.ROOT_NAME / corpus.LM1B_TRAIN_DIR
+    root = tmp_path / "corpus" / synthetic_lm1b.ROOT_NAME / benchmark_corpora.LM1B_TRAIN_DIR
     inputs = sorted(root.iterdir())[:20]
     # Text the numpy path leaves to str.split(): no-break spaces, U+3000, CRLF, a NUL, bytes that are not UTF-8,
     # and a line of nothing but whitespace; and words longer than 8 bytes.
