@@ -24,7 +24,7 @@ import torch
 from txl_dist import fileio
 from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.layout import COMPLETE
-from txl_dist.checkpoints.verify import verify_checkpoint
+from txl_dist.checkpoints.verify import preflight, verify_checkpoint
 from txl_dist.world.lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +114,23 @@ def test_verification_refuses_a_listed_name_outside_the_checkpoint(tmp_path, nam
     (tag_dir / COMPLETE).write_text(json.dumps(marker))
     problems = verify_checkpoint(tag_dir)
     assert f"{tag_dir / COMPLETE}: lists {name!r}, which is not a file inside {tag_dir}" in problems, problems
+
+
+def test_the_start_rules_refuse_a_fresh_start_and_another_architecture_and_leave_a_damaged_marker(tmp_path):
+    """`preflight` (the command line, before any process group) applies `refuse_to_start` to the newest complete
+    checkpoint: a fresh start beside it and another architecture are refused by name; a damaged marker passes (the
+    trainer's verification then names it); an empty directory passes either way."""
+    tag_dir = _checkpoint(tmp_path)
+    marker = json.loads((tag_dir / COMPLETE).read_text())
+    (tag_dir / COMPLETE).write_text(json.dumps({**marker, "architecture": {"d_model": 16, "n_layer": 2}}))
+    preflight(tmp_path, resume=True, architecture={"d_model": 16, "n_layer": 2})
+    with pytest.raises(ValueError, match=r"was trained with another architecture: d_model: checkpoint 16, config 32$"):
+        preflight(tmp_path, resume=True, architecture={"d_model": 32, "n_layer": 2})
+    with pytest.raises(ValueError, match=rf"holds checkpoints \(newest {tag_dir.name}\)"):
+        preflight(tmp_path, resume=False, architecture={"d_model": 16, "n_layer": 2})
+    (tag_dir / COMPLETE).write_text("{not json")
+    preflight(tmp_path, resume=True, architecture={"d_model": 32, "n_layer": 2})
+    preflight(tmp_path / "nothing", resume=False, architecture={})
 
 
 # ---- weights-only loading ----------------------------------------------------------------------------------------

@@ -58,8 +58,7 @@ from txl_dist.checkpoints.verify import (
     deal_files_to_ranks,
     listed_files,
     read_marker,
-    refuse_another_architecture,
-    refuse_fresh_start,
+    refuse_to_start,
     saved_zero_stages,
 )
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_checksummed, atomic_write_text, file_checksum
@@ -157,15 +156,13 @@ class CheckpointManager:
         before anything is built. With ``resume`` False: None, or ValueError where there are checkpoints (a fresh
         start would interleave its checkpoints with the old run's)."""
         if not resume:
-            existing = self.complete_tags()
-            if existing:
-                refuse_fresh_start(self.directory, existing[-1])
+            refuse_to_start(self.directory, resume=False, complete=self.complete_tags())
             return None
         tag = self.choose_resume_tag(verify=verify)
         if tag is None:
             return None
         marker = self.marker(tag)
-        refuse_another_architecture(self.directory, tag, marker, architecture)
+        refuse_to_start(self.directory, resume=True, tag=tag, marker=marker, architecture=architecture)
         saved_stages = saved_zero_stages(self.directory / tag, marker)
         kind = plan_load(
             saved_stages,

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from txl_dist.checkpoints.layout import COMPLETE, FILES_KEY, files_on_disk, step_of_tag
+from txl_dist.checkpoints.layout import COMPLETE, FILES_KEY, complete_tags, files_on_disk, step_of_tag
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, file_checksum, read_json
 
 
@@ -163,21 +163,30 @@ def deal_files_to_ranks(files: dict[str, FileChecksum], world_size: int) -> list
     return shares
 
 
-def refuse_fresh_start(directory: str | os.PathLike, newest: str) -> None:
-    """checkpoint.resume=false where ``directory`` holds checkpoints (the newest is ``newest``): a fresh start
-    would interleave its checkpoints with the old run's."""
-    raise ValueError(
-        f"checkpoint.resume=false, but {directory} holds checkpoints (newest {newest}): choose another "
-        f"train.output_dir, or remove them"
-    )
-
-
-def refuse_another_architecture(
-    directory: str | os.PathLike, tag: str, marker: dict[str, Any], architecture: dict[str, Any]
+def refuse_to_start(
+    directory: str | os.PathLike,
+    *,
+    resume: bool,
+    complete: list[str] = (),
+    tag: str | None = None,
+    marker: dict[str, Any] | None = None,
+    architecture: dict[str, Any] | None = None,
 ) -> None:
-    """ValueError naming every key on which the architecture recorded in checkpoint ``tag``'s COMPLETE.json
-    (``marker``) differs from ``architecture``. The command line checks the newest complete checkpoint before any
-    process group starts; the trainer checks the one it resumes from after verifying it."""
+    """The run-directory rules a start must pass, stated once: with ``resume`` False, no complete checkpoint may be
+    in ``directory`` (``complete``, oldest first: a fresh start would interleave its checkpoints with the old run's);
+    with ``resume``, checkpoint ``tag`` (COMPLETE.json ``marker``) must record this run's ``architecture``.
+    ValueError naming the directory and what differs. Called twice on purpose: by `preflight` from the files alone,
+    before any process group, and by `CheckpointManager.plan_resume` on the checkpoint it has verified."""
+    if not resume:
+        if complete:
+            raise ValueError(
+                f"checkpoint.resume=false, but {directory} holds checkpoints (newest {complete[-1]}): choose another "
+                f"train.output_dir, or remove them"
+            )
+        return
+    if tag is None or marker is None:
+        return
+    architecture = architecture or {}
     saved = marker.get("architecture")
     if not isinstance(saved, dict):
         raise CheckpointVerificationError(f"{Path(directory) / tag / COMPLETE}: no architecture recorded")
@@ -188,6 +197,22 @@ def refuse_another_architecture(
     ]
     if differences:
         raise ValueError(f"{Path(directory) / tag} was trained with another architecture: " + "; ".join(differences))
+
+
+def preflight(directory: str | os.PathLike, *, resume: bool, architecture: dict[str, Any]) -> None:
+    """`refuse_to_start` on the newest complete checkpoint of ``directory``, from its COMPLETE.json alone (no
+    process group, no reading of the weights), so that every rank stops with one line before the world forms. A
+    damaged marker passes: the trainer's verification names what is wrong and falls back to an older checkpoint,
+    which it checks with `refuse_to_start` in turn."""
+    tags = complete_tags(directory)
+    newest = tags[-1] if tags else None
+    marker = None
+    if resume and newest is not None:
+        try:
+            marker = read_marker(Path(directory) / newest)
+        except CheckpointVerificationError:
+            marker = None
+    refuse_to_start(directory, resume=resume, complete=tags, tag=newest, marker=marker, architecture=architecture)
 
 
 def saved_zero_stages(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> tuple[int, ...]:

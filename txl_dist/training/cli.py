@@ -234,15 +234,9 @@ def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_mem
 def _require_a_run_that_can_start(cfg: RunConfig, manifest: Manifest) -> None:
     """What the trainer would refuse only after every rank has started, found here from the files alone: a
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
-    checkpoint.resume=false, and a newest complete checkpoint of another architecture. (The trainer
-    checks again on the checkpoint it resumes from, the newest that verifies, which is of the same run.)"""
-    from txl_dist.checkpoints.layout import complete_tags
-    from txl_dist.checkpoints.verify import (
-        CheckpointVerificationError,
-        read_marker,
-        refuse_another_architecture,
-        refuse_fresh_start,
-    )
+    checkpoint.resume=false, and a newest complete checkpoint of another architecture (`checkpoints.verify.preflight`:
+    the rules of `refuse_to_start`, which the trainer applies to the checkpoint it resumes from once verified)."""
+    from txl_dist.checkpoints.verify import preflight
     from txl_dist.tokenizer import load_tokenizer
 
     if cfg.data.tokenizer is not None:
@@ -257,14 +251,6 @@ def _require_a_run_that_can_start(cfg: RunConfig, manifest: Manifest) -> None:
                 f"{Path(cfg.data.shards, MANIFEST_NAME)}'s {expected}: the shards were built with another "
                 f"tokenizer"
             )
-    directory = checkpoints_dir(cfg.train.output_dir)
-    tags = complete_tags(directory)
-    if not tags:
-        return
-    if not cfg.checkpoint.resume:
-        refuse_fresh_start(directory, tags[-1])
-    try:
-        marker = read_marker(directory / tags[-1])
-        refuse_another_architecture(directory, tags[-1], marker, cfg.model.architecture())
-    except CheckpointVerificationError:
-        pass  # a damaged marker: the trainer's verification names what is wrong and looks at the older ones
+    preflight(
+        checkpoints_dir(cfg.train.output_dir), resume=cfg.checkpoint.resume, architecture=cfg.model.architecture()
+    )
