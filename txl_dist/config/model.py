@@ -1,7 +1,9 @@
 """The architecture of a Transformer-XL language model, and named presets.
 
 Field names follow the authors' code (``n_token``, ``d_model``, ``div_val``, ...) so that their configurations,
-ours and HuggingFace's translate by name.
+ours and HuggingFace's translate by name. Each field declares its roles beside it (`Roles`: architecture, segment
+setting, its key in an export's config.json and in a hub folder's); the lists the export, the hub folder, evaluation
+and the architecture check use are derived from them (`field_roles`, `MODEL_FIELD_ROLES`).
 """
 
 from __future__ import annotations
