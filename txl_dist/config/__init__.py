@@ -43,9 +43,9 @@ import pydantic
 import yaml
 from pydantic import InstanceOf
 
-from txl_dist.config.fields import ConfigError, config_dataclass, make_validated
+from txl_dist.config.fields import ConfigError, UnknownKeyError, config_dataclass, make_validated
 from txl_dist.config.files import COMMAND_LINE, key_paths, merge_mappings, read_layers
-from txl_dist.config.model import N_TOKEN_FROM_MANIFEST, PRESETS, ModelConfig
+from txl_dist.config.model import N_TOKEN_FROM_MANIFEST, PRESETS, ModelConfig, same_length_problem
 from txl_dist.config.sections import (
     BatchLayout,
     CheckpointConfig,
@@ -165,13 +165,8 @@ class RunConfig:
                 "use zero.stage 1, 2 or 3)",
             )
         evaluation = self.eval.resolve(self.model)
-        if evaluation.same_length:
-            require(
-                evaluation.mem_len > 0,
-                "eval.same_length",
-                True,
-                "false when the evaluation mem_len is 0 (every query would see no key)",
-            )
+        problem = same_length_problem(evaluation.same_length, evaluation.mem_len, "the evaluation mem_len")
+        require(problem is None, "eval.same_length", evaluation.same_length, problem)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,19 +245,13 @@ def _config_from_data(data: dict[str, Any], sources: dict[str, str]) -> RunConfi
         raise ConfigError("model.preset", preset_name, f"null or one of {sorted(PRESETS)}", sources.get("model.preset"))
     for name, cls in SECTIONS.items():
         values = model_data if name == "model" else data.get(name, {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [key for key in values if key not in names]
-        if unknown:
-            key = f"{name}.{unknown[0]}"
-            allowed = ([PRESET_KEY] if name == "model" else []) + names
-            raise ValueError(
-                f"unknown key {key!r} {sources.get(key, '')}".rstrip()
-                + f"; allowed keys in {name}: {', '.join(allowed)}"
-            )
         if name == "model" and preset_name is not None:
             values = {**PRESETS[preset_name], **values}
         try:
             sections[name] = make_validated(cls, copy.deepcopy(values), context)
+        except UnknownKeyError as error:  # a preset's keys are all fields: an unknown key was given
+            error = error.allowing(PRESET_KEY) if name == "model" else error
+            raise error.with_source(sources.get(error.key)) from None
         except ConfigError as error:
             raise error.with_source(sources.get(error.key)) from None
     return RunConfig(**sections, model_preset=preset_name, key_sources=sources)

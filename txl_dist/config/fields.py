@@ -44,6 +44,25 @@ class ConfigError(ValueError):
         return ConfigError(self.key, self.value, self.allowed, source)
 
 
+class UnknownKeyError(ConfigError):
+    """A key that is no field of its section: ``unknown key 'optim.learning_rate' in run.yaml; allowed keys in
+    optim: name, lr, ...``. The one check of unknown keys is pydantic's (``extra="forbid"``); this is its message."""
+
+    def __init__(self, key: str, allowed_keys: list[str], source: str | None = None) -> None:
+        self.key, self.value, self.allowed_keys, self.source = key, None, list(allowed_keys), source
+        section = key.rpartition(".")[0]
+        self.allowed = f"allowed keys in {section}: {', '.join(self.allowed_keys)}"
+        ValueError.__init__(self, f"unknown key {key!r} {source or ''}".rstrip() + f"; {self.allowed}")
+
+    def with_source(self, source: str | None) -> UnknownKeyError:
+        """``source``: where the key was set ("in run.yaml", "on the command line"), as the message says it."""
+        return UnknownKeyError(self.key, self.allowed_keys, source)
+
+    def allowing(self, *keys: str) -> UnknownKeyError:
+        """The same error, ``keys`` (read before the section is made) listed first among the allowed ones."""
+        return UnknownKeyError(self.key, [*keys, *self.allowed_keys], self.source)
+
+
 class Allowed(str):
     """``Annotated`` metadata: what a field's range error says is allowed, where its constraints alone would say it
     less well (``Annotated[Number, Field(ge=0, lt=1), Allowed("a probability in [0, 1)")]``)."""
@@ -136,15 +155,18 @@ def _config_error(cls: type, error: pydantic.ValidationError, given: dict[str, A
     def is_type_error(detail: dict[str, Any]) -> bool:
         return detail["type"] not in _RANGE_ERRORS and not isinstance(detail.get("ctx", {}).get("error"), ConfigError)
 
-    detail = sorted(error.errors(include_url=False), key=lambda d: not is_type_error(d))[0]
+    def rank(detail: dict[str, Any]) -> int:  # unknown keys first, then type errors, then the rest
+        return 0 if detail["type"] == "unexpected_keyword_argument" else 1 if is_type_error(detail) else 2
+
+    detail = sorted(error.errors(include_url=False), key=rank)[0]
     raised = detail.get("ctx", {}).get("error")
     if isinstance(raised, ConfigError):  # a rule that joins fields
         return raised
     name = detail["loc"][0] if detail["loc"] else None
     if isinstance(name, int):  # a positional argument
         name = list(cls.__pydantic_fields__)[name]
-    if detail["type"] == "unexpected_keyword_argument":  # as a plain dataclass says it
-        return TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {name!r}")
+    if detail["type"] == "unexpected_keyword_argument":
+        return UnknownKeyError(f"{cls.SECTION}.{name}", [f.name for f in dataclasses.fields(cls)])
     if name not in cls.__pydantic_fields__:
         return ValueError(f"{cls.__name__}: {detail['msg']}")
     field = cls.__pydantic_fields__[name]

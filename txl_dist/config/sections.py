@@ -24,7 +24,7 @@ from txl_dist.config.fields import (
     PositiveNumber,
     config_dataclass,
 )
-from txl_dist.config.model import ModelConfig
+from txl_dist.config.model import MODEL_FIELD_ROLES, ModelConfig
 
 SEED_MAX = 2**32 - 1
 
@@ -272,9 +272,13 @@ class EvalConfig:
         """A copy with every null segment setting replaced by the model's."""
         resolved = {
             name: getattr(model, name) if getattr(self, name) is None else getattr(self, name)
-            for name in ("tgt_len", "mem_len", "clamp_len", "same_length")
+            for name in EVAL_SEGMENT_FIELDS
         }
         return dataclasses.replace(self, **resolved)
+
+
+EVAL_SEGMENT_FIELDS = tuple(f.name for f in dataclasses.fields(EvalConfig) if f.name in MODEL_FIELD_ROLES.segment)
+"""The segment settings of the model (role SEGMENT) that the eval section may set; null takes the model's."""
 
 
 @config_dataclass

@@ -33,7 +33,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from txl_dist.config.model import ModelConfig
+from txl_dist.config.model import MODEL_FIELD_ROLES, ModelConfig
 from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
 from txl_dist.convert.keymap import KeyMap
 from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, unique_weights
@@ -66,37 +66,12 @@ KEY_MAP = KeyMap(
     target_name="modeling_txl",
 )
 
-_CONFIG_FIELDS = (
-    "n_token",
-    "n_layer",
-    "n_head",
-    "d_head",
-    "d_model",
-    "d_inner",
-    "div_val",
-    "cutoffs",
-    "tie_weight",
-    "untie_r",
-    "pre_lnorm",
-    "dropout",
-    "dropatt",
-    "tgt_len",
-    "mem_len",
-    "clamp_len",
-    "same_length",
-    "layer_norm_eps",
-    "init_std",
-    "proj_init_std",
-)
-
 
 def hub_config(config: ModelConfig, tokenizer_identity: dict[str, Any] | None) -> dict[str, Any]:
     """config.json of the folder (what TransformerXLConfig reads)."""
     data: dict[str, Any] = {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "auto_map": dict(AUTO_MAP)}
-    data.update({name: getattr(config, name) for name in _CONFIG_FIELDS})
-    data["cutoffs"] = list(config.cutoffs)
-    data["d_embed"] = config.d_embed_resolved
-    data["tie_projs"] = config.tie_projs_resolved
+    fields = config.resolved_dict()
+    data.update({name: fields[name] for name in MODEL_FIELD_ROLES.hub})  # the fields with a hub_key, in its order
     has_projections = config.div_val > 1 or config.d_embed_resolved != config.d_model
     data["tie_word_embeddings"] = bool(config.tie_weight or (has_projections and any(config.tie_projs_resolved)))
     data["use_cache"] = True

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from txl_dist.config.model import MODEL_FIELD_ROLES
 from txl_dist.fileio import read_json
 from txl_dist.model import ModelConfig
 
@@ -24,31 +25,12 @@ FORMAT = "txl_dist.export"
 VERSION = 1
 CONFIG_FILE = "config.json"
 
-AUTHORS_FIELDS = (
-    "n_token",
-    "n_layer",
-    "n_head",
-    "d_model",
-    "d_head",
-    "d_inner",
-    "d_embed",
-    "div_val",
-    "cutoffs",
-    "tie_weight",
-    "tie_projs",
-    "untie_r",
-    "pre_lnorm",
-    "tgt_len",
-    "mem_len",
-    "clamp_len",
-    "same_length",
-    "dropout",
-    "dropatt",
-)
-"""The fields of config.json named as in the authors' code; all are required when reading."""
-EXTRA_FIELDS = ("attn_impl", "mem_dtype", "init_std", "proj_init_std", "layer_norm_eps")
+AUTHORS_FIELDS = MODEL_FIELD_ROLES.authors
+"""The fields of config.json named as in the authors' code; all are required when reading. Derived from the
+`Roles` of ModelConfig's fields, as are the two below."""
+EXTRA_FIELDS = MODEL_FIELD_ROLES.extra
 """Our fields the authors' code does not have; ModelConfig's defaults when absent."""
-EVAL_SETTINGS = ("tgt_len", "mem_len", "clamp_len", "same_length", "attn_impl", "mem_dtype", "dropout", "dropatt")
+EVAL_SETTINGS = MODEL_FIELD_ROLES.segment
 """The fields `load_model` may override: none of them changes what the weights mean."""
 IDENTITY_KEYS = ("kind", "vocab_size", "fingerprint", "eos_id", "eod_id", "unk_id")
 """The keys of a tokenizer identity (`txl_dist.tokenizer.Tokenizer.identity`)."""
@@ -64,9 +46,7 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
 
 def config_to_json(config: ModelConfig, tokenizer: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The content of config.json for ``config`` and a tokenizer identity (or None)."""
-    fields = config.to_dict()
-    fields["d_embed"] = config.d_embed_resolved
-    fields["tie_projs"] = config.tie_projs_resolved
+    fields = config.resolved_dict()
     data: dict[str, Any] = {"format": FORMAT, "version": VERSION}
     data.update({name: fields[name] for name in AUTHORS_FIELDS + EXTRA_FIELDS})
     data["tokenizer"] = dict(tokenizer) if tokenizer is not None else None

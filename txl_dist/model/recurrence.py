@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from txl_dist.config.model import MEM_DTYPE_NAMES, ModelConfig
+from txl_dist.config.model import MEM_DTYPE_NAMES, ModelConfig, same_length_problem
 
 MEM_DTYPES: dict[str, torch.dtype | None] = dict(
     zip(MEM_DTYPE_NAMES, (None, torch.float32, torch.bfloat16, torch.float16), strict=True)
@@ -34,10 +34,11 @@ class SegmentSettings:
             raise ValueError(f"tgt_len={self.tgt_len} is not allowed: a positive integer")
         if self.mem_len < 0:
             raise ValueError(f"mem_len={self.mem_len} is not allowed: an integer >= 0")
-        if self.same_length and self.mem_len == 0:
-            raise ValueError("same_length=True is not allowed when mem_len is 0 (every query would see no key)")
+        problem = same_length_problem(self.same_length, self.mem_len)
+        if problem:
+            raise ValueError(f"same_length={self.same_length} is not allowed: {problem}")
 
     @classmethod
     def of(cls, config: ModelConfig) -> SegmentSettings:
         """The settings a model's config trains with."""
-        return cls(config.tgt_len, config.mem_len, config.clamp_len, config.same_length)
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
