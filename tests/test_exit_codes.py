@@ -11,6 +11,7 @@ import json
 import runpy
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ def run_main(target: str, *args: str, capsys) -> tuple[int, list[str]]:
     saved = sys.argv
     sys.argv = [target, *args]
     try:
-        with _quiet():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # runpy: a module run again after its import
             if target.endswith(".py"):
                 runpy.run_path(str(REPO / target), run_name="__main__")
             else:
@@ -37,24 +39,6 @@ def run_main(target: str, *args: str, capsys) -> tuple[int, list[str]]:
     finally:
         sys.argv = saved
     return status, capsys.readouterr().err.strip().splitlines()
-
-
-def _quiet():
-    import warnings
-
-    manager = warnings.catch_warnings()
-    manager.__enter__()
-    warnings.simplefilter("ignore", RuntimeWarning)  # runpy: a module run again after its import
-
-    class _Context:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            manager.__exit__(*exc)
-            return False
-
-    return _Context()
 
 
 @pytest.fixture
