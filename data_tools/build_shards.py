@@ -92,6 +92,7 @@ from data_tools.input_error import InputError
 from data_tools.shard_builder import build_shards
 from data_tools.workers import WorkerError
 from txl_dist.data.format import ManifestError
+from txl_dist.exit_status import os_error_status, run_command
 from txl_dist.fileio import describe_os_error
 from txl_dist.tokenizer import TokenizerError
 
@@ -311,9 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WorkerError as error:
         print(f"build_shards: error: {error}", file=sys.stderr)
         return FAILURE
-    except OSError as error:  # no space, read-only output, a file where a folder should be
+    except OSError as error:  # no space, a read-only output (1); a file where a folder should be (2)
         print(f"build_shards: error: {describe_os_error(error)}", file=sys.stderr)
-        return FAILURE
+        return os_error_status(error)
     except KeyboardInterrupt:
         print("build_shards: interrupted; the finished shards are kept: rerun with --resume", file=sys.stderr)
         return INTERRUPTED
@@ -322,4 +323,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "build_shards"))

@@ -1,4 +1,5 @@
-"""What the data tools' command lines share: one-line usage errors, the flags a user gave, the exit statuses."""
+"""What the data tools' command lines share: one-line usage errors, the flags a user gave, the exit statuses (those
+of every command, `txl_dist.exit_status`)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,13 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from txl_dist.exit_status import FAILURE, INTERRUPTED, USAGE_ERROR, error_line
+
 if TYPE_CHECKING:
     from data_tools.corpus_inputs import InputFile
 
-USAGE_ERROR = 2
-"""Exit status of a refused command line or input (what argparse exits with for a bad flag)."""
-FAILURE = 1
-"""Exit status of a command stopped by its surroundings: no space, a read-only output, a worker that died."""
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (128 + SIGINT), as a shell reports it."""
+__all__ = ["FAILURE", "INTERRUPTED", "USAGE_ERROR", "OneLineParser", "describe_inputs", "flag_name", "given_flags"]
+# The statuses are those of every command (txl_dist.exit_status), named here too for the data tools.
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,7 +25,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.name = name
 
     def error(self, message: str) -> None:
-        self.exit(USAGE_ERROR, f"{self.name}: error: {message}\n")
+        self.exit(USAGE_ERROR, error_line(self.name, message) + "\n")
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:

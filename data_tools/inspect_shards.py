@@ -1,7 +1,7 @@
 """Statistics of a shard directory, a full check of it against its manifest, and a look at its documents.
 
     python -m data_tools.inspect_shards shards/               # per-split statistics from manifest.json
-    python -m data_tools.inspect_shards shards/ --verify      # check every shard file (exit status 1 if bad)
+    python -m data_tools.inspect_shards shards/ --verify      # check every shard file (exit status 3 if bad)
     python -m data_tools.inspect_shards shards/ --decode 3    # the first 3 documents of each split, as text
 
 ``--verify`` checks, for each shard, its size and sha256, that the tar reads to its end, that its blocks have
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data_tools.command_line import OneLineParser
 from txl_dist.data.format import (
     Manifest,
     ManifestError,
@@ -28,6 +29,7 @@ from txl_dist.data.format import (
     decode_block,
     read_manifest,
 )
+from txl_dist.exit_status import USAGE_ERROR, VERDICT, run_command
 from txl_dist.fileio import sha256_file
 from txl_dist.tokenizer import TokenizerError, load_tokenizer
 
@@ -201,7 +203,8 @@ def statistics_table(manifest: Manifest) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
+        name="inspect_shards",
         prog="python -m data_tools.inspect_shards",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -246,12 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"verify: {'all' if not problems else 'NOT all'} of {shards} shards match the manifest"
                 + (f" ({len(problems)} problems)" if problems else "")
             )
-            return 1 if problems else 0
+            return VERDICT if problems else 0  # the check ran and found problems: not a failure to run it
     except (ManifestError, TokenizerError) as error:
         print(f"inspect_shards: error: {error}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "inspect_shards"))

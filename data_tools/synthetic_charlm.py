@@ -46,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.command_line import FAILURE, INTERRUPTED, USAGE_ERROR, OneLineParser, given_flags
+from data_tools.command_line import INTERRUPTED, USAGE_ERROR, OneLineParser, given_flags
+from txl_dist.exit_status import os_error_status, run_command
 from txl_dist.fileio import atomic_write, describe_os_error
 
 CONSONANTS = np.frombuffer(b"bcdfghjklmnpqrstvwxyz", dtype=np.uint8)
@@ -297,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     except OSError as error:
         print(f"synthetic_charlm: error: {describe_os_error(error)}", file=sys.stderr)
-        return FAILURE
+        return os_error_status(error)
     except KeyboardInterrupt:
         print(f"synthetic_charlm: interrupted; no partial file left in {args.output}", file=sys.stderr)
         return INTERRUPTED
@@ -306,4 +307,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "synthetic_charlm"))

@@ -44,6 +44,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data_tools import benchmark_corpora
+from data_tools.command_line import OneLineParser
+from txl_dist.exit_status import os_error_status, print_error, run_command
 from txl_dist.fileio import describe_os_error, ensure_directory
 
 ROOT_NAME = "1-billion-word-language-modeling-benchmark-r13output"
@@ -230,7 +232,8 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
+        name="synthetic_lm1b",
         prog="python -m data_tools.synthetic_lm1b",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -249,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # a file, a dangling link or a read-only folder in the way: one line, before any work
         ensure_directory(args.output)
     except OSError as error:
-        parser.error(describe_os_error(error))
+        print_error("synthetic_lm1b", describe_os_error(error))
+        raise SystemExit(os_error_status(error)) from None
     statistics = write_corpus(args.output, shape, args.workers, args.progress)
     print(
         f"synthetic_lm1b: {statistics['train_sentences']:,} training sentences, {statistics['train_words']:,} words, "
@@ -260,4 +264,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "synthetic_lm1b"))

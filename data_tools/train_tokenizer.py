@@ -53,9 +53,7 @@ from typing import Any
 
 from data_tools import benchmark_corpora, chunking, corpus_inputs
 from data_tools.command_line import (
-    FAILURE,
     INTERRUPTED,
-    USAGE_ERROR,
     OneLineParser,
     describe_inputs,
     flag_name,
@@ -71,6 +69,7 @@ from data_tools.sentencepiece_training import (
 )
 from data_tools.training_input import Reading, TrainError
 from data_tools.vocabulary_training import train_byte, train_char, train_word
+from txl_dist.exit_status import exit_status, run_command
 from txl_dist.fileio import OutputPathError, describe_os_error, refuse_output_over_inputs
 from txl_dist.tokenizer import (
     BYTE_VOCAB,
@@ -374,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if staging is not None:
             message = message.replace(str(staging), str(args.output))
         print(f"train_tokenizer: error: {message}", file=sys.stderr)
-        return FAILURE if isinstance(error, OSError) else USAGE_ERROR
+        return exit_status(error)  # 2 for a refused input; 1 for an OSError of the surroundings (no space, ...)
     except KeyboardInterrupt:
         if installed:  # the Ctrl-C held back while the tokenizer was moved in
             print(f"train_tokenizer: interrupted; the tokenizer in {args.output} is complete", file=sys.stderr)
@@ -428,4 +427,4 @@ def _train(args: argparse.Namespace, reading: Reading, output: Path) -> Tokenize
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "train_tokenizer"))

@@ -29,8 +29,10 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from txl_dist.exit_status import CommandFailure
 
-class WorkerError(RuntimeError):
+
+class WorkerError(CommandFailure):
     """A worker process that died without a result (killed, out of memory, crashed)."""
 
 

@@ -34,6 +34,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from txl_dist.exit_status import USAGE_ERROR, os_error_status, print_error, run_command
 from txl_dist.fileio import check_output_path, describe_os_error
 from txl_dist.world.interrupts import one_line_on_stop
 
@@ -247,14 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         guard_output(args)
         print(args.function(args))
-    except OSError as error:  # a read-only or full output, a missing input: the path and the cause
-        print(f"convert.py {args.command}: error: {describe_os_error(error)}", file=sys.stderr)
-        return 2
+    except OSError as error:  # a read-only or full output (1), a missing input (2): the path and the cause
+        print_error(f"convert.py {args.command}", describe_os_error(error))
+        return os_error_status(error)
     except (ValueError, KeyError) as error:
-        print(f"convert.py {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        print_error(f"convert.py {args.command}", error)
+        return USAGE_ERROR
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "convert.py"))

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from txl_dist.exit_status import describe_error, exit_status, os_error_status, print_error, run_command
 from txl_dist.fileio import atomic_write_text, dangling_link, describe_os_error, read_json
 from txl_dist.tokenizer import CHARACTER_KINDS, load_tokenizer
 from txl_dist.world import launch_env
@@ -382,9 +383,8 @@ def _evaluate_and_write(args: argparse.Namespace) -> int:
         summary = evaluate_split(args)
     except (ValueError, OSError) as error:
         if not isinstance(error, _SharedError) or int(os.environ.get("RANK", "0")) == 0:
-            message = describe_os_error(error) if isinstance(error, OSError) else str(error)
-            print(f"evaluate.py: error: {message}", file=sys.stderr)
-        return 2
+            print_error("evaluate.py", describe_error(error))
+        return exit_status(error)  # 2 for a refused input; 1 for an OSError of the surroundings (no space, ...)
     if dist.is_initialized():
         # Every rank past its last collective before any tears gloo down (a rank that destroyed its group while
         # the other still finished its part aborted once at exit, "terminate called without an active
@@ -395,12 +395,11 @@ def _evaluate_and_write(args: argparse.Namespace) -> int:
         try:
             atomic_write_text(summary["output"], json.dumps(summary, indent=1, allow_nan=False) + "\n")
         except OSError as error:
-            print(
-                f"evaluate.py: error: {describe_os_error(error)} (the result was: {summary['split']} loss "
-                f"{summary['loss']:.4f})",
-                file=sys.stderr,
+            print_error(
+                "evaluate.py",
+                f"{describe_os_error(error)} (the result was: {summary['split']} loss {summary['loss']:.4f})",
             )
-            return 2
+            return os_error_status(error)
         line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}"
         if "ppl" in summary:
             line += f", ppl {summary['ppl']:.2f}"
@@ -413,4 +412,4 @@ def _evaluate_and_write(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "evaluate.py"))

@@ -20,6 +20,7 @@ import argparse
 import math
 import sys
 
+from txl_dist.exit_status import describe_error, exit_status, print_error, run_command
 from txl_dist.world.interrupts import one_line_on_stop
 
 
@@ -76,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             _print_scores(model, tokenizer, args.score)
         else:
             _print_samples(model, tokenizer, args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"generate.py: error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # 2 for a refused input; 1 for an OSError of the surroundings
+        print_error("generate.py", describe_error(error))
+        return exit_status(error)
     return 0
 
 
@@ -161,4 +162,4 @@ def _warn_unknown_prompt(tokenizer, prompt: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "generate.py"))

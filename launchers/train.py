@@ -36,6 +36,7 @@ import os
 import sys
 import warnings
 
+from txl_dist.exit_status import USAGE_ERROR, print_error, run_command
 from txl_dist.world import launch_env
 from txl_dist.world.guard import RunGuard
 
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         _launch_environment()
     except ValueError as error:  # a launch whose processes cannot form one world: nothing has started
         guard.close()
-        print(f"train.py: error: {error}", file=sys.stderr)
-        return 2
+        print_error("train.py", error)
+        return USAGE_ERROR
     _configure_logging()
     try:
         # lazy: --help stays under 1 s (torch/DeepSpeed)
@@ -107,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "train.py"))

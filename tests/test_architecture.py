@@ -11,7 +11,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[tuple[str, ...]] = [
-    ("txl_dist.fileio", "txl_dist.word_scan", "txl_dist.run_layout", "txl_dist.checkpoints.layout"),
+    (
+        "txl_dist.fileio",
+        "txl_dist.exit_status",
+        "txl_dist.word_scan",
+        "txl_dist.run_layout",
+        "txl_dist.checkpoints.layout",
+    ),
     ("txl_dist.config",),
     ("txl_dist.model",),
     ("txl_dist.evaluation", "txl_dist.inference"),

@@ -441,5 +441,5 @@ def test_synthetic_lm1b_into_a_dangling_link_or_a_file_is_one_line(tmp_path, cap
         capsys.readouterr()
         .err.strip()
         .splitlines()[-1]
-        .startswith(f"python -m data_tools.synthetic_lm1b: error: {output}: ")
+        .startswith(f"synthetic_lm1b: error: {output}: ")  # the data tools' one-line format (OneLineParser)
     )

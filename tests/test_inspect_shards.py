@@ -48,7 +48,7 @@ def test_verify_names_a_shard_with_a_flipped_byte(shards, capsys):
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
     status, out = verify(shards, capsys)
-    assert status == 1
+    assert status == 3  # the verdict: problems found
     assert f"FAIL {shard}: sha256" in out
     assert all(str(shard) in line for line in out.splitlines() if line.startswith("FAIL"))
 
@@ -57,7 +57,7 @@ def test_verify_names_a_truncated_tar(shards, capsys):
     shard = shards / "valid-000000.tar"
     shard.write_bytes(shard.read_bytes()[:50000])
     status, out = verify(shards, capsys)
-    assert status == 1
+    assert status == 3  # the verdict: problems found
     assert f"FAIL {shard}: 50000 bytes, the manifest says" in out
     assert f"FAIL {shard}: truncated or damaged tar" in out
 
@@ -76,7 +76,7 @@ def test_verify_names_a_shard_whose_counts_differ_from_the_manifest(shards, caps
 
     _edit_manifest(shards, one_more_document)
     status, out = verify(shards, capsys)
-    assert status == 1
+    assert status == 3  # the verdict: problems found
     assert f"FAIL {shards / 'test-000000.tar'}: 3761 documents begin here, the manifest says 3762" in out
 
 
@@ -86,7 +86,7 @@ def test_verify_names_ids_outside_the_vocabulary(shards, capsys):
 
     _edit_manifest(shards, smaller_vocabulary)
     status, out = verify(shards, capsys)
-    assert status == 1
+    assert status == 3  # the verdict: problems found
     assert f"FAIL {shards / 'valid-000000.tar'}: block 000000000000: token id" in out
     assert ">= vocab_size 5000" in out
 
@@ -105,5 +105,5 @@ def test_verify_names_a_document_without_its_separator(tmp_path, capsys):
     write_manifest(tmp_path, manifest)
     assert read_manifest(tmp_path).splits["train"].tokens == 11
     status, out = verify(tmp_path, capsys)
-    assert status == 1
+    assert status == 3  # the verdict: problems found
     assert f"FAIL {tmp_path / 'train-000000.tar'}: block 000000000001: a document is not preceded by eod_id 0" in out

@@ -383,7 +383,7 @@ def test_a_full_disk_stops_build_shards_and_convert_with_one_line_and_nothing_pa
                 pass
         except OSError:
             pass
-    assert convert.main(["export-to-hf", str(export_dir), str(small_tmpfs / "hf")]) == 2
+    assert convert.main(["export-to-hf", str(export_dir), str(small_tmpfs / "hf")]) == 1  # a failure, not input
     assert capsys.readouterr().err == f"convert.py export-to-hf: error: {small_tmpfs / 'hf'}: no space left on device\n"
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "shards"]
 
@@ -399,7 +399,7 @@ def test_read_only_outputs_fail_with_one_line(small_tmpfs, export_dir, ptb_word_
     assert capsys.readouterr().err == f"train_tokenizer: error: {small_tmpfs / 'tok'}: read-only file system\n"
     from launchers import convert
 
-    assert convert.main(["export-to-hf", str(export_dir), str(small_tmpfs / "hf")]) == 2
+    assert convert.main(["export-to-hf", str(export_dir), str(small_tmpfs / "hf")]) == 1  # a failure, not input
     out = capsys.readouterr()
     assert out.err == f"convert.py export-to-hf: error: {small_tmpfs / 'hf'}: read-only file system\n"
     assert list(small_tmpfs.iterdir()) == []

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from txl_dist.exit_status import USAGE_ERROR, os_error_status, run_command
 from txl_dist.fileio import atomic_write, describe_os_error
 from txl_dist.run_layout import METRICS
 
@@ -200,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import matplotlib  # noqa: F401 -- the optional extra: say how to get it before reading anything
     except ImportError:
         print("plot: error: matplotlib is not installed: pip install 'txl_dist[plot]'", file=sys.stderr)
-        return 2
+        return USAGE_ERROR  # as for a flag of a feature this installation lacks: the fix is the user's
     out = Path(args.out)
     try:
         if out.is_dir():
@@ -214,14 +215,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         atomic_write(out, lambda handle: handle.write(picture))
     except PlotError as error:
         print(f"plot: error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
+        return USAGE_ERROR
+    except OSError as error:  # a read-only or full output (1), a folder in the way (2)
         print(f"plot: error: --out {describe_os_error(error, out)}", file=sys.stderr)
-        return 2
+        return os_error_status(error)
     steps = ", ".join(f"{run.name} ({max(run.train.steps)} steps)" for run in runs)
     print(f"plot: {out} ({len(picture):,} bytes): {steps}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "plot"))

@@ -2,7 +2,8 @@
 
 import sys
 
+from txl_dist.exit_status import run_command
 from txl_dist.plan.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "python -m txl_dist.plan"))

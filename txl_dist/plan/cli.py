@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
 from txl_dist.data.run_vocab import with_shards_vocab
+from txl_dist.exit_status import VERDICT, refuse
 from txl_dist.plan.report import describe_with_fit
 from txl_dist.world.launch_formats import read_hostfile
 
@@ -86,10 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = _with_vocabulary(cfg, args.vocab_size)
         text, fits = describe_with_fit(cfg, args.world_size, args.device, args.device_memory, args.micro_batch)
     except ValueError as error:
-        parser.error(str(error))
+        refuse(parser.prog, error)  # one line, without argparse's usage: the flags were fine, a value is not
     print(text)
-    # A job script tests the status: 1 when the planned layout does not fit (the text names one that does, if any).
-    return 1 if fits is False else 0
+    # A job script tests the status: VERDICT (3) when the planned layout does not fit (the text names one that does,
+    # if any), a status of its own, apart from a refused input (2) and a failure (1).
+    return VERDICT if fits is False else 0
 
 
 def _with_vocabulary(cfg: RunConfig, vocab_size: int | None) -> RunConfig:

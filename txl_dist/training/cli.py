@@ -25,6 +25,7 @@ import deepspeed
 from txl_dist.config import RunConfig, load_config
 from txl_dist.data.format import MANIFEST_NAME, Manifest
 from txl_dist.data.run_vocab import shards_manifest, with_shards_vocab
+from txl_dist.exit_status import USAGE_ERROR, refuse
 from txl_dist.fileio import dangling_link
 from txl_dist.plan import device_memory_of, plan_comment
 from txl_dist.run_layout import checkpoints_dir
@@ -123,8 +124,8 @@ def parse_run_args(
             require_memory_fits(cfg, world_size, device, device_memory_of(device, _local_rank(args) or 0))
     except ValueError as error:
         if _local_rank(args) not in (None, 0):
-            raise SystemExit(2) from None  # every rank found the same: the node's first rank says it once
-        parser.error(str(error))
+            raise SystemExit(USAGE_ERROR) from None  # every rank found the same: the node's first rank says it once
+        refuse(parser.prog, error)  # one line, without argparse's usage: the flags were fine, a value is not
     return cfg, args
 
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
+from txl_dist.exit_status import describe_error, exit_status, print_error, run_command
 from txl_dist.world import launch_formats, slurm_env
 from txl_dist.world.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.world.process_group
     COMPARED_VARIABLES,
@@ -399,10 +400,10 @@ def main(argv: list[str] | None = None) -> int:
             require_resolvable_address(launch)
             print(launch)
     except (LaunchError, OSError) as error:
-        print(f"txl_dist.world.launch_env: error: {error}", file=sys.stderr)
-        return 2
+        print_error("txl_dist.world.launch_env", describe_error(error))
+        return exit_status(error)  # 2 for a refused input; 1 for an OSError of the surroundings (no space, ...)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "txl_dist.world.launch_env"))

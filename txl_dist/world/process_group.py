@@ -42,6 +42,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.comm.torch import build_shm_op
 from deepspeed.constants import default_pg_timeout
 
+from txl_dist.exit_status import run_command
 from txl_dist.world import launch_env
 from txl_dist.world.guard import ReportedByRankZero
 
@@ -290,4 +291,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "txl_dist.world.process_group"))

@@ -37,6 +37,7 @@ from pathlib import Path
 from txl_dist.checkpoints.layout import complete_tags, step_of_tag
 from txl_dist.config import load_config
 from txl_dist.config.files import read_layers
+from txl_dist.exit_status import run_command
 from txl_dist.run_layout import METRICS, checkpoints_dir
 
 MIN_NODES_VAR = "TXL_MIN_NODES"
@@ -357,4 +358,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "slurm.sbatch"))
