@@ -1,13 +1,12 @@
 """How long each command takes to print its --help, and whether that imported torch or DeepSpeed.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python benchmarks/startup.py
-    python benchmarks/startup.py --repeats 9 --python /work/main/.venv/bin/python
+    python benchmarks/startup.py --repeats 9 --python .venv/bin/python --only train plan
 
 Each command runs ``<python> <command> --help`` --repeats times in a fresh process (through a small wrapper that
 runs the script or module as ``python`` would, then reports which of torch and deepspeed are in ``sys.modules``)
 and the table gives the median wall time of those processes. The functions a command imports lazily (a comment
-``# lazy:`` on the import) are what keep torch out of --help; tests/test_local_imports.py holds the torch-free
-part as a fact. The last line is one JSON object.
+``# lazy:`` on the import) are what keep torch out of --help. The last line is one JSON object.
 """
 
 from __future__ import annotations

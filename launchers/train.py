@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     guard = RunGuard()
     # DeepSpeed calls a torch.distributed function that torch has deprecated, once per collective kind.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    # lazy: --help stays under 1 s (torch/DeepSpeed)
+    # lazy: torch and DeepSpeed load after the guard above is in place (their import takes seconds)
     from txl_dist.training.cli import parse_run_args
 
     try:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     _configure_logging()
     try:
-        # lazy: --help stays under 1 s (torch/DeepSpeed)
+        # lazy: torch and DeepSpeed load after the guard above is in place (their import takes seconds)
         import torch.distributed as dist
 
         from txl_dist.training.trainer import Trainer
