@@ -460,7 +460,8 @@ def test_decoding_a_damaged_shard_is_one_line(ptb_word_shards, ptb_word_tokenize
     shards = tmp_path / "shards"
     shutil.copytree(ptb_word_shards, shards)
     os.truncate(shards / "train-000000.tar", 700)
-    assert inspect_shards.main([str(shards), "--decode", "2", "--tokenizer", str(ptb_word_tokenizer)]) == 1
+    # Refused input, 2 (docs/architecture.md, Rules); problems that --verify finds are its verdict, 3.
+    assert inspect_shards.main([str(shards), "--decode", "2", "--tokenizer", str(ptb_word_tokenizer)]) == 2
     err = capsys.readouterr().err
     assert err == (
         f"inspect_shards: error: {shards / 'train-000000.tar'}: truncated or damaged shard (unexpected "
