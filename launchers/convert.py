@@ -32,129 +32,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from txl_dist.exit_status import USAGE_ERROR, os_error_status, print_error, run_command
 from txl_dist.fileio import check_output_path, describe_os_error
 from txl_dist.world.interrupts import one_line_on_stop
 
 
-def zero_to_export(args: argparse.Namespace) -> str:
-    from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
-    from txl_dist.export import write_export
-
-    if args.no_verify:
-        print(
-            f"convert.py zero-to-export: warning: --no-verify: {args.checkpoint} is read without checking its files "
-            f"against COMPLETE.json",
-            file=sys.stderr,
-        )
-    checkpoint = read_training_checkpoint(args.checkpoint, verify=not args.no_verify)
-    tokenizer_dir = find_tokenizer(checkpoint, args.tokenizer)
-    weights = consolidate_weights(checkpoint)
-    client = checkpoint.client
-    training_info = {
-        "source": str(checkpoint.tag_dir.resolve()),
-        "step": client["step"],
-        "tokens_seen": client["tokens_seen"],
-        "best_eval": client.get("best"),
-        "world_size": client.get("world_size"),
-        "data": {"shards": checkpoint.run_config.data.shards, "train_split": checkpoint.run_config.data.train_split},
-        "run_config": client["config"],
-    }
-    out = write_export(
-        weights,
-        checkpoint.run_config.model,
-        args.output,
-        tokenizer_dir=tokenizer_dir,
-        tokenizer_identity=client["tokenizer"],
-        training_info=training_info,
-        overwrite=args.overwrite,
-    )
-    return f"{checkpoint.tag_dir} (step {client['step']}) -> {out}"
-
-
-def _warn_unverified_export(args: argparse.Namespace) -> None:
-    if args.no_verify:
-        print(
-            f"convert.py {args.command}: warning: --no-verify: {args.export} is read without checking its files "
-            f"against checksums.json",
-            file=sys.stderr,
-        )
-
-
-def export_to_hf(args: argparse.Namespace) -> str:
-    from txl_dist.convert.hf import write_hf_folder
-
-    _warn_unverified_export(args)
-    out = write_hf_folder(args.export, args.output, overwrite=args.overwrite, verify=not args.no_verify)
-    return f"{args.export} -> {out} (transformers 4.37.2: TransfoXLLMHeadModel.from_pretrained({str(out)!r}))"
-
-
-def export_to_hub(args: argparse.Namespace) -> str:
-    from txl_dist.convert.hub import write_hub_folder
-
-    _warn_unverified_export(args)
-    out = write_hub_folder(args.export, args.output, overwrite=args.overwrite, verify=not args.no_verify)
-    return (
-        f"{args.export} -> {out} (transformers 5: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
-        f"trust_remote_code=True), AutoTokenizer.from_pretrained({str(out)!r}))"
-    )
-
-
-def hf_to_export(args: argparse.Namespace) -> str:
-    from txl_dist.convert.hf import read_hf_folder
-    from txl_dist.export import write_export
-
-    config, state, identity, tokenizer_dir = read_hf_folder(args.hf)
-    out = write_export(
-        state,
-        config,
-        args.output,
-        tokenizer_dir=tokenizer_dir,
-        tokenizer_identity=identity,
-        training_info={"source": str(Path(args.hf).resolve()), "converted_from": "huggingface"},
-        overwrite=args.overwrite,
-    )
-    return f"{args.hf} -> {out}"
-
-
-def export_to_original(args: argparse.Namespace) -> str:
-    from txl_dist.convert.original import save_original, to_original_state_dict
-    from txl_dist.export import load_model
-
-    _warn_unverified_export(args)
-    model = load_model(args.export, verify=not args.no_verify)
-    out = Path(args.output)
-    save_original(to_original_state_dict(model.state_dict(), model.config), out)
-    return f"{args.export} -> {out} (a state dict; the matching arguments are in {Path(args.export) / 'config.json'})"
-
-
-def original_to_export(args: argparse.Namespace) -> str:
-    from txl_dist.convert.original import from_original_state_dict, load_original
-    from txl_dist.export import read_config_file, write_export
-
-    config, identity = read_config_file(args.config)
-    state = from_original_state_dict(load_original(args.original), config)
-    out = write_export(
-        state,
-        config,
-        args.output,
-        tokenizer_dir=args.tokenizer,
-        tokenizer_identity=identity,
-        training_info={"source": str(Path(args.original).resolve()), "converted_from": "original"},
-        overwrite=args.overwrite,
-    )
-    return f"{args.original} -> {out}"
-
-
 def _add_command(
-    commands, name: str, function, help_text: str, inputs: tuple[str, ...], output_is_file: bool = False
+    commands, name: str, help_text: str, inputs: tuple[str, ...], output_is_file: bool = False
 ) -> argparse.ArgumentParser:
-    """A subcommand; ``inputs`` names its arguments that are paths it reads (`guard_output` keeps the output
-    away from them)."""
+    """A subcommand (its work: `txl_dist.convert.cli.COMMANDS`); ``inputs`` names its arguments that are paths it
+    reads (`guard_output` keeps the output away from them)."""
     sub = commands.add_parser(name, help=help_text, description=help_text)
-    sub.set_defaults(function=function, inputs=inputs, output_is_file=output_is_file)
+    sub.set_defaults(inputs=inputs, output_is_file=output_is_file)
     sub.add_argument(
         "--overwrite",
         action="store_true",
@@ -164,10 +54,10 @@ def _add_command(
 
 
 def _add_export_command(
-    commands, name: str, function, help_text: str, output_help: str | None = None, output_is_file: bool = False
+    commands, name: str, help_text: str, output_help: str | None = None, output_is_file: bool = False
 ) -> None:
     """A subcommand that reads an export folder (and may skip its verification)."""
-    sub = _add_command(commands, name, function, help_text, inputs=("export",), output_is_file=output_is_file)
+    sub = _add_command(commands, name, help_text, inputs=("export",), output_is_file=output_is_file)
     sub.add_argument("export")
     sub.add_argument("output", help=output_help)
     sub.add_argument(
@@ -188,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = _add_command(
         commands,
         "zero-to-export",
-        zero_to_export,
         "a DeepSpeed training checkpoint -> an export folder",
         inputs=("checkpoint", "tokenizer"),
     )
@@ -200,22 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read the checkpoint without checking its files against its COMPLETE.json",
     )
-    _add_export_command(commands, "export-to-hf", export_to_hf, "an export folder -> a HuggingFace TransfoXL folder")
+    _add_export_command(commands, "export-to-hf", "an export folder -> a HuggingFace TransfoXL folder")
     _add_export_command(
         commands,
         "export-to-hub",
-        export_to_hub,
         "an export folder -> a folder for current transformers (remote code, fast tokenizer)",
     )
-    sub = _add_command(
-        commands, "hf-to-export", hf_to_export, "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",)
-    )
+    sub = _add_command(commands, "hf-to-export", "a HuggingFace TransfoXL folder -> an export folder", inputs=("hf",))
     sub.add_argument("hf")
     sub.add_argument("output")
     _add_export_command(
         commands,
         "export-to-original",
-        export_to_original,
         "an export folder -> the authors' state dict (.pt)",
         output_help="the .pt file to write",
         output_is_file=True,
@@ -223,7 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = _add_command(
         commands,
         "original-to-export",
-        original_to_export,
         "the authors' state dict + a config.json of their argument names -> an export folder",
         inputs=("original", "config", "tokenizer"),
     )
@@ -247,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         guard_output(args)
-        print(args.function(args))
+        # lazy: --help and a refused output stay under 1 s (torch and DeepSpeed take seconds to import)
+        from txl_dist.convert import cli
+
+        print(cli.run(args))
     except OSError as error:  # a read-only or full output (1), a missing input (2): the path and the cause
         print_error(f"convert.py {args.command}", describe_os_error(error))
         return os_error_status(error)

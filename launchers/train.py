@@ -37,6 +37,7 @@ import sys
 import warnings
 
 from txl_dist.exit_status import USAGE_ERROR, print_error, run_command
+from txl_dist.training.arguments import build_arg_parser
 from txl_dist.world import launch_env
 from txl_dist.world.guard import RunGuard
 
@@ -69,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     guard = RunGuard()
     # DeepSpeed calls a torch.distributed function that torch has deprecated, once per collective kind.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    # lazy: torch and DeepSpeed load after the guard above is in place (their import takes seconds)
-    from txl_dist.training.cli import parse_run_args
-
+    parser = build_arg_parser()
     try:
-        cfg, args = parse_run_args(argv)  # exits 2 with the offending key before any process group exists
+        args = parser.parse_intermixed_args(argv)  # --help and a refused flag: before torch is imported
+        # lazy: --help stays under 1 s; torch and DeepSpeed (about 4 s) load once the guard above is in place
+        from txl_dist.training import cli
+
+        cfg = cli.resolve_run_config(parser, args)  # exits 2 with the offending key before any process group exists
     except BaseException:
         # Nothing started: give the caller (a test calling main in-process) its own signal handlers back and stop
         # the guard's watch thread.
@@ -87,18 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     _configure_logging()
     try:
-        # lazy: torch and DeepSpeed load after the guard above is in place (their import takes seconds)
-        import torch.distributed as dist
-
-        from txl_dist.training.trainer import Trainer
-
-        summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config, guard=guard).run()
-        # Every rank done before any tears gloo down: rank 1 of a 2-rank run aborted once at exit ("terminate
-        # called without an active exception") after a finished run.
-        dist.barrier()
+        summary = cli.train(cfg, args, guard)
     except BaseException as error:  # noqa: BLE001 -- every failure ends every rank, with one message
         guard.fail(error)
-    dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             print(f"output: {summary['output_dir']}  (tensorboard --logdir {summary['output_dir']}/tensorboard)")

@@ -1,12 +1,20 @@
 """The import graph keeps the layers of docs/architecture.md (Layers): a module of txl_dist imports only from its
-own layer or below, at module level or inside a function, and no two modules import each other in a circle."""
+own layer or below, at module level, inside a function or through a package's table of names imported on first use
+(`txl_dist.lazy_names`), and no two modules import each other in a circle. And the rule on function-local imports
+(docs/architecture.md, Rules): each says why it is there, few of them, and the commands' --help imports neither
+torch nor DeepSpeed."""
 
 from __future__ import annotations
 
 import ast
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.startup import COMMANDS as STARTUP_COMMANDS
+from benchmarks.startup import help_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
         "txl_dist.exit_status",
         "txl_dist.word_scan",
         "txl_dist.run_layout",
+        "txl_dist.lazy_names",
         "txl_dist.checkpoints.layout",
     ),
     ("txl_dist.config",),
@@ -29,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("txl_dist.training",),
     ("txl_dist.export",),
     ("txl_dist.convert",),
-    ("txl_dist.plot", "txl_dist"),
+    ("txl_dist.plot", "txl_dist.downstream", "txl_dist"),
 ]
 """Lowest first: docs/architecture.md, Layers. ``txl_dist`` is the package's own API (its __init__);
 ``txl_dist.checkpoints.layout`` is paths only, so it sits in the bottom layer below the rest of its package."""
@@ -74,6 +83,31 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
         for name in names:
             if name == "txl_dist" or name.startswith("txl_dist."):
                 found.append((name, node.lineno, id(node) in top))
+    found += [(name, line, False) for name, line in lazy_table_imports(tree)]
+    return found
+
+
+def lazy_table_imports(tree: ast.Module) -> list[tuple[str, int]]:
+    """(module, line) for each home in the table a package hands `txl_dist.lazy_names.lazy_names` (a dict literal,
+    given in the call or assigned to a module-level name): imported on first use, so checked like an import
+    inside a function."""
+    tables = {
+        target.id: node.value
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_names" and len(node.args) == 2:
+            table = node.args[1]
+            table = tables.get(table.id) if isinstance(table, ast.Name) else table
+            if not isinstance(table, ast.Dict):
+                raise AssertionError(
+                    f"line {node.lineno}: lazy_names is given no dict literal: the test cannot read it"
+                )
+            found += [(value.value, value.lineno) for value in table.values if isinstance(value, ast.Constant)]
     return found
 
 
@@ -146,3 +180,79 @@ def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
     assert circles_in(circle) == ["txl_dist.model.a -> txl_dist.model.b -> txl_dist.model.a"]
     package = {"txl_dist.model": {"txl_dist.model.a"}, "txl_dist.model.a": {"txl_dist.model"}}
     assert circles_in(package) == []
+
+
+# --- Function-local imports (docs/architecture.md, Rules) ----------------------------------------------------------
+
+COMMAND_FOLDERS = ("txl_dist", "data_tools", "launchers")
+REASONS = ("# lazy:", "# optional dependency")
+MOST_LOCAL_IMPORTS = 20
+
+
+def local_imports(path: Path) -> list[tuple[int, bool]]:
+    """(line, whether it gives its reason) of each import statement inside a function of PATH. The reason is a
+    comment beginning with one of REASONS on the import's line or among the comment lines right above it
+    (an import under another import of the same block shares that block's comment)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child.lineno, _has_reason(lines, child.lineno)))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse("\n".join(lines)), False)
+    return found
+
+
+def _has_reason(lines: list[str], lineno: int) -> bool:
+    index = lineno - 1
+    if any(reason in lines[index] for reason in REASONS):
+        return True
+    index -= 1
+    while index >= 0:
+        text = lines[index].strip()
+        if any(reason in text for reason in REASONS):
+            return True
+        if not (text.startswith(("#", "import ", "from ")) or text == ""):
+            return False
+        index -= 1
+    return False
+
+
+def _python_files() -> list[Path]:
+    return [path for folder in COMMAND_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_every_function_local_import_says_why_and_there_are_few():
+    """An import inside a function hides a dependency from readers and tools: allowed only where it keeps a
+    command's --help fast (``# lazy: ...``, with what it keeps out) or guards an optional dependency
+    (``# optional dependency``), and at most MOST_LOCAL_IMPORTS in txl_dist, data_tools and launchers."""
+    everywhere = [(path, line, why) for path in _python_files() for line, why in local_imports(path)]
+    unexplained = [f"{path.relative_to(ROOT)}:{line}" for path, line, why in everywhere if not why]
+    assert not unexplained, "function-local imports without '# lazy:' or '# optional dependency':\n" + "\n".join(
+        unexplained
+    )
+    assert len(everywhere) <= MOST_LOCAL_IMPORTS, "\n".join(f"{p.relative_to(ROOT)}:{n}" for p, n, _ in everywhere)
+
+
+def test_the_local_import_check_sees_an_unexplained_import(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import os\n\n"
+        "def f():\n    import json\n\n"
+        "def g():\n    # lazy: --help stays fast\n    import torch\n    from torch import nn\n\n"
+        "def h():\n    import matplotlib  # optional dependency\n\n"
+        "class C:\n    def m(self):\n        x = 1\n        import math\n",
+        encoding="utf-8",
+    )
+    assert local_imports(source) == [(4, False), (8, True), (9, True), (12, True), (17, False)]
+
+
+@pytest.mark.parametrize("command", [target for _, target in STARTUP_COMMANDS])
+def test_a_commands_help_imports_neither_torch_nor_deepspeed(command):
+    """--help answers without importing torch or DeepSpeed (seconds each): a heavy import at the top of a module on
+    the help path fails here. `benchmarks/startup.py` runs the same probe over the same commands and times it."""
+    _, report = help_run(sys.executable, command, dict(os.environ))
+    assert report == {"status": 0, "imported": []}, f"{command} --help: {report}"

@@ -716,3 +716,30 @@ def test_print_config_prints_a_config_that_reloads_equal(capsys, tmp_path):
     reloaded = load_config(printed)
     assert reloaded == load_config(REPO / "configs" / "lm1b_large.yaml", ["model.dropout=0.1"])
     assert reloaded.model.dropout == 0.1 and reloaded.model_preset == "lm1b_large"
+
+
+def test_the_launcher_declares_deepspeeds_config_flags_as_deepspeed_does():
+    """txl_dist.training.arguments declares DeepSpeed's flags itself (so that --help imports no DeepSpeed): each
+    flag `deepspeed.add_config_arguments` adds is there, with its destination, action, type and default, and
+    parses the same command line to the same values."""
+    import argparse
+
+    import deepspeed
+
+    from txl_dist.training.arguments import add_deepspeed_arguments
+
+    theirs = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    ours = add_deepspeed_arguments(argparse.ArgumentParser())
+
+    def flags(parser):
+        return {
+            option: (action.dest, type(action).__name__, action.type, action.default, action.nargs)
+            for action in parser._actions
+            for option in action.option_strings
+            if option not in ("-h", "--help")
+        }
+
+    assert flags(theirs) and flags(ours) == flags(theirs)
+    argv = ["--deepspeed", "--deepspeed_config", "ds.json", "--deepscale", "--deepscale_config", "old.json"]
+    assert vars(ours.parse_args(argv)) == vars(theirs.parse_args(argv))
+    assert vars(ours.parse_args([])) == vars(theirs.parse_args([]))

@@ -7,8 +7,9 @@ through this package's ``__init__``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from txl_dist.lazy_names import lazy_names
 
 _HOMES = {
     "ManifestError": "txl_dist.data.format",
@@ -32,14 +33,4 @@ if TYPE_CHECKING:
     from txl_dist.data.streams import MicroBatch, TrainStreams  # noqa: F401
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -49,38 +49,56 @@ change the count there. `benchmarks/plan_check.py` measures the peaks of real ru
 
 from __future__ import annotations
 
-from txl_dist.plan.cli import main, parse_size
-from txl_dist.plan.counts import (
-    GiB,
-    MiB,
-    ModelShape,
-    eval_forward_bytes,
-    head_activation_bytes,
-    head_transient_bytes,
-    layer_activation_bytes,
-    tail_rows,
-)
-from txl_dist.plan.memory import Fit, MemoryPlan, Term, largest_micro_batch, plan_memory, planned_peak_bytes
-from txl_dist.plan.report import describe, device_memory_of, plan_comment
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "Fit",
-    "GiB",
-    "MemoryPlan",
-    "MiB",
-    "ModelShape",
-    "Term",
-    "describe",
-    "device_memory_of",
-    "eval_forward_bytes",
-    "head_activation_bytes",
-    "head_transient_bytes",
-    "largest_micro_batch",
-    "layer_activation_bytes",
-    "main",
-    "parse_size",
-    "plan_comment",
-    "plan_memory",
-    "planned_peak_bytes",
-    "tail_rows",
-]
+from txl_dist.lazy_names import lazy_names
+
+# Imported on first use: `python -m txl_dist.plan --help` and the launcher's --help import this package, and the
+# planner's counts build the model on PyTorch's meta device (torch: seconds).
+_HOMES = {
+    "main": "txl_dist.plan.cli",
+    "parse_size": "txl_dist.plan.cli",
+    "GiB": "txl_dist.plan.counts",
+    "MiB": "txl_dist.plan.counts",
+    "ModelShape": "txl_dist.plan.counts",
+    "eval_forward_bytes": "txl_dist.plan.counts",
+    "head_activation_bytes": "txl_dist.plan.counts",
+    "head_transient_bytes": "txl_dist.plan.counts",
+    "layer_activation_bytes": "txl_dist.plan.counts",
+    "tail_rows": "txl_dist.plan.counts",
+    "Fit": "txl_dist.plan.memory",
+    "MemoryPlan": "txl_dist.plan.memory",
+    "Term": "txl_dist.plan.memory",
+    "largest_micro_batch": "txl_dist.plan.memory",
+    "plan_memory": "txl_dist.plan.memory",
+    "planned_peak_bytes": "txl_dist.plan.memory",
+    "describe": "txl_dist.plan.report",
+    "device_memory_of": "txl_dist.plan.report",
+    "plan_comment": "txl_dist.plan.report",
+}
+
+__all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:
+    from txl_dist.plan.cli import main, parse_size  # noqa: F401
+    from txl_dist.plan.counts import (  # noqa: F401
+        GiB,
+        MiB,
+        ModelShape,
+        eval_forward_bytes,
+        head_activation_bytes,
+        head_transient_bytes,
+        layer_activation_bytes,
+        tail_rows,
+    )
+    from txl_dist.plan.memory import (  # noqa: F401
+        Fit,
+        MemoryPlan,
+        Term,
+        largest_micro_batch,
+        plan_memory,
+        planned_peak_bytes,
+    )
+    from txl_dist.plan.report import describe, device_memory_of, plan_comment  # noqa: F401
+
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -12,7 +12,6 @@ from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
 from txl_dist.data.run_vocab import with_shards_vocab
 from txl_dist.exit_status import VERDICT, refuse
-from txl_dist.plan.report import describe_with_fit
 from txl_dist.world.launch_formats import read_hostfile
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -85,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--micro-batch {args.micro_batch}: must be at least 1")
         cfg = load_config(args.config, args.overrides)
         cfg = _with_vocabulary(cfg, args.vocab_size)
+        # lazy: --help stays under 1 s (the planner builds the model on the meta device: torch, 2-4 s)
+        from txl_dist.plan.report import describe_with_fit
+
         text, fits = describe_with_fit(cfg, args.world_size, args.device, args.device_memory, args.micro_batch)
     except ValueError as error:
         refuse(parser.prog, error)  # one line, without argparse's usage: the flags were fine, a value is not

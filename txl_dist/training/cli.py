@@ -1,15 +1,11 @@
-"""The training launcher's command line: config files, ``key.path=value`` overrides, DeepSpeed's flags.
+"""The training launcher's work once its command line is parsed (`txl_dist.training.arguments`): the run config
+checked whole before any process group exists, then the run.
 
-Everything is checked here, before any process group exists, so that a bad value fails on every rank at once
-with one line naming the key, not after minutes of start-up::
-
-    deepspeed --num_gpus 8 launchers/train.py --config configs/lm1b_base.yaml \\
-        data.shards=/data/lm1b/shards train.output_dir=runs/lm1b_base
-    python launchers/train.py --config configs/tiny_cpu.yaml --config configs/variants/zero3.yaml --print-config
-
-``--config`` may be repeated: files are layered left to right, then the overrides are applied (see
-`txl_dist.config`). The world size is the launcher's (`txl_dist.world.launch_env`: torchrun, deepspeed, srun, mpirun; 1
-for a plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
+Every rank checks the config files, the ``key.path=value`` overrides, the batch layout for the launcher's world,
+the ``--deepspeed_config`` overlay, the shards and the run directory (`resolve_run_config`), so that a bad value
+fails on every rank at once with one line naming the key, not after minutes of start-up; `train` then runs the
+`Trainer` and leaves the process group. `parse_run_args` does both steps of the command line for callers that
+start from an argv (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -17,72 +13,55 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import deepspeed
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
+from txl_dist.checkpoints.verify import preflight
 from txl_dist.config import RunConfig, load_config
 from txl_dist.data.format import MANIFEST_NAME, Manifest
 from txl_dist.data.run_vocab import shards_manifest, with_shards_vocab
 from txl_dist.exit_status import USAGE_ERROR, refuse
-from txl_dist.fileio import dangling_link
-from txl_dist.plan import device_memory_of, plan_comment
+from txl_dist.fileio import dangling_link, describe_os_error
+from txl_dist.plan.counts import GiB
+from txl_dist.plan.memory import largest_micro_batch, plan_memory
+from txl_dist.plan.report import device_memory_of, plan_comment
 from txl_dist.run_layout import checkpoints_dir
+from txl_dist.tokenizer import load_tokenizer
+from txl_dist.training.arguments import build_arg_parser
 from txl_dist.training.deepspeed_config import build_deepspeed_config
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    """The launcher's parser: --config (repeatable), key.path=value overrides, --print-config, --local_rank and
-    DeepSpeed's --deepspeed / --deepspeed_config."""
-    parser = argparse.ArgumentParser(
-        prog="launchers/train.py",
-        description="Train a Transformer-XL language model with DeepSpeed.",
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="YAML run config; repeat to layer files left to right (e.g. a configs/variants/ file)",
-    )
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="section.key=value",
-        help="override one config value, read as YAML (train.max_steps=100, model.d_embed=null)",
-    )
-    parser.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the resolved config as YAML, and its memory plan per rank as comments, and exit",
-    )
-    parser.add_argument(
-        "--local_rank",
-        "--local-rank",
-        type=int,
-        default=None,
-        help="passed by DeepSpeed's launcher; ignored (the LOCAL_RANK environment variable is used)",
-    )
-    # --deepspeed is accepted for DeepSpeedExamples-style command lines (training always uses DeepSpeed);
-    # --deepspeed_config names a JSON overlay for build_deepspeed_config.
-    deepspeed.add_config_arguments(parser)
-    return parser
+from txl_dist.training.trainer import Trainer
+from txl_dist.world import launch_env
+from txl_dist.world.guard import RunGuard
 
 
 def detect_device() -> str:
     """DeepSpeed's accelerator: "cuda", "cpu", ..."""
-    from deepspeed.accelerator import get_accelerator
-
     return get_accelerator().device_name()
 
 
 def parse_run_args(
     argv: Sequence[str] | None = None, *, world_size: int | None = None, device: str | None = None
 ) -> tuple[RunConfig, argparse.Namespace]:
-    """Parse the command line into a validated RunConfig (and the parsed flags).
+    """Parse the command line into a validated RunConfig (and the parsed flags): `resolve_run_config` of
+    `build_arg_parser`'s parse of ``argv``."""
+    parser = build_arg_parser()
+    args = parser.parse_intermixed_args(argv)
+    return resolve_run_config(parser, args, world_size=world_size, device=device), args
+
+
+def resolve_run_config(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    *,
+    world_size: int | None = None,
+    device: str | None = None,
+) -> RunConfig:
+    """The validated RunConfig of the parsed command line ``args`` (errors are refused as ``parser.prog``).
 
     Checks the whole tree, the batch layout for ``world_size`` ranks (default: the launcher's world, else 1) on
     ``device`` (default: `detect_device`), the ``--deepspeed_config`` overlay, and, when data.shards is a local
@@ -92,8 +71,6 @@ def parse_run_args(
 
     Hand DeepSpeed the dict, not ``args``: ``deepspeed.initialize(config=build_deepspeed_config(...,
     overlay_path=args.deepspeed_config), ...)``; DeepSpeed refuses a config given both ways."""
-    parser = build_arg_parser()
-    args = parser.parse_intermixed_args(argv)
     if world_size is None:
         launch = _launch()
         world_size = launch.world_size if launch is not None else 1
@@ -126,7 +103,18 @@ def parse_run_args(
         if _local_rank(args) not in (None, 0):
             raise SystemExit(USAGE_ERROR) from None  # every rank found the same: the node's first rank says it once
         refuse(parser.prog, error)  # one line, without argparse's usage: the flags were fine, a value is not
-    return cfg, args
+    return cfg
+
+
+def train(cfg: RunConfig, args: argparse.Namespace, guard: RunGuard) -> dict[str, Any]:
+    """Run the `Trainer` on ``cfg`` (the launch environment applied), then leave the process group; the run's
+    summary. A failure propagates: the launcher hands it to ``guard.fail``, which ends every rank."""
+    summary = Trainer(cfg, deepspeed_overlay=args.deepspeed_config, guard=guard).run()
+    # Every rank done before any tears gloo down: rank 1 of a 2-rank run aborted once at exit ("terminate called
+    # without an active exception") after a finished run.
+    dist.barrier()
+    dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
+    return summary
 
 
 def _local_rank(args: argparse.Namespace) -> int | None:
@@ -143,8 +131,6 @@ def _local_rank(args: argparse.Namespace) -> int | None:
 def _launch():
     """The launch this process is part of (`txl_dist.world.launch_env`: torchrun, deepspeed, srun, mpirun), None when
     its variables do not make one (train.py says why once the arguments are accepted)."""
-    from txl_dist.world import launch_env
-
     try:
         return launch_env.resolve(os.environ)
     except launch_env.LaunchError:
@@ -185,10 +171,6 @@ def _require_run_paths(cfg: RunConfig, manifest: Manifest | None) -> None:
 def _require_writable_directory(output_dir: Path) -> None:
     """train.output_dir, or the folder it will be made in, accepts a new file (probed: permissions alone do not
     tell a read-only mount or a root-squashed NFS export)."""
-    import tempfile
-
-    from txl_dist.fileio import describe_os_error
-
     existing = output_dir
     while not existing.exists() and existing != existing.parent:
         target = dangling_link(existing)
@@ -213,8 +195,6 @@ def _require_writable_directory(output_dir: Path) -> None:
 def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:
     """ValueError when the memory plan of a rank (`txl_dist.plan`) needs more than ``device_memory``, naming the
     layout that fits; nothing with train.memory_check=false or an unknown device size."""
-    from txl_dist.plan import GiB, largest_micro_batch, plan_memory
-
     if device_memory is None or not cfg.train.memory_check:
         return
     plan = plan_memory(cfg, world_size, None, device)
@@ -237,9 +217,6 @@ def _require_a_run_that_can_start(cfg: RunConfig, manifest: Manifest) -> None:
     data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
     checkpoint.resume=false, and a newest complete checkpoint of another architecture (`checkpoints.verify.preflight`:
     the rules of `refuse_to_start`, which the trainer applies to the checkpoint it resumes from once verified)."""
-    from txl_dist.checkpoints.verify import preflight
-    from txl_dist.tokenizer import load_tokenizer
-
     if cfg.data.tokenizer is not None:
         expected = manifest.tokenizer.fingerprint
         try:
