@@ -19,12 +19,7 @@ from txl_dist.export import load_model, read_config_file, write_export
 
 
 def zero_to_export(args: argparse.Namespace) -> str:
-    if args.no_verify:
-        print(
-            f"convert.py zero-to-export: warning: --no-verify: {args.checkpoint} is read without checking its files "
-            f"against COMPLETE.json",
-            file=sys.stderr,
-        )
+    _warn_unverified(args, args.checkpoint, "COMPLETE.json")
     checkpoint = read_training_checkpoint(args.checkpoint, verify=not args.no_verify)
     tokenizer_dir = find_tokenizer(checkpoint, args.tokenizer)
     weights = consolidate_weights(checkpoint)
@@ -50,13 +45,18 @@ def zero_to_export(args: argparse.Namespace) -> str:
     return f"{checkpoint.tag_dir} (step {client['step']}) -> {out}"
 
 
-def _warn_unverified_export(args: argparse.Namespace) -> None:
+def _warn_unverified(args: argparse.Namespace, source: str, listing: str) -> None:
+    """Under --no-verify, the warning that ``source`` is read without checking its files against ``listing``."""
     if args.no_verify:
         print(
-            f"convert.py {args.command}: warning: --no-verify: {args.export} is read without checking its files "
-            f"against checksums.json",
+            f"convert.py {args.command}: warning: --no-verify: {source} is read without checking its files "
+            f"against {listing}",
             file=sys.stderr,
         )
+
+
+def _warn_unverified_export(args: argparse.Namespace) -> None:
+    _warn_unverified(args, args.export, "checksums.json")
 
 
 def export_to_hf(args: argparse.Namespace) -> str:
