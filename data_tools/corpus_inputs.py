@@ -116,7 +116,7 @@ class _ByteRange(io.RawIOBase):
 
 def treebank_text(split: str) -> bytes:
     """The text of the Penn Treebank split ``split`` of the ``treebank`` package, as UTF-8 bytes."""
-    import treebank  # lazy: a test and demo extra (pyproject.toml), not a dependency of the package
+    import treebank  # optional dependency: a test and demo extra (pyproject.toml), not needed by the package
 
     return treebank.penn[split].encode("utf-8")
 

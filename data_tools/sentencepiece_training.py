@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import sentencepiece
 
 from data_tools.training_input import Reading, TrainError
 from txl_dist.fileio import atomic_write
@@ -105,8 +106,6 @@ def train_sentencepiece(
     (see `sample_lines`: memory is bounded whatever the corpus size, and training is reproducible). A line
     longer than ``max_sentence_length`` bytes is first cut into pieces that are not (`training_pieces`), so
     that documents of one long line (a speech, an article) are trained on instead of being dropped."""
-    import sentencepiece
-
     if input_sentence_size < 1:
         raise TrainError(f"--input-sentence-size {input_sentence_size}: must be positive")
     if max_sentence_length < 16:
@@ -190,8 +189,6 @@ def _train_model(
     its own instructions: in this thread the interrupt would wait for the training to end. The training runs in
     a daemon thread instead (it releases the GIL), and this one waits in short joins, where a Ctrl-C arrives at
     once; the abandoned training ends with the process."""
-    import sentencepiece
-
     model = io.BytesIO()
     failure: list[BaseException] = []
 

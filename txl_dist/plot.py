@@ -148,14 +148,20 @@ def read_run(directory: str | Path) -> Run:
     return Run(str(directory), curve(train), curve(evals), x, hparams, character_level)
 
 
+def _matplotlib():
+    """(pyplot, Line2D) of matplotlib drawing to files only (the Agg backend: no display on a login node); an
+    ImportError where the extra is not installed."""
+    import matplotlib  # optional dependency: pip install 'txl_dist[plot]'
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # optional dependency (it imports matplotlib.lines too)
+
+    return plt, matplotlib.lines.Line2D
+
+
 def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
     """The picture as PNG bytes: rows loss and ppl/bpc, one column per x axis."""
-    import matplotlib  # optional dependency
-
-    matplotlib.use("Agg")  # files only: no display on a login node
-    from matplotlib import pyplot as plt  # optional dependency
-    from matplotlib.lines import Line2D  # optional dependency
-
+    plt, Line2D = _matplotlib()
     second = "bpc" if all(run.character_level for run in runs) else "ppl"
     longest = max((t for run in runs for t in run.x["time"].values() if math.isfinite(t)), default=0.0)
     unit, per_unit = next((u for u in (("hours", 3600.0), ("minutes", 60.0)) if longest >= 2 * u[1]), ("seconds", 1.0))
@@ -198,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        import matplotlib  # noqa: F401 -- the optional extra: say how to get it before reading anything
+        _matplotlib()  # the optional extra: say how to get it before reading anything
     except ImportError:
         print("plot: error: matplotlib is not installed: pip install 'txl_dist[plot]'", file=sys.stderr)
         return USAGE_ERROR  # as for a flag of a feature this installation lacks: the fix is the user's

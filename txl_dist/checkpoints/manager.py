@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint import ds_to_universal
 
 from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.layout import (
@@ -344,8 +345,6 @@ class CheckpointManager:
         if not has_optimizer_partitions(source):
             universal_from_stage0(source, target, names)
             return
-        from deepspeed.checkpoint import ds_to_universal
-
         log.info(
             "converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
             source,

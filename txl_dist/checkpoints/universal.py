@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 
 from txl_dist.checkpoints import weights_only
@@ -160,8 +161,6 @@ def _per_parameter(tensors: list[torch.Tensor], shapes: list[torch.Size]) -> lis
 def _write_optimizer_state(zero: Path, param_groups: list[dict], step: Any, saved: dict[str, Any]) -> None:
     """``zero/optimizer_state.pt`` readable by ZeRO 1/2 (top-level param groups and loss-scale state) and ZeRO-3
     (the step and param groups in a nested optimizer state dict)."""
-    import deepspeed
-
     groups = [{**group, "params": [0]} for group in param_groups]
     kept = {key: saved[key] for key in ("loss_scaler", "dynamic_loss_scale", "overflow") if key in saved}
     state = {

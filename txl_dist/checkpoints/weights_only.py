@@ -20,6 +20,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleProfile, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 
 class UnsafeCheckpointError(ValueError):
@@ -29,10 +32,6 @@ class UnsafeCheckpointError(ValueError):
 def allowed_classes() -> list[type]:
     """The DeepSpeed classes found in its checkpoint files (ZeRO 0-3, fp32/bf16/fp16, universal checkpoints):
     loss scalers (fp16 state), the ZeRO stage enum, and the fragment addresses of ZeRO 1/2 partitions."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleProfile, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
     return [LossScaler, DynamicLossScaler, LossScaleConfig, LossScaleProfile, ZeroStageEnum, fragment_address]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.layout import (
@@ -31,7 +32,10 @@ from txl_dist.checkpoints.layout import (
 )
 from txl_dist.checkpoints.verify import CheckpointVerificationError, read_marker, verify_checkpoint
 from txl_dist.config import RunConfig
+from txl_dist.data.format import ManifestError, read_manifest
+from txl_dist.model import TransformerXLLM
 from txl_dist.run_layout import checkpoints_dir
+from txl_dist.tokenizer import find_tokenizer_dir
 
 
 class CheckpointError(ValueError):
@@ -124,8 +128,6 @@ def consolidate_weights(checkpoint: TrainingCheckpoint) -> dict[str, torch.Tenso
     """The full fp32 state dict, gathered from every rank's partitions (tied weights appear once)."""
     tag_dir = checkpoint.tag_dir
     if has_optimizer_partitions(tag_dir):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         with weights_only.deepspeed_loads_weights_only():
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.checkpoints_dir), tag=checkpoint.tag)
     # ZeRO stage 0: everything is in the model-state file.
@@ -148,8 +150,6 @@ def _fp32_masters(optimizer: dict[str, Any], config, where: Path) -> dict[str, t
         flat_masters = list(optimizer["fp32_groups_flat"])
     else:
         return None
-    from txl_dist.model import TransformerXLLM
-
     with torch.device("meta"):
         shapes = [(name, p.shape) for name, p in TransformerXLLM(config).named_parameters()]
     if len(flat_masters) == len(shapes):
@@ -177,8 +177,6 @@ def find_tokenizer(checkpoint: TrainingCheckpoint, explicit: str | os.PathLike |
     the trainer), the run's ``data.tokenizer`` and the folder the shards were built with (the manifest's build
     record); the first one whose files hash to the recorded fingerprint is used.
     """
-    from txl_dist.tokenizer import find_tokenizer_dir
-
     wanted = checkpoint.client["tokenizer"]["fingerprint"]
     if explicit is not None:
         return find_tokenizer_dir(wanted, [explicit], strict=True)
@@ -189,8 +187,6 @@ def find_tokenizer(checkpoint: TrainingCheckpoint, explicit: str | os.PathLike |
 
 
 def _shards_tokenizer(shards: str | None) -> list[str]:
-    from txl_dist.data.format import ManifestError, read_manifest
-
     if shards is None or "://" in shards or shards.startswith("pipe:"):
         return []
     try:

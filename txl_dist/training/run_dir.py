@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from txl_dist.fileio import make_temporary_directory
 from txl_dist.run_layout import checkpoints_dir
+from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
 from txl_dist.world.guard import RunFailure, RunGuard
 from txl_dist.world.lock import LOCK_NAME, RunLock, read_holder
 from txl_dist.world.ranks import broadcast
@@ -69,8 +70,6 @@ class RunDirectory:
     def keep_tokenizer(self, fingerprint: str, sources: list[str | os.PathLike | None]) -> None:
         """Rank 0: a copy of the tokenizer of ``fingerprint`` (the first of this run's copy and ``sources`` that
         holds it) in ``{output_dir}/tokenizer``; a warning when none does."""
-        from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
-
         target = self.path / "tokenizer"
         try:
             source = find_tokenizer_dir(fingerprint, [target, *sources])

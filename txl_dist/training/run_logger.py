@@ -21,31 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from txl_dist.fileio import atomic_write_text, describe_os_error
+from txl_dist.fileio import atomic_write_text, describe_os_error, file_identity, require_same_file
 from txl_dist.run_layout import METRICS, TENSORBOARD
+from txl_dist.training.tensorboard_events import EventFile
 
 log = logging.getLogger("txl_dist.training")
-
-
-class FileGone(RuntimeError):
-    """A log file's path no longer names the file being written (it or its folder was removed or replaced)."""
-
-
-def file_identity(handle) -> tuple[int, int]:
-    """(device, inode) of an open file."""
-    status = os.fstat(handle.fileno())
-    return status.st_dev, status.st_ino
-
-
-def require_same_file(path: Path, identity: tuple[int, int]) -> None:
-    """FileGone unless ``path`` still names the file of ``identity`` (`file_identity` of the open file)."""
-    try:
-        status = os.stat(path)
-        same = (status.st_dev, status.st_ino) == identity
-    except (FileNotFoundError, NotADirectoryError):  # removed, or its folder replaced by a file
-        same = False
-    if not same:
-        raise FileGone(f"{path}: removed or replaced while the run was writing it")
 
 
 class _MetricsFile:
@@ -111,9 +91,6 @@ class RunLogger:
         if self._metrics is not None:
             self.earlier_starts = self._metrics.earlier_starts
         if tensorboard:
-            # Here, not at the top: tensorboard_events imports this module (file_identity, require_same_file).
-            from txl_dist.training.tensorboard_events import EventFile
-
             # From the step after the resumed one, always: a run restarted from step 0 (killed before its first
             # checkpoint) would otherwise show the lost steps twice.
             self._events = self._open(

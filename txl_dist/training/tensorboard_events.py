@@ -32,8 +32,7 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from txl_dist.fileio import ensure_directory
-from txl_dist.training.run_logger import file_identity, require_same_file
+from txl_dist.fileio import ensure_directory, file_identity, require_same_file
 
 _FILE_NUMBER = itertools.count()
 """Two event files opened by one process in the same second still get two names."""

@@ -28,6 +28,7 @@ import math
 import time
 from typing import Any
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -41,7 +42,7 @@ from txl_dist.data.run_vocab import require_shards_vocab
 from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings
-from txl_dist.tokenizer import CHARACTER_KINDS
+from txl_dist.tokenizer import CHARACTER_KINDS, verified_fingerprint
 from txl_dist.training.cadence import Cadence
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.run_dir import RunDirectory
@@ -61,8 +62,6 @@ def _tokenizer_fingerprint(directory: str | None) -> str | None:
     whole tokenizer already, and every rank parsing a large vocabulary again is slow."""
     if directory is None:
         return None
-    from txl_dist.tokenizer import verified_fingerprint
-
     return verified_fingerprint(directory)
 
 
@@ -150,8 +149,6 @@ class Trainer:
     def _build_engine(self, deepspeed_overlay: str | None, resume_plan: ResumePlan | None):
         """The model and DeepSpeed's engine around it, configured to load ``resume_plan``'s checkpoint; returns
         the engine and the model's number of parameters."""
-        import deepspeed
-
         cfg = self.cfg
         # Identical initial weights on every rank, then a different dropout stream per rank.
         torch.manual_seed(cfg.train.seed)

@@ -35,6 +35,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from txl_dist.fileio import describe_os_error
 from txl_dist.world.heartbeats import HEARTBEAT_EVERY, STALL_CHECK_EVERY, STORE_PREFIX, Heartbeats
 from txl_dist.world.launcher_watch import WATCH_S, LauncherWatch
 
@@ -63,8 +64,6 @@ class ReportedByRankZero(Exception):
 
 def _error_text(error: BaseException) -> str:
     """The one-line text of ``error``: an OSError with its file, ``interrupted`` for Ctrl-C, else its message."""
-    from txl_dist.fileio import describe_os_error
-
     if isinstance(error, OSError):
         return describe_os_error(error)
     if isinstance(error, KeyboardInterrupt):
@@ -140,6 +139,8 @@ class RunGuard:
         address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world_size <= 1 or not address or not port:
             return
+        # lazy: launchers/train.py imports this module first, so that the guard is in place before torch loads
+        # (import torch.distributed: 0.9 s); this module stays free of torch until a rank connects
         import torch.distributed as dist
 
         try:
