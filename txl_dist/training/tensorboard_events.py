@@ -101,7 +101,8 @@ class EventFile:
         self._summary(step, [value])
 
     def flush(self) -> None:
-        """Write out what is buffered; FileGone when the file's path now names another file or nothing."""
+        """Write out what is buffered; `txl_dist.fileio.FileGone` when the file's path now names another file or
+        nothing."""
         self._records.flush()
         require_same_file(self.path, self._identity)
 
