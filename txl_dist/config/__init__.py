@@ -28,6 +28,9 @@ shards' manifest at run time (`with_manifest_vocab`), so config files normally l
 
 The sections are declared in `txl_dist.config.sections` (the model's in `txl_dist.config.model`), the files and
 overrides read by `txl_dist.config.files`.
+
+Layer: may import the bottom layer (docs/architecture.md, Layers); today it imports nothing of txl_dist outside
+itself: nothing of the data, the model or torch, so that every command loads a config at once.
 """
 
 from __future__ import annotations

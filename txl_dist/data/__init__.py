@@ -3,6 +3,9 @@
 The names below are imported on first use (PEP 562): `txl_dist.data.format` is what the shard builder's
 spawned workers import, and it must not pull in webdataset and torch (about a second and 300 MB per process)
 through this package's ``__init__``.
+
+Layer: may import the tokenizer, model and config and the bottom layer; today only config, fileio and lazy_names;
+never the world, the planner or anything above (docs/architecture.md, Layers).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@
 One module per file: `config_file` (config.json), `weights` (model.safetensors and its ties), `tokenizer_files`
 (tokenizer/), `checksums` (checksums.json and verification); `folder` writes and loads the whole folder. The
 names below are the public ones.
+
+Layer: may import checkpoints, model, tokenizer, config and the bottom layer; never training or convert
+(docs/architecture.md, Layers).
 """
 
 from txl_dist.export.checksums import (

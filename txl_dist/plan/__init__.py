@@ -8,14 +8,18 @@ offload, activations, mems, DeepSpeed's buffers; the largest micro-batch that fi
     python -m txl_dist.plan --config configs/lm1b_base.yaml --hostfile hostfile --device-memory 80GiB
                                                # the world size: the hostfile's slots (checked as the runner needs)
 
-Exit status: 0 when the planned layout fits ``--device-memory`` (or none is given), 1 when it does not (the last
+Exit status: 0 when the planned layout fits ``--device-memory`` (or none is given), 3 when it does not (the last
 line names the layout that fits, or says that none does), 2 for a layout the trainer refuses (the global batch
 does not split among the ranks; the same rule and message, `TrainConfig.batch_layout`) or another bad argument.
 
 `plan_memory` is the function; `planned_peak_bytes` the one number (what ``torch.cuda.max_memory_allocated``
 reports for the same run, or on a CPU what the trainer logs as ``peak_rss_mb``). The launcher logs the plan when
-a run starts and ``--print-config`` prints it. Nothing here imports DeepSpeed; the model is built on PyTorch's
-meta device to count its parameters exactly.
+a run starts and ``--print-config`` prints it. Nothing here imports DeepSpeed but `device_memory_of`, which asks
+its accelerator for a GPU's size; the model is built on PyTorch's meta device to count its parameters exactly.
+
+Layer: may import the model, the data (a manifest's vocabulary), the world (a hostfile's slots), config and the
+bottom layer; never checkpoints or training (docs/architecture.md, Layers). The names below are imported on first
+use (`txl_dist.lazy_names`).
 
 What is counted, per rank (P parameters, N ranks, b bytes per element of the compute dtype: 2 for bf16/fp16,
 4 for fp32; Pn = P / N, DeepSpeed's partition):

@@ -29,6 +29,9 @@ Documents. A document is a list of lines. Its tokens are each line's tokens foll
 the last line is followed by ``eod_id`` instead. A document of one line (a PTB or One Billion Word sentence) is
 therefore its tokens and one separator, and with ``eod_id == eos_id`` every line ends in ``eos_id``. Newlines thus
 stay meaningful for SentencePiece, whose normaliser would otherwise fold them into spaces.
+
+Layer: may import txl_dist.fileio, txl_dist.word_scan and the layers below it (config, model, evaluation,
+inference), never the data or anything above (docs/architecture.md, Layers).
 """
 
 from txl_dist.tokenizer.base import (
