@@ -31,8 +31,12 @@ COMMANDS = (
     ("build_shards", "data_tools/build_shards.py"),
     ("train_tokenizer", "data_tools/train_tokenizer.py"),
     ("inspect_shards", "data_tools/inspect_shards.py"),
+    ("synthetic_lm1b", "-m data_tools.synthetic_lm1b"),
+    ("synthetic_charlm", "-m data_tools.synthetic_charlm"),
     ("plan", "-m txl_dist.plan"),
     ("plot", "-m txl_dist.plot"),
+    ("launch_env", "-m txl_dist.world.launch_env"),
+    ("slurm_nodes", "-m txl_dist.world.slurm_nodes"),
 )
 
 HEAVY = ("torch", "deepspeed")
