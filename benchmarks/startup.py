@@ -71,6 +71,7 @@ def help_run(python: str, target: str, env: dict[str, str]) -> tuple[float, dict
         capture_output=True,
         text=True,
         check=False,
+        timeout=120,  # a --help that waits on something (a lock, a rendezvous) is a failure, not a figure
     )
     seconds = time.perf_counter() - start
     reports = [line for line in done.stdout.splitlines() if line.startswith("STARTUP ")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -186,39 +187,49 @@ def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
 
 COMMAND_FOLDERS = ("txl_dist", "data_tools", "launchers")
 REASONS = ("# lazy:", "# optional dependency")
+REASON = re.compile(r"#\s*(lazy:|optional dependency)")
 MOST_LOCAL_IMPORTS = 20
 
 
 def local_imports(path: Path) -> list[tuple[int, bool]]:
-    """(line, whether it gives its reason) of each import statement inside a function of PATH. The reason is a
-    comment beginning with one of REASONS on the import's line or among the comment lines right above it
-    (an import under another import of the same block shares that block's comment)."""
+    """(line, whether it gives its reason) of each import statement inside a function of PATH. Imports that follow
+    each other in one body form a block; the block gives its reason in a comment beginning with one of REASONS,
+    between the statement before the block and its first import, or on one of its imports' lines."""
     lines = path.read_text(encoding="utf-8").splitlines()
-    found = []
+    found: list[tuple[int, bool]] = []
+
+    def reason_in(first: int, last: int) -> bool:  # lines first..last, 1-based
+        return any(REASON.search(line) for line in lines[first - 1 : last])
+
+    def check_body(body: list[ast.stmt], start: int) -> None:
+        index = 0
+        while index < len(body):
+            if not isinstance(body[index], (ast.Import, ast.ImportFrom)):
+                index += 1
+                continue
+            block_end = index
+            while block_end + 1 < len(body) and isinstance(body[block_end + 1], (ast.Import, ast.ImportFrom)):
+                block_end += 1
+            before = body[index - 1].end_lineno + 1 if index > 0 else start
+            block = body[index : block_end + 1]
+            why = reason_in(before, block[-1].end_lineno)
+            found.extend((node.lineno, why) for node in block)
+            index = block_end + 1
 
     def visit(node: ast.AST, in_function: bool) -> None:
+        previous = None  # the statements or handlers before an else: or finally: block
+        for name in ("body", "handlers", "orelse", "finalbody"):
+            body = getattr(node, name, None)
+            if not (isinstance(body, list) and body):
+                continue
+            if in_function and isinstance(body[0], ast.stmt):
+                check_body(body, node.lineno + 1 if previous is None else previous[-1].end_lineno + 1)
+            previous = body
         for child in ast.iter_child_nodes(node):
-            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
-                found.append((child.lineno, _has_reason(lines, child.lineno)))
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
     visit(ast.parse("\n".join(lines)), False)
-    return found
-
-
-def _has_reason(lines: list[str], lineno: int) -> bool:
-    index = lineno - 1
-    if any(reason in lines[index] for reason in REASONS):
-        return True
-    index -= 1
-    while index >= 0:
-        text = lines[index].strip()
-        if any(reason in text for reason in REASONS):
-            return True
-        if not (text.startswith(("#", "import ", "from ")) or text == ""):
-            return False
-        index -= 1
-    return False
+    return sorted(found)
 
 
 def _python_files() -> list[Path]:
@@ -241,13 +252,42 @@ def test_the_local_import_check_sees_an_unexplained_import(tmp_path):
     source = tmp_path / "m.py"
     source.write_text(
         "import os\n\n"
-        "def f():\n    import json\n\n"
-        "def g():\n    # lazy: --help stays fast\n    import torch\n    from torch import nn\n\n"
-        "def h():\n    import matplotlib  # optional dependency\n\n"
-        "class C:\n    def m(self):\n        x = 1\n        import math\n",
+        "def f():\n    import json\n\n"  # 4: no reason
+        "def g():\n    # lazy: --help stays fast\n    import torch\n\n    from torch import (\n        nn,\n    )\n"
+        "    x = 1\n    import math\n\n"  # 8, 10: one block with its reason; 14: after a statement, none
+        "def h():\n    import matplotlib  # optional dependency\n\n"  # 17
+        "class C:\n    def m(self):\n        try:\n            pass\n        except ImportError:\n"
+        "            # lazy: a handler's own block\n            import re\n"  # 25
+        "        else:\n            import sys\n",  # 27: the handler's comment is not the else block's
         encoding="utf-8",
     )
-    assert local_imports(source) == [(4, False), (8, True), (9, True), (12, True), (17, False)]
+    assert local_imports(source) == [
+        (4, False),
+        (8, True),
+        (10, True),
+        (14, False),
+        (17, True),
+        (25, True),
+        (27, False),
+    ]
+
+
+def test_the_lazy_name_tables_are_read_as_imports(tmp_path):
+    """A package's `lazy_names` table counts as its imports (so an upward one is caught), and every module that
+    imports txl_dist.lazy_names hands it a table the check can read."""
+    source = tmp_path / "p.py"
+    source.write_text(
+        "from txl_dist.lazy_names import lazy_names\n\n"
+        '_HOMES = {"Trainer": "txl_dist.training.trainer"}\n\n'
+        "__getattr__, __dir__ = lazy_names(__name__, _HOMES)\n",
+        encoding="utf-8",
+    )
+    assert ("txl_dist.training.trainer", 3, False) in imports_of(source)
+    users = [m for m, path in MODULES.items() if "txl_dist.lazy_names" in {n for n, _, _ in imports_of(path)}]
+    assert users, "no package uses txl_dist.lazy_names"
+    for module in users:
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        assert lazy_table_imports(tree), f"{module} imports lazy_names but hands it no table the check can read"
 
 
 @pytest.mark.parametrize("command", [target for _, target in STARTUP_COMMANDS])

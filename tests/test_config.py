@@ -726,7 +726,7 @@ def test_the_launcher_declares_deepspeeds_config_flags_as_deepspeed_does():
 
     import deepspeed
 
-    from txl_dist.training.arguments import add_deepspeed_arguments
+    from txl_dist.training.arguments import add_deepspeed_arguments, build_arg_parser
 
     theirs = deepspeed.add_config_arguments(argparse.ArgumentParser())
     ours = add_deepspeed_arguments(argparse.ArgumentParser())
@@ -740,6 +740,8 @@ def test_the_launcher_declares_deepspeeds_config_flags_as_deepspeed_does():
         }
 
     assert flags(theirs) and flags(ours) == flags(theirs)
+    launcher = flags(build_arg_parser())
+    assert {option: launcher.get(option) for option in flags(theirs)} == flags(theirs)  # the launcher's own parser
     argv = ["--deepspeed", "--deepspeed_config", "ds.json", "--deepscale", "--deepscale_config", "old.json"]
     assert vars(ours.parse_args(argv)) == vars(theirs.parse_args(argv))
     assert vars(ours.parse_args([])) == vars(theirs.parse_args([]))

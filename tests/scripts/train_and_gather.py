@@ -40,7 +40,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(live, out)
     dist.barrier()
-    # As launchers/train.py does: a process group left to interpreter shutdown aborted rank 1 at exit once
+    # As txl_dist.training.cli.train does: a process group left to interpreter shutdown aborted rank 1 at exit once
     # ("terminate called without an active exception") after a finished run.
     dist.destroy_process_group()
 

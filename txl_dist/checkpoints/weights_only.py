@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import pickle
 import re
@@ -20,19 +21,33 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleProfile, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
 
 class UnsafeCheckpointError(ValueError):
     """A checkpoint file that would need more than the weights-only unpickler and its allow-list."""
 
 
+ALLOWED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaleConfig",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaleProfile",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""The DeepSpeed classes found in its checkpoint files (ZeRO 0-3, fp32/bf16/fp16, universal checkpoints): loss
+scalers (fp16 state), the ZeRO stage enum, and the fragment addresses of ZeRO 1/2 partitions. Named, and resolved
+when the first file is read: importing this module imports no DeepSpeed (evaluating or converting an export folder
+never needs it)."""
+
+
 def allowed_classes() -> list[type]:
-    """The DeepSpeed classes found in its checkpoint files (ZeRO 0-3, fp32/bf16/fp16, universal checkpoints):
-    loss scalers (fp16 state), the ZeRO stage enum, and the fragment addresses of ZeRO 1/2 partitions."""
-    return [LossScaler, DynamicLossScaler, LossScaleConfig, LossScaleProfile, ZeroStageEnum, fragment_address]
+    """`ALLOWED_CLASSES`, the classes themselves."""
+    classes = []
+    for name in ALLOWED_CLASSES:
+        module, _, attribute = name.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), attribute))
+    return classes
 
 
 @functools.cache
@@ -57,7 +72,7 @@ def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
         what = f"it refers to {found.group(1)}" if found else str(error).splitlines()[0]
         raise UnsafeCheckpointError(
             f"{name}: refused to unpickle: {what}, which is neither a tensor nor one of the DeepSpeed classes a "
-            f"checkpoint holds (txl_dist.checkpoints.weights_only.allowed_classes); loading it could run code. A "
+            f"checkpoint holds (txl_dist.checkpoints.weights_only.ALLOWED_CLASSES); loading it could run code. A "
             f"file written by txl_dist never needs it: treat this checkpoint as tampered with"
         ) from None
 

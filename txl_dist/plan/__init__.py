@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING
 
 from txl_dist.lazy_names import lazy_names
 
-# Imported on first use: `python -m txl_dist.plan --help` and the launcher's --help import this package, and the
-# planner's counts build the model on PyTorch's meta device (torch: seconds).
+# Imported on first use: `python -m txl_dist.plan --help` imports this package, and the planner's counts build the
+# model on PyTorch's meta device (torch: seconds).
 _HOMES = {
     "main": "txl_dist.plan.cli",
     "parse_size": "txl_dist.plan.cli",

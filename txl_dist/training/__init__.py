@@ -1,6 +1,7 @@
-"""The training loop: the run's command line (`cli`), the run folder, the DeepSpeed config built from the typed
-run config, the learning-rate schedule, the step cadence, the per-rank stream memories, the step log and its
-writers (metrics.jsonl, TensorBoard events and text), and the `Trainer` that joins them.
+"""The training loop: the run's command line (`arguments`, the parser, without torch; `cli`, the checks and the
+run), the run folder, the DeepSpeed config built from the typed run config, the learning-rate schedule, the step
+cadence, the per-rank stream memories, the step log and its writers (metrics.jsonl, TensorBoard events and text),
+and the `Trainer` that joins them.
 
 Layer: may import every package below it (config, model, tokenizer, data, plan, world, checkpoints and
 txl_dist.evaluation), never export, convert or the launchers (docs/architecture.md)."""

@@ -2,8 +2,9 @@
 at once, and a refused flag costs no import of either (`txl_dist.training.cli` then checks the values).
 
 DeepSpeed's flags (what ``deepspeed.add_config_arguments`` adds: --deepspeed, --deepspeed_config and the
-deprecated --deepscale spellings) are declared here with DeepSpeed's names, defaults and help, so that
-DeepSpeedExamples-style command lines work unchanged; `tests/test_config.py` holds them equal to DeepSpeed's.
+deprecated --deepscale spellings) are declared here with DeepSpeed's names, types and defaults (the help in our
+words), so that DeepSpeedExamples-style command lines work unchanged; `tests/test_config.py` holds them equal to
+DeepSpeed's.
 """
 
 from __future__ import annotations
