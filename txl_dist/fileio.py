@@ -1,6 +1,5 @@
 """Small file helpers shared by the tokenizer, the shard builder, checkpoints and conversions: checksums, atomic
-writes, JSON files read with one-line errors, write failures in one line, files still named by their path, and
-outputs that never destroy an input."""
+writes, JSON files read with one-line errors, write failures in one line, and outputs that never destroy an input."""
 
 from __future__ import annotations
 
@@ -302,30 +301,6 @@ def ensure_directory(path: str | os.PathLike) -> Path:
     except OSError as error:
         raise with_path(error, path) from None
     return path
-
-
-# ---- a file still named by its path (log files written for a whole run) ----------------------------------------
-
-
-class FileGone(RuntimeError):
-    """A file's path no longer names the file being written (it or its folder was removed or replaced)."""
-
-
-def file_identity(handle) -> tuple[int, int]:
-    """(device, inode) of an open file."""
-    status = os.fstat(handle.fileno())
-    return status.st_dev, status.st_ino
-
-
-def require_same_file(path: Path, identity: tuple[int, int]) -> None:
-    """FileGone unless ``path`` still names the file of ``identity`` (`file_identity` of the open file)."""
-    try:
-        status = os.stat(path)
-        same = (status.st_dev, status.st_ino) == identity
-    except (FileNotFoundError, NotADirectoryError):  # removed, or its folder replaced by a file
-        same = False
-    if not same:
-        raise FileGone(f"{path}: removed or replaced while the run was writing it")
 
 
 # ---- outputs that never destroy an input -----------------------------------------------------------------------

@@ -44,7 +44,6 @@ from txl_dist.export import (
 from txl_dist.fileio import atomic_write_text, dangling_link, describe_os_error, read_json
 from txl_dist.tokenizer import CHARACTER_KINDS, load_tokenizer
 from txl_dist.world import launch_env, ranks
-from txl_dist.world.ranks import broadcast
 
 
 def _distributed() -> tuple[int, int, Any]:
@@ -79,7 +78,7 @@ def _verify_once(path: Path, verify: bool) -> None:
         except CheckpointError as error:
             problem = str(error)
     if dist.is_initialized():
-        problem = broadcast(problem)
+        problem = ranks.broadcast(problem)
     if problem is not None:
         raise _SharedError(problem)
 

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from txl_dist.fileio import atomic_write_text, describe_os_error, file_identity, require_same_file
+from txl_dist.fileio import atomic_write_text, describe_os_error
 from txl_dist.run_layout import METRICS, TENSORBOARD
+from txl_dist.training.run_files import file_identity, require_same_file
 from txl_dist.training.tensorboard_events import EventFile
 
 log = logging.getLogger("txl_dist.training")

@@ -32,7 +32,8 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from txl_dist.fileio import ensure_directory, file_identity, require_same_file
+from txl_dist.fileio import ensure_directory
+from txl_dist.training.run_files import file_identity, require_same_file
 
 _FILE_NUMBER = itertools.count()
 """Two event files opened by one process in the same second still get two names."""
@@ -101,8 +102,8 @@ class EventFile:
         self._summary(step, [value])
 
     def flush(self) -> None:
-        """Write out what is buffered; `txl_dist.fileio.FileGone` when the file's path now names another file or
-        nothing."""
+        """Write out what is buffered; `txl_dist.training.run_files.FileGone` when the file's path now names
+        another file or nothing."""
         self._records.flush()
         require_same_file(self.path, self._identity)
 
