@@ -90,11 +90,7 @@ def test_a_lost_node_costs_a_relaunch_on_the_node_left_within_the_same_job(slurm
 
 def test_a_bad_relaunch_limit_stops_the_job_before_training(slurm_cluster, shared):
     directory = fresh(shared, "badlimit")
-    # The time limit's signal 10 s before the end, as in every test here (the script's default of 300 s would come
-    # within the job's first 30 s: a test of the time limit of its own, test_launch_paths.py).
-    job = sbatch_job(
-        slurm_cluster, directory, 10, "--time=5", "--signal=B:USR1@10", env={"TXL_MAX_RELAUNCHES": "three"}
-    )
+    job = sbatch_job(slurm_cluster, directory, 10, "--time=5", env={"TXL_MAX_RELAUNCHES": "three"})
     assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"
     out = job_output(directory)
     errors = [line for line in out.splitlines() if "error" in line]
