@@ -80,23 +80,22 @@ def resolve_run_config(
         cfg = load_config(args.config, args.overrides)
         manifest = shards_manifest(cfg)  # read once, here: the Trainer is handed what it resolves
         cfg = with_shards_vocab(cfg, manifest)
+        device = device or detect_device()
         build_deepspeed_config(
             train=cfg.train,
             optim=cfg.optim,
             precision=cfg.precision,
             zero=cfg.zero,
             world_size=world_size,
-            device=device or detect_device(),
+            device=device,
             overlay_path=args.deepspeed_config,
         )
         if args.print_config:
-            device = device or detect_device()
             sys.stdout.write(cfg.dump_yaml() + plan_comment(cfg, world_size, device, device_memory_of(device)))
             sys.stdout.flush()
             raise SystemExit(0)
         _require_run_paths(cfg, manifest)
         _require_a_run_that_can_start(cfg, manifest)
-        device = device or detect_device()
         if device != "cpu":  # this rank's own device: no rank touches another's before the process group
             require_memory_fits(cfg, world_size, device, device_memory_of(device, _local_rank(args) or 0))
     except ValueError as error:
