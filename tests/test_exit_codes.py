@@ -8,8 +8,10 @@ import of torch per case), on real bad inputs; nothing trains and no launcher st
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -151,6 +153,69 @@ def test_verdicts_have_a_status_of_their_own(ptb_word_shards, tmp_path, capsys):
     args = ["--config", "configs/tiny_cpu.yaml", "--device", "cpu", "--world-size", "2"]
     assert run_main("txl_dist.plan", *args, "--device-memory", "1MiB", capsys=capsys)[0] == exit_status.VERDICT
     assert run_main("txl_dist.plan", *args, "--device-memory", "4GiB", capsys=capsys)[0] == 0
+
+
+# ---- a reader that leaves: `| head -1` ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ptb_export(ptb_word_tokenizer, tmp_path_factory) -> Path:
+    """An export of a tiny untrained model with the PTB word tokenizer."""
+    from txl_dist.export import write_export
+    from txl_dist.model import TransformerXLLM, preset
+    from txl_dist.tokenizer import load_tokenizer
+
+    model = TransformerXLLM(preset("tiny", n_token=load_tokenizer(ptb_word_tokenizer).vocab_size))
+    return write_export(
+        model, model.config, tmp_path_factory.mktemp("exports") / "tiny", tokenizer_dir=ptb_word_tokenizer
+    )
+
+
+def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` writing into a pipe whose reader has gone, as ``| head -1`` leaves it after its line (here
+    before the first write, so that every write meets the closed pipe)."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        return subprocess.run(
+            [sys.executable, *args], stdout=writer, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300
+        )
+    finally:
+        os.close(writer)
+
+
+def test_a_command_whose_reader_leaves_ends_quietly_with_status_0(ptb_word_shards, ptb_export, tmp_path):
+    """The reader's choice, as for `yes | head`: no "error: Broken pipe", no traceback, status 0, whichever
+    write (a line of the output, the last flush at exit, a --help) meets the closed pipe."""
+    commands = [
+        ["-m", "data_tools.inspect_shards", str(ptb_word_shards), "--decode", "3"],
+        ["launchers/generate.py", str(ptb_export), "--prompt", "the", "--max-new-tokens", "5"],
+        ["launchers/generate.py", str(ptb_export), "--score", "the market", "a share"],
+        ["-m", "txl_dist.plan", "--config", "configs/tiny_cpu.yaml", "--world-size", "1", "--device", "cpu"],
+        ["-m", "data_tools.synthetic_charlm", "text8", "--output", str(tmp_path / "text8"), "--bytes", "1000"],
+        ["-m", "data_tools.build_shards", "--help"],
+    ]
+    for args in commands:
+        result = _into_a_closed_pipe(*args)
+        assert (result.returncode, result.stderr) == (0, ""), (args, result.returncode, result.stderr[-2000:])
+    assert (tmp_path / "text8").exists()  # the work itself was done: only its summary line had no reader
+
+
+def test_head_1_after_the_first_sample_of_generate_stops_it_quietly(ptb_export):
+    """The real pipe: `head -1` leaves after the first sample's line, while generate.py writes the others."""
+    command = (
+        f"{sys.executable} launchers/generate.py {ptb_export} --prompt the --num-samples 30 --max-new-tokens 40 "
+        "| head -1; exit ${PIPESTATUS[0]}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert (result.returncode, result.stderr) == (0, ""), result
+    assert result.stdout.startswith("the ") and result.stdout.count("\n") == 1
+
+
+def test_a_broken_pipe_of_anything_but_stdout_is_still_a_failure(capsys):
+    """A worker's pipe that breaks is a failure of the surroundings (1), not a reader's choice."""
+    assert exit_status.run_command(_raising(BrokenPipeError(32, "Broken pipe")), "cmd", []) == exit_status.FAILURE
+    assert capsys.readouterr().err == "cmd: error: Broken pipe\n"
 
 
 # ---- the helper itself -------------------------------------------------------------------------------------------

@@ -26,6 +26,10 @@ What `run_command` does with an exception that ``main`` lets out:
   permission denied, an I/O error) is a failure of the surroundings, 1 (`os_error_status`).
 - `CommandFailure` (a runtime failure whose message says everything: a worker process that died) is one line, 1.
 - KeyboardInterrupt is one line, ``PROG: interrupted``, and `INTERRUPTED`.
+- A stdout whose reader has gone (``PROG | head -1``) is the reader's choice, not a failure: the command ends
+  there, quietly (no line, no traceback), with status 0, or with the status ``main`` returned when only the last
+  buffered lines found the pipe closed (`StdoutClosed`). A broken pipe of anything else (a worker's) stays an
+  OSError, a failure.
 - Any other exception is a bug, ours or a library's: its traceback is printed, then one line naming it, and the
   status is 1. A user who meets one reports it, and the traceback is what the report needs; the errors a user
   can act on are all of the kinds above and need none.
@@ -34,6 +38,7 @@ What `run_command` does with an exception that ``main`` lets out:
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import sys
 import traceback
@@ -63,6 +68,51 @@ INPUT_ERRNOS = frozenset({errno.ELOOP, errno.ENAMETOOLONG})
 
 class CommandFailure(RuntimeError):
     """A runtime failure whose message says all a user needs (no traceback): printed as one line, status 1."""
+
+
+class StdoutClosed(BaseException):
+    """A write to stdout found its reader gone (``| head``). Not an Exception, so that no command's handler of
+    OSError (or of every Exception) reports it as a failure: `run_command` ends the command quietly."""
+
+
+class _WatchedStdout:
+    """``sys.stdout`` while `run_command` runs a command: a write or flush that finds the pipe closed points the
+    descriptor at /dev/null (so that no later flush, the interpreter's at exit included, fails again) and raises
+    `StdoutClosed`; everything else is the stream's own."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def writelines(self, lines) -> None:
+        self._guarded(self._stream.writelines, lines)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def _guarded(self, operation: Callable, *args):
+        try:
+            return operation(*args)
+        except BrokenPipeError:
+            _point_at_devnull(self._stream)
+            raise StdoutClosed from None
+
+
+def _point_at_devnull(stream) -> None:
+    """The standard recipe for a closed stdout: its descriptor now writes to /dev/null (a stream without a
+    descriptor, a test's capture, is left as it is)."""
+    try:
+        descriptor = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
 
 
 def one_line(message: object) -> str:
@@ -117,7 +167,23 @@ def exit_status(error: BaseException) -> int:
 def run_command(main: Callable[..., int | None], prog: str, argv: list[str] | None = None) -> int:
     """Run a command's ``main`` (with ``argv``, when given) and return its exit status under the policy of the
     module docstring: what ``main`` returns, the code of a SystemExit it raises (argparse's 2), or the status of
-    the exception it lets out, printed as one line (with the traceback before it for a bug)."""
+    the exception it lets out, printed as one line (with the traceback before it for a bug); 0 when stdout's
+    reader left before ``main`` finished. What stdout still buffers is written here, under the policy, not by the
+    interpreter's exit (where a closed pipe would be a traceback and status 120)."""
+    stdout = sys.stdout
+    sys.stdout = _WatchedStdout(stdout)
+    status = 0  # what stands when stdout's reader leaves before main has finished
+    try:
+        status = _status_of(main, prog, argv)
+        sys.stdout.flush()
+    except StdoutClosed:
+        pass  # quietly: the reader's choice
+    finally:
+        sys.stdout = stdout
+    return status
+
+
+def _status_of(main: Callable[..., int | None], prog: str, argv: list[str] | None) -> int:
     try:
         status = main() if argv is None else main(argv)
     except SystemExit as exited:
