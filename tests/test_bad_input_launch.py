@@ -98,6 +98,15 @@ REFUSED = [
     ({**STEP, "SLURM_STEP_NODELIST": "node 1,node2"}, r"SLURM_STEP_NODELIST='node 1,node2': an empty name, or white"),
     ({**STEP, "SLURM_STEP_NODELIST": "n[1-x]"}, r"SLURM_STEP_NODELIST='n\[1-x\]' \(range '1-x'"),
     ({**STEP, "SLURM_STEP_NODELIST": "n[1-999999999]"}, r"more than 100000 hosts"),
+    # each bracket and each name under the limit, their product or their sum over it: counted before any is built
+    (
+        {**STEP, "SLURM_STEP_NODELIST": "a[00000-99998]b[00000-99998]"},
+        r"it names 9,999,800,001 hosts, more than 100000",
+    ),
+    ({**STEP, "SLURM_STEP_NODELIST": "a[1-400]b[1-400]"}, r"it names 160,000 hosts, more than 100000"),
+    ({**STEP, "SLURM_STEP_NODELIST": "x[0-9]" * 6}, r"it names 1,000,000 hosts"),
+    ({**STEP, "SLURM_STEP_NODELIST": "a[1-60000],b[1-20000,30000-50000]"}, r"it names 100,001 hosts"),
+    ({**without(STEP, "SLURM_STEP_NODELIST"), "SLURM_JOB_NODELIST": "a[0-9999]b[0-9999]"}, r"SLURM_JOB_NODELIST="),
     ({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4(x)"}, r"SLURM_STEP_TASKS_PER_NODE='4\(x\)'"),
     ({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4(x0)"}, r"SLURM_STEP_TASKS_PER_NODE='4\(x0\)'"),
     ({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4,3"}, r"SLURM_STEP_TASKS_PER_NODE='4,3' makes 7 tasks, but SLURM_STEP"),
@@ -112,6 +121,12 @@ REFUSED = [
     ({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "soon"}, r"TXL_RENDEZVOUS_TIMEOUT='soon'"),
     ({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "0"}, r"TXL_RENDEZVOUS_TIMEOUT='0'"),
     ({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "-3"}, r"TXL_RENDEZVOUS_TIMEOUT='-3'"),
+    # every numeric variable says what it may be
+    ({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "1e12"}, r"='1e12': .*a number above 0 and below 1,000,000 \(default"),
+    ({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "1000000"}, r"above 0 and below 1,000,000"),
+    ({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "nan"}, r"above 0 and below 1,000,000"),
+    ({"MASTER_PORT": "65536"}, r"MASTER_PORT=65536 is not a TCP port \(1 to 65535; 0 in a world of one"),
+    ({**STEP, "SLURM_LOCALID": "9"}, r"local rank 9 of 4 .*: a local rank runs from 0 to one below the node's rank"),
 ]
 
 
@@ -147,6 +162,10 @@ def test_the_consistent_neighbours_of_the_refused_launches_are_read_as_given():
     assert single["MASTER_ADDR"] == "localhost" and single["RANK"] == "0"
     assert expand_hostlist("gpu[001-003,010]-ib,login") == ["gpu001-ib", "gpu002-ib", "gpu003-ib", "gpu010-ib", "login"]
     assert launch_env.rendezvous_timeout_s({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "2.5"}) == 2.5
+    assert launch_env.rendezvous_timeout_s({launch_env.RENDEZVOUS_TIMEOUT_VARIABLE: "999999"}) == 999999
+    at_the_limit = expand_hostlist("a[1-50000],b[00001-49999],c")
+    assert len(at_the_limit) == 100_000 and at_the_limit[50_000] == "b00001" and at_the_limit[-1] == "c"
+    assert len(expand_hostlist("r[0-9]n[0-99]g[0-99]")) == 100_000
 
 
 @pytest.mark.parametrize(

@@ -320,6 +320,46 @@ def test_deepspeed_env_that_is_not_text_or_not_a_file_is_named_in_one_line(tmp_p
     assert result.returncode == 2 and "'MY-VAR' is not a variable name" in result.stderr
 
 
+def test_deepspeed_env_refuses_to_forward_a_variable_named_by_also_that_is_not_set(tmp_path):
+    """A user who names a variable expects it on every rank: one unset (or empty) is refused, naming each such,
+    and nothing is written; the ones that are set are forwarded when all are."""
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("NCCL_IB_HCA=mlx5\n")
+    also = ("--also", "FOOBAR", "MY_SET", "MY_EMPTY")
+    result = run_launch_env("--write-deepspeed-env", "--path", str(path), *also, MY_SET="1", MY_EMPTY="")
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result
+    assert "--also FOOBAR MY_EMPTY: not set here (or set empty), so there is nothing to forward" in result.stderr
+    assert path.read_text() == "NCCL_IB_HCA=mlx5\n"
+    result = run_launch_env("--write-deepspeed-env", "--path", str(path), *also, FOOBAR="x", MY_SET="1", MY_EMPTY="2")
+    assert result.returncode == 0 and result.stdout == f"{path}: FOOBAR, MY_SET, MY_EMPTY\n", result
+    assert path.read_text() == "NCCL_IB_HCA=mlx5\nFOOBAR=x\nMY_SET=1\nMY_EMPTY=2\n"
+
+
+@pytest.fixture
+def immutable_folder(tmp_path):
+    """A folder that refuses new files even to root (``chattr +i``); skipped where the file system has no such
+    attribute."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    yield folder
+    subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_deepspeed_env_in_a_folder_that_refuses_writes_is_a_failure_of_the_surroundings(immutable_folder):
+    """Not a refused input (2): the path is right, the surroundings refuse it (1), as the error policy says."""
+    path = immutable_folder / ".deepspeed_env"
+    result = run_launch_env("--write-deepspeed-env", "--path", str(path), OMP_NUM_THREADS="1")
+    assert (result.returncode, result.stdout) == (1, ""), result
+    assert result.stderr == f"txl_dist.world.launch_env: error: {path}: operation not permitted\n"
+    assert os.listdir(immutable_folder) == []
+    result = run_launch_env(
+        "--write-deepspeed-env", "--path", str(immutable_folder / "nope" / "x"), OMP_NUM_THREADS="1"
+    )
+    assert result.returncode == 2 and "nope/x: no such file or directory" in result.stderr  # the path given is wrong
+
+
 BAD_HOSTFILES = [
     ("node-001 slots=8\nnode-001 slots=8\n", ":2: node-001 is listed again (first on line 1)"),
     ("node-001 slots=two\n", ":1: 'node-001 slots=two' is not `HOST slots=N`"),
@@ -327,6 +367,10 @@ BAD_HOSTFILES = [
     ("node-001 slots=4x\n", ":1: 'node-001 slots=4x' is not"),
     ("node-001\n", ":1: 'node-001' is not"),
     ("node-001 slots=-1\n", ":1: 'node-001 slots=-1' is not"),
+    ("node-001 slots=99999999999999999999\n", ":1: node-001 has slots=99999999999999999999: more ranks than a node"),
+    ("node-001 slots=8\nnode-002 slots=1025\n", ":2: node-002 has slots=1025: more ranks than a node runs (1 to 1024)"),
+    ("node-001 slots=8 max_slots=4\n", ":1: node-001 has max_slots=4: from its slots=8 to 1024"),
+    ("node-001 slots=8 max_slots=99999999999\n", ":1: node-001 has max_slots=99999999999: from its slots=8 to 1024"),
     ("# no hosts\n\n", ": no host in the hostfile"),
     ("", ": no host in the hostfile"),
 ]
@@ -349,6 +393,9 @@ def test_a_good_hostfile_reads_as_deepspeeds_runner_reads_it_and_the_command_lin
     assert launch_formats.read_hostfile(str(hostfile)) == dict(fetch_hostfile(str(hostfile)))
     shipped = str(REPO / "launchers" / "hostfile.example")
     assert launch_formats.read_hostfile(shipped) == {"node-001": 8, "node-002": 8} == dict(fetch_hostfile(shipped))
+    hostfile.write_text("node-001 slots=1024 max_slots=1024\nnode-002 slots=1\n")  # the bounds themselves
+    assert launch_formats.read_hostfile(str(hostfile)) == {"node-001": 1024, "node-002": 1}
+    hostfile.write_text("node-001 slots=8 max_slots=8\n\n  node-002   slots=4   # the small one\n")
     result = run_launch_env("--hostfile", str(hostfile))
     assert result.returncode == 0 and result.stdout == f"{hostfile}: 2 host(s), 12 rank(s) (node-001 8, node-002 4)\n"
     result = run_launch_env("--hostfile", str(hostfile), "--launcher", "openmpi")  # a flag of another action

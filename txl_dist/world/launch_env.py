@@ -39,6 +39,8 @@ RENDEZVOUS_TIMEOUT_VARIABLE = "TXL_RENDEZVOUS_TIMEOUT"
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 180.0
 """How long a rank waits for the rendezvous (the store's connect and every rank's arrival): long enough for ranks
 that srun or pdsh start some seconds apart, far below torch's 600 s, after which the rank says who it waited for."""
+MAX_RENDEZVOUS_TIMEOUT_S = 1e6
+"""The longest wait allowed (11.6 days): a longer one is a typing error."""
 SINGLE_RANK_VARIABLE = "TXL_SINGLE_RANK"
 """Set to 1 to train as one process in the batch script of a Slurm allocation of several tasks (refused otherwise)."""
 ADDRESS_RESOLVE_TIMEOUT_S = 15.0
@@ -253,10 +255,13 @@ def _check(launch: LaunchEnvironment, environ: Mapping[str, str], keys: tuple[st
     if not 0 <= launch.local_rank < launch.local_world_size or launch.local_world_size > launch.world_size:
         raise LaunchError(
             f"{name} gave local rank {launch.local_rank} of {launch.local_world_size} on this node in a world of "
-            f"{launch.world_size}{_shown(environ, local_rank_key, local_world_key, world_key)}"
+            f"{launch.world_size}{_shown(environ, local_rank_key, local_world_key, world_key)}: a local rank runs "
+            f"from 0 to one below the node's rank count, which is 1 to the world's {launch.world_size}"
         )
     if not 0 <= launch.master_port <= 65535:
-        raise LaunchError(f"MASTER_PORT={launch.master_port} is not a TCP port (1 to 65535)")
+        raise LaunchError(
+            f"MASTER_PORT={launch.master_port} is not a TCP port (1 to 65535; 0 in a world of one picks a free one)"
+        )
     if launch.master_port == 0 and launch.world_size > 1:
         raise LaunchError(
             f"MASTER_PORT=0 in a world of {launch.world_size}: each rank would pick a port of its own and never "
@@ -325,8 +330,11 @@ def rendezvous_timeout_s(environ: Mapping[str, str] | None = None) -> float:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not 0 < seconds < 1e6:
-        raise LaunchError(f"{RENDEZVOUS_TIMEOUT_VARIABLE}={value!r}: give the seconds a rank waits, above 0")
+    if not 0 < seconds < MAX_RENDEZVOUS_TIMEOUT_S:
+        raise LaunchError(
+            f"{RENDEZVOUS_TIMEOUT_VARIABLE}={value!r}: give the seconds a rank waits, a number above 0 and below "
+            f"{MAX_RENDEZVOUS_TIMEOUT_S:,.0f} (default {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})"
+        )
     return seconds
 
 

@@ -12,6 +12,8 @@ import stat
 import sys
 from collections.abc import Mapping
 
+from txl_dist.fileio import with_path
+
 FORWARDED_BY_DEEPSPEED = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 """Variable families that ``deepspeed --hostfile`` (pdsh over ssh) forwards to remote ranks by itself."""
 COMPARED_VARIABLES = (
@@ -68,38 +70,66 @@ def _split_top_level(hostlist: str, where: str) -> list[str]:
     return [*parts, current]
 
 
-def _expand_range(item: str, where: str) -> list[str]:
+def _range_bounds(item: str, where: str) -> tuple[str, int, int]:
+    """(the low end as written, low, high) of a bracket's item ``N`` or ``N-M``; LaunchError for another form or a
+    range that runs backwards."""
     match = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
     if match is None:
         raise LaunchError(f"cannot read {where} (range {item!r}: numbers N or N-M)")
-    low, high = match.group(1), match.group(2)
-    if high is None:
-        return [low]
-    if int(high) < int(low):
+    low = int(match.group(1))
+    high = low if match.group(2) is None else int(match.group(2))
+    if high < low:
         raise LaunchError(f"cannot read {where} (range {item!r} runs backwards)")
-    if int(high) - int(low) >= MAX_HOSTS:
-        raise LaunchError(f"cannot read {where} (range {item!r}: more than {MAX_HOSTS} hosts)")
-    return [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+    return match.group(1), low, high
+
+
+_Group = tuple[str, "list[tuple[str, int, int]] | None"]
+"""A piece of a host name: its literal text, then its bracket's ranges (written low end, low, high), or None."""
+
+
+def _bracket_ranges(bracket: str, where: str) -> list[tuple[str, int, int]] | None:
+    return [_range_bounds(item, where) for item in bracket[1:-1].split(",")] if bracket else None
+
+
+def _name_count(groups: list[_Group]) -> int:
+    """How many names a part of a host list stands for: the product of its brackets' sizes, counted, not built."""
+    count = 1
+    for _, ranges in groups:
+        count *= sum(high - low + 1 for _, low, high in ranges) if ranges else 1
+    return count
+
+
+def _names(groups: list[_Group]) -> list[str]:
+    names = [""]
+    for literal, ranges in groups:
+        suffixes = [str(n).zfill(len(written)) for written, low, high in ranges or [] for n in range(low, high + 1)]
+        names = [prefix + literal + suffix for prefix in names for suffix in suffixes or [""]]
+    return names
 
 
 def expand_hostlist(hostlist: str, name: str = "") -> list[str]:
     """Slurm's compact host list (``node[01-03,7],gpu-a[1-2]-ib``) as names, in order; LaunchError naming the
-    variable ``name`` (when given) for an empty or malformed list (an unclosed bracket, a backward range)."""
+    variable ``name`` (when given) for an empty or malformed list (an unclosed bracket, a backward range), or one
+    of more than `MAX_HOSTS` names, which is counted (the product of each name's brackets, summed over the list)
+    before any name is built."""
     where = f"{name}={hostlist!r}" if name else f"the Slurm host list {hostlist!r}"
     if not hostlist.strip():
         raise LaunchError(f"cannot read {where}: no host in it")
-    hosts: list[str] = []
+    parts = []
     for part in _split_top_level(hostlist.strip(), where):
         if not part or re.search(r"\s", part):
             raise LaunchError(f"cannot read {where}: an empty name, or white space in one")
-        names = [""]
-        for literal, bracket in re.findall(r"([^\[\]]*)(\[[^\]]*\])?", part):
-            suffixes = [n for item in bracket[1:-1].split(",") for n in _expand_range(item, where)] if bracket else [""]
-            names = [prefix + literal + suffix for prefix in names for suffix in suffixes]
-            if len(hosts) + len(names) > MAX_HOSTS:
-                raise LaunchError(f"cannot read {where}: more than {MAX_HOSTS} hosts")
-        hosts += names
-    return hosts
+        groups = [
+            (literal, _bracket_ranges(bracket, where))
+            for literal, bracket in re.findall(r"([^\[\]]*)(\[[^\]]*\])?", part)
+        ]
+        parts.append(groups)
+    count = sum(_name_count(groups) for groups in parts)
+    if count > MAX_HOSTS:
+        raise LaunchError(
+            f"cannot read {where}: it names {count:,} hosts, more than {MAX_HOSTS} hosts is more than any cluster has"
+        )
+    return [host for groups in parts for host in _names(groups)]
 
 
 def tasks_per_node(tasks_per_node: str, key: str) -> list[int]:
@@ -113,11 +143,28 @@ def tasks_per_node(tasks_per_node: str, key: str) -> list[int]:
     return counts
 
 
+MAX_SLOTS = 1024
+"""More ranks than any node runs (8 or 16 GPUs; a rank per core of the largest CPU nodes): a hostfile's slots, or
+max_slots, above it are a typing error, refused rather than planned for."""
+
+
+def _check_slots(where: str, slots: int, max_slots: int | None) -> None:
+    """LaunchError (``where``: the file, line and host) for slots outside 1 to `MAX_SLOTS`, or max_slots (Open
+    MPI's ceiling on the ranks of the host) below slots or above `MAX_SLOTS`."""
+    if slots < 1:
+        raise LaunchError(f"{where} has slots={slots}: a host needs at least one slot (1 to {MAX_SLOTS})")
+    if slots > MAX_SLOTS:
+        raise LaunchError(f"{where} has slots={slots}: more ranks than a node runs (1 to {MAX_SLOTS})")
+    if max_slots is not None and not slots <= max_slots <= MAX_SLOTS:
+        raise LaunchError(f"{where} has max_slots={max_slots}: from its slots={slots} to {MAX_SLOTS}")
+
+
 def read_hostfile(path: str) -> dict[str, int]:
     """The hosts of a DeepSpeed hostfile and their slots, in order, checked as `deepspeed --hostfile` needs them:
-    one ``HOST slots=N`` a line (N at least 1; ``#`` comments and blank lines allowed), each host once, at least one
-    host. LaunchError naming the file and the line otherwise (DeepSpeed's runner would start on local resources
-    only without the file, stop with a traceback at a duplicate or ``slots=two``, start no rank at ``slots=0``)."""
+    one ``HOST slots=N [max_slots=M]`` a line (N from 1 to `MAX_SLOTS`, M from N to `MAX_SLOTS`; ``#`` comments
+    and blank lines allowed), each host once, at least one host. LaunchError naming the file and the line otherwise
+    (DeepSpeed's runner would start on local resources only without the file, stop with a traceback at a
+    duplicate or ``slots=two``, start no rank at ``slots=0``)."""
     try:
         with open(path, encoding="utf-8") as handle:
             lines = handle.read().splitlines()
@@ -132,18 +179,19 @@ def read_hostfile(path: str) -> dict[str, int]:
         if not text or text.startswith("#"):
             continue
         # Open MPI's max_slots may follow (DeepSpeed's openmpi launcher hands mpirun the file itself).
-        match = re.fullmatch(r"(\S+)\s+slots=(\d+)(?:\s+max_slots=\d+)?\s*(?:#.*)?", text)
+        match = re.fullmatch(r"(\S+)\s+slots=(\d+)(?:\s+max_slots=(\d+))?\s*(?:#.*)?", text)
         if match is None:
             raise LaunchError(f"{path}:{number}: {text!r} is not `HOST slots=N` (N a whole number of ranks)")
         host, slots = match.group(1), int(match.group(2))
-        if slots < 1:
-            raise LaunchError(f"{path}:{number}: {host} has slots={slots}: a host needs at least one slot")
+        _check_slots(f"{path}:{number}: {host}", slots, None if match.group(3) is None else int(match.group(3)))
         if host in hosts:
             raise LaunchError(
                 f"{path}:{number}: {host} is listed again (first on line {first_line[host]}): one line per host, "
                 "with all its slots"
             )
         hosts[host], first_line[host] = slots, number
+        if len(hosts) > MAX_HOSTS:
+            raise LaunchError(f"{path}:{number}: more than {MAX_HOSTS} hosts is more than any cluster has")
     if not hosts:
         raise LaunchError(f"{path}: no host in the hostfile (one `HOST slots=N` a line)")
     return hosts
@@ -227,10 +275,17 @@ def write_deepspeed_env(
     encoded for ``launcher`` (`encode_value`), so that ``deepspeed --hostfile`` exports them on every node. Lines for
     other keys are kept; the file is replaced whole, keeping its mode (a link is followed). Returns the keys."""
     environ = os.environ if environ is None else environ
-    keys = list(dict.fromkeys(key for key in (*RUN_VARIABLES, *extra) if environ.get(key)))
     for key in extra:
         if not _VARIABLE_NAME.fullmatch(key):
             raise LaunchError(f"--also {key!r} is not a variable name (letters, digits and _)")
+    unset = [key for key in dict.fromkeys(extra) if not environ.get(key)]
+    if unset:
+        them = "it" if len(unset) == 1 else "them"
+        raise LaunchError(
+            f"--also {' '.join(unset)}: not set here (or set empty), so there is nothing to forward; set {them} "
+            f"before writing the file, or leave {them} out"
+        )
+    keys = list(dict.fromkeys(key for key in (*RUN_VARIABLES, *extra) if environ.get(key)))
     encoded = [f"{key}={encode_value(key, environ[key], launcher)}" for key in keys]
     target = os.path.realpath(path)
     if os.path.isdir(target):
@@ -244,7 +299,8 @@ def write_deepspeed_env(
             os.chmod(temporary, stat.S_IMODE(os.stat(target).st_mode))
         os.replace(temporary, target)
     except OSError as error:
-        raise LaunchError(f"{path}: cannot write it ({error.strerror or error})") from None
+        # the status follows the cause: a missing folder is the path given (2), a read-only one the surroundings (1)
+        raise with_path(error, path, replace=True) from None
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
