@@ -334,6 +334,13 @@ def test_grad_accum_arithmetic_error_names_the_three_numbers():
     ):
         TrainConfig(global_batch=24).batch_layout(5)
     assert TrainConfig(global_batch=24).batch_layout(6) == (4, 1, 6)
+    for micro_batch, why in ((30, "is larger than the global batch 24"), (5, "does not divide the global batch 24")):
+        with pytest.raises(ValueError) as refused:
+            TrainConfig(global_batch=24).batch_layout(2, micro_batch)
+        assert str(refused.value).endswith(
+            f"no world size can hold it: the micro-batch {micro_batch} {why}; the micro-batches that divide it: "
+            "1, 2, 3, 4, 6, 8, 12, 24"
+        ), refused.value
 
 
 # --- resolved config ---------------------------------------------------------------------------------------------

@@ -253,6 +253,20 @@ def test_the_planner_refuses_data_shards_without_a_manifest(capsys, tmp_path):
     assert status == 0 and "n_token 5,000)" in out
 
 
+def test_a_micro_batch_that_no_world_size_can_hold_is_refused_saying_why(capsys):
+    """Above the global batch, or not one of its divisors: said so, naming both numbers (no empty list of world
+    sizes)."""
+    for micro_batch, why in ((1000, "is larger than the global batch 8"), (3, "does not divide the global batch 8")):
+        status, out, err = _plan(capsys, "--micro-batch", str(micro_batch))
+        assert status == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert err.strip().endswith(
+            f"error: --micro-batch {micro_batch} with train.global_batch=8: no world size can hold it: the "
+            f"micro-batch {micro_batch} {why}; the micro-batches that divide it: 1, 2, 4, 8"
+        ), err
+    status, out, _ = _plan(capsys, "--micro-batch", "8", world=("--world-size", "1"))
+    assert status == 0 and "micro-batch 8" in out
+
+
 # --- the planner's world from a hostfile ----------------------------------------------------------------------------
 
 

@@ -106,6 +106,15 @@ class TrainConfig:
         per_rank = (self.micro_batch if micro_batch is None else micro_batch) or 1
         return self.global_batch % (per_rank * world_size) == 0
 
+    def micro_batch_problem(self, micro_batch: int) -> str:
+        """Why a micro-batch fits no world size: larger than the global batch, or not one of its divisors."""
+        divisors = ", ".join(str(d) for d in range(1, self.global_batch + 1) if self.global_batch % d == 0)
+        if micro_batch > self.global_batch:
+            why = f"the micro-batch {micro_batch} is larger than the global batch {self.global_batch}"
+        else:
+            why = f"the micro-batch {micro_batch} does not divide the global batch {self.global_batch}"
+        return f"{why}; the micro-batches that divide it: {divisors}"
+
     def batch_layout(self, world_size: int, micro_batch: int | None = None) -> BatchLayout:
         """Micro-batch and gradient accumulation for ``world_size`` ranks; ValueError naming the three numbers
         when the global batch does not split evenly. ``micro_batch`` (the memory planner's candidates) replaces
@@ -118,11 +127,15 @@ class TrainConfig:
         if self.global_batch % per_pass:
             holding = [str(size) for size in range(1, self.global_batch // per_rank + 1) if self.holds(size, per_rank)]
             given = f"train.micro_batch={micro_batch}" if micro_batch else "train.micro_batch null (no accumulation)"
+            which = (
+                f"the world sizes that can hold it are {', '.join(holding)}; the global batch stays as it is (it fixes "
+                f"the streams and their order), so run on one of those, or change train.micro_batch"
+                if holding
+                else f"no world size can hold it: {self.micro_batch_problem(per_rank)}"
+            )
             raise ValueError(
                 f"train.global_batch={self.global_batch} with {given} cannot be split over {world_size} ranks "
-                f"(global_batch / (micro_batch x world_size) accumulation steps must be whole): the world sizes "
-                f"that can hold it are {', '.join(holding)}; the global batch stays as it is (it fixes the streams "
-                f"and their order), so run on one of those, or change train.micro_batch"
+                f"(global_batch / (micro_batch x world_size) accumulation steps must be whole): {which}"
             )
         if micro_batch is None:
             return BatchLayout(self.global_batch // world_size, 1, world_size)

@@ -83,6 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.micro_batch is not None and args.micro_batch < 1:
             raise ValueError(f"--micro-batch {args.micro_batch}: must be at least 1")
         cfg = load_config(args.config, args.overrides)
+        if args.micro_batch is not None and cfg.train.global_batch % args.micro_batch:
+            raise ValueError(
+                f"--micro-batch {args.micro_batch} with train.global_batch={cfg.train.global_batch}: no world "
+                f"size can hold it: {cfg.train.micro_batch_problem(args.micro_batch)}"
+            )
         cfg = _with_vocabulary(cfg, args.vocab_size)
         # lazy: --help stays under 1 s (the planner builds the model on the meta device: torch, 2-4 s)
         from txl_dist.plan.report import describe_with_fit
