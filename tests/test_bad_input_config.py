@@ -102,6 +102,40 @@ def test_yaml_merge_keys_work_as_yaml_defines_them(tmp_path):
     assert (cfg.log.every, cfg.log.tensorboard) == (7, False)
 
 
+def test_yaml_merge_keys_follow_the_specs_order_where_pyyaml_does_not(tmp_path):
+    """yaml.org/type/merge.html: of a list of merged mappings the earlier one wins, the mapping's own keys win over
+    all of them, and a merged mapping that merges others is read as its own keys over its merges first. PyYAML's
+    safe_load gives the later mapping (every: 9) for the first case."""
+    path = write(
+        tmp_path / "run.yaml",
+        """        eval: &eval {every: 5, max_batches: 4}
+        checkpoint:
+          <<: [{every: 3}, {every: 9, keep_last: 6}]
+        log:
+          <<: [{every: 11, tensorboard: false}, {every: 13, tensorboard: true}]
+          every: 2
+        train:
+          <<: {<<: {seed: 1, max_steps: 50}, seed: 7}
+        """,
+    )
+    cfg = load_config(path)
+    assert (cfg.checkpoint.every, cfg.checkpoint.keep_last) == (3, 6)  # the earlier mapping of the list
+    assert (cfg.log.every, cfg.log.tensorboard) == (2, False)  # the own key, then the earlier mapping
+    assert (cfg.train.seed, cfg.train.max_steps) == (7, 50)  # nested: the middle's own seed over its base's
+    assert (cfg.eval.every, cfg.eval.max_batches) == (5, 4)
+    merged_twice = write(
+        tmp_path / "twice.yaml",
+        """\
+        eval: &every_8 {<<: {every: 1}, every: 8}
+        checkpoint: {<<: [*every_8, {every: 6, keep_last: 2}], keep_last: 3}
+        log: {<<: [{every: 4}, *every_8]}
+        """,
+    )
+    cfg = load_config(merged_twice)
+    assert cfg.eval.every == 8 and (cfg.checkpoint.every, cfg.checkpoint.keep_last) == (8, 3)
+    assert cfg.log.every == 4  # an anchor merged a second time: read the same way, after the earlier mapping
+
+
 def test_a_merge_key_through_an_anchor_of_another_section(tmp_path):
     path = write(tmp_path / "run.yaml", "eval: &e {every: 3, max_batches: 2}\ncheckpoint:\n  <<: *e\n  keep_last: 1\n")
     with pytest.raises(ValueError, match=r"^unknown key 'checkpoint.max_batches' in .*run.yaml"):

@@ -47,20 +47,52 @@ def read_layers(
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key repeated in one mapping (PyYAML would keep the last silently). The keys that a
-    merge key (``<<``) brings in are not repeats: the mapping's own keys override them, as YAML defines."""
+    """SafeLoader that refuses a key repeated in one mapping (PyYAML would keep the last silently) and merges as
+    the YAML merge key's spec (yaml.org/type/merge.html) says: a mapping's own keys override the merged ones, and
+    of a list of merged mappings the earlier one wins (PyYAML's own lets the later win). The keys that a merge key
+    (``<<``) brings in are not repeats."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._flattened: set[int] = set()
+        """The mapping nodes whose merge keys are resolved (by id: the nodes live as long as the loader)."""
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """``node``'s pairs with its merge keys resolved (each node once: an anchor merged twice is flattened
+        already), ordered so that the constructor, where a later pair wins, gives the spec's result: the merged
+        mappings last to first, then the mapping's own pairs."""
+        if id(node) in self._flattened:
+            return
+        self._flattened.add(id(node))
+        self._refuse_repeated_keys(node)
+        merged, own = [], []
+        for key_node, value_node in node.value:
+            if key_node.tag != _MERGE_TAG:
+                own.append((key_node, value_node))
+                continue
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in sources:
+                if not isinstance(source, yaml.MappingNode):
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"expected a mapping or list of mappings for merging, but found {source.id}",
+                        source.start_mark,
+                    )
+                self.flatten_mapping(source)
+                merged.append(source.value)
+        node.value = [pair for pairs in reversed(merged) for pair in pairs] + own
+
+    def _refuse_repeated_keys(self, node: yaml.MappingNode) -> None:
         seen = set()
         for key_node, _ in node.value:
-            # A merge key has no constructor of its own: flatten_mapping (in construct_mapping) reads it.
-            key = _MERGE_KEY if key_node.tag == _MERGE_TAG else self.construct_object(key_node, deep=deep)
+            # A merge key has no constructor of its own: flatten_mapping reads it.
+            key = _MERGE_KEY if key_node.tag == _MERGE_TAG else self.construct_object(key_node)
             if not isinstance(key, Hashable):  # SafeConstructor refuses it in its own words
                 continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
-        return super().construct_mapping(node, deep)
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
