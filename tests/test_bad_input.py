@@ -160,6 +160,55 @@ def test_generate_on_cuda_without_cuda_is_one_line(ptb_export):
     )
 
 
+@pytest.fixture
+def training_run(tmp_path) -> Path:
+    """A run folder as launchers/train.py leaves it (the names only): metrics.jsonl, checkpoints/latest and a
+    checkpoint with its COMPLETE.json."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step00000005").mkdir(parents=True)
+    (run / "checkpoints" / "step00000005" / "COMPLETE.json").write_text('{"step": 5}\n')
+    (run / "checkpoints" / "latest").write_text("step00000005\n")
+    (run / "metrics.jsonl").write_text('{"step": 5, "kind": "train", "loss": 6.1}\n')
+    return run
+
+
+def test_a_command_that_reads_an_export_given_a_training_folder_gives_the_export_command(training_run, tmp_path):
+    """generate.py and the convert subcommands that read an export, given the run, its checkpoints folder or one
+    checkpoint: one line saying which it is and the zero-to-export command (no warning about checksums.json, no
+    "config.json: missing"); a missing path or a file is named as such."""
+    commands = {
+        "generate.py": ("launchers/generate.py", "{path}", "--prompt", "the"),
+        "generate.py --no-verify": ("launchers/generate.py", "{path}", "--prompt", "the", "--no-verify"),
+        "convert.py export-to-hf": ("launchers/convert.py", "export-to-hf", "{path}", str(tmp_path / "hf")),
+        "convert.py export-to-hub": ("launchers/convert.py", "export-to-hub", "{path}", str(tmp_path / "hub")),
+        "convert.py export-to-original": (
+            "launchers/convert.py",
+            "export-to-original",
+            "{path}",
+            str(tmp_path / "o.pt"),
+        ),
+    }
+    folders = {
+        training_run: "a training run folder",
+        training_run / "checkpoints": "a training run's checkpoints folder",
+        training_run / "checkpoints" / "step00000005": "a training checkpoint",
+    }
+    for name, command in commands.items():
+        for path, kind in folders.items():
+            result = in_process(*[part.format(path=path) for part in command], check=False)
+            errors = [line for line in result.stderr.splitlines() if "--no-verify:" not in line]
+            assert result.returncode == 2 and errors == [
+                f"{name.split(' --')[0]}: error: {path}: {kind}, not an export folder (no config.json); export it "
+                f"first: python launchers/convert.py zero-to-export {path} EXPORT_DIR"
+            ], (name, path, result.stderr)
+        for path, named in (
+            (tmp_path / "missing", "no such export folder"),
+            (training_run / "metrics.jsonl", "a file"),
+        ):
+            _one_line(in_process(*[part.format(path=path) for part in command], check=False), f"{path}: {named}")
+    assert not [p for p in tmp_path.iterdir() if p.name != "run"]
+
+
 def test_a_prompt_of_unknown_words_gets_a_warning(ptb_export):
     result = in_process(
         "launchers/generate.py", str(ptb_export), "--prompt", "zqxv wvvqz", "--greedy", "--max-new-tokens", "2"

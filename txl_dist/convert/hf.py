@@ -29,7 +29,14 @@ from safetensors.torch import load_file
 
 from txl_dist.config.model import ModelConfig
 from txl_dist.convert.keymap import KeyMap
-from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file, unique_weights
+from txl_dist.export import (
+    CONFIG_FILE,
+    TOKENIZER_DIR,
+    load_model,
+    read_config_file,
+    require_export_folder,
+    unique_weights,
+)
 from txl_dist.export.config_file import read_json_object
 from txl_dist.export.weights import save_safetensors
 from txl_dist.fileio import check_output_path, copy_tree, staged_output
@@ -190,6 +197,7 @@ def write_hf_folder(
     one txl_dist wrote (`txl_dist.fileio.check_output_path`)."""
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
+    require_export_folder(export_dir)
     config, identity = read_config_file(export_dir / CONFIG_FILE)
     state = to_hf_state_dict(unique_weights(load_model(export_dir, verify=verify).state_dict(), config), config)
     # Shared tensors (the per-layer copies of the position biases) are written as copies: safetensors

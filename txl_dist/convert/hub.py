@@ -36,7 +36,14 @@ from typing import Any
 from txl_dist.config.model import MODEL_FIELD_ROLES, ModelConfig
 from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
 from txl_dist.convert.keymap import KeyMap
-from txl_dist.export import CONFIG_FILE, load_export_tokenizer, load_model, read_config_file, unique_weights
+from txl_dist.export import (
+    CONFIG_FILE,
+    load_export_tokenizer,
+    load_model,
+    read_config_file,
+    require_export_folder,
+    unique_weights,
+)
 from txl_dist.export.weights import save_safetensors
 from txl_dist.fileio import check_output_path, staged_output
 
@@ -96,6 +103,7 @@ def write_hub_folder(
     """An export folder -> a folder for current transformers (see the module docstring); returns its path."""
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
+    require_export_folder(export_dir)
     config, identity = read_config_file(export_dir / CONFIG_FILE)
     tokenizer = load_export_tokenizer(export_dir)
     tokenizer_files = fast_tokenizer_files(tokenizer) if tokenizer is not None else {}

@@ -31,6 +31,7 @@ from txl_dist.export.config_file import (
     config_to_json,
     read_config_file,
     read_export_config,
+    require_export_folder,
 )
 from txl_dist.export.folder import (
     TRAINING_FILE,
@@ -61,6 +62,7 @@ __all__ = [
     "model_from_state_dict",
     "read_config_file",
     "read_export_config",
+    "require_export_folder",
     "require_finite",
     "require_verified_export",
     "unique_weights",

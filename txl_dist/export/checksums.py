@@ -15,6 +15,7 @@ from pathlib import Path
 
 from txl_dist.checkpoints.layout import FILES_KEY
 from txl_dist.checkpoints.verify import check_files
+from txl_dist.export.config_file import require_export_folder
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_text, file_checksum
 
 CHECKSUMS_FILE = "checksums.json"
@@ -71,7 +72,9 @@ def verify_export(export_dir: str | os.PathLike) -> list[str] | None:
 
 def require_verified_export(export_dir: str | os.PathLike, verify: bool = True) -> None:
     """Raise `ExportVerificationError` listing every file of ``export_dir`` that does not match its checksums.json;
-    warn (once, here) when the folder has none. ``verify`` False: nothing is checked (the caller says so)."""
+    warn (once, here) when the folder has none. A path that is no export folder (`require_export_folder`) is
+    refused first, verified or not. ``verify`` False: nothing is checked (the caller says so)."""
+    require_export_folder(export_dir)
     if not verify:
         return
     problems = verify_export(export_dir)

@@ -17,9 +17,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from txl_dist.checkpoints.layout import COMPLETE, LATEST
 from txl_dist.config.model import MODEL_FIELD_ROLES
 from txl_dist.fileio import read_json
 from txl_dist.model import ModelConfig
+from txl_dist.run_layout import CHECKPOINTS, METRICS
 
 FORMAT = "txl_dist.export"
 VERSION = 1
@@ -74,6 +76,34 @@ def config_from_json(data: Mapping[str, Any], where: str) -> tuple[ModelConfig, 
     return ModelConfig.from_dict(data, where=where), tokenizer
 
 
+def _training_folder_kind(folder: Path) -> str | None:
+    """What training wrote ``folder`` as: a run folder, its checkpoints folder, one checkpoint; None otherwise."""
+    if (folder / CHECKPOINTS).is_dir() or (folder / METRICS).is_file():
+        return "a training run folder"
+    if (folder / LATEST).is_file():
+        return "a training run's checkpoints folder"
+    if (folder / COMPLETE).is_file():
+        return "a training checkpoint"
+    return None
+
+
+def require_export_folder(export_dir: str | os.PathLike) -> None:
+    """FileNotFoundError or ValueError, in one line, for a path that is no export folder: missing, a file, or a
+    folder of training (its run, checkpoints or one checkpoint), for which the message gives the command that
+    exports it. A folder without config.json that is none of those is left to the reader of config.json."""
+    export_dir = Path(export_dir)
+    if not export_dir.exists():
+        raise FileNotFoundError(f"{export_dir}: no such export folder")
+    if not export_dir.is_dir():
+        raise ValueError(f"{export_dir}: a file, not an export folder (launchers/convert.py zero-to-export writes one)")
+    kind = None if (export_dir / CONFIG_FILE).exists() else _training_folder_kind(export_dir)
+    if kind is not None:
+        raise ValueError(
+            f"{export_dir}: {kind}, not an export folder (no {CONFIG_FILE}); export it first: python "
+            f"launchers/convert.py zero-to-export {export_dir} EXPORT_DIR"
+        )
+
+
 def read_config_file(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any] | None]:
     """(ModelConfig, tokenizer identity or None) from a config.json file (an export's, or one written by hand
     with the authors' argument names)."""
@@ -82,7 +112,8 @@ def read_config_file(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, An
 
 
 def read_export_config(export_dir: str | os.PathLike) -> ModelConfig:
-    """The ModelConfig of an export folder."""
+    """The ModelConfig of an export folder (`require_export_folder` first)."""
+    require_export_folder(export_dir)
     return read_config_file(Path(export_dir) / CONFIG_FILE)[0]
 
 
