@@ -93,7 +93,7 @@ from data_tools.shard_builder import build_shards
 from data_tools.workers import WorkerError
 from txl_dist.data.format import ManifestError
 from txl_dist.exit_status import os_error_status, run_command
-from txl_dist.fileio import describe_os_error
+from txl_dist.fileio import describe_os_error, read_json
 from txl_dist.tokenizer import TokenizerError
 
 # STATE_NAME: the journal that --resume reads, a file a user of this command sees in the output.
@@ -293,6 +293,20 @@ def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int)
     return splits(path, held_out_bytes)
 
 
+def _what_an_interrupt_left(output: Path) -> str:
+    """What an interrupted build leaves in ``output``, as its journal says, and how to go on from there."""
+    journal = output / STATE_NAME
+    if not journal.is_file():
+        return "interrupted before anything was written (no shard, no journal): nothing to resume; run it again"
+    try:
+        finished = sum(len(stream["shards"]) for stream in read_json(journal)["streams"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        finished = 0  # a journal --resume will refuse in its own words
+    if not finished:
+        return f"interrupted before the first shard was finished ({journal} is kept): rerun with --resume"
+    return f"interrupted; the finished shards are kept ({finished} in {output}, with {journal}): rerun with --resume"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -316,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"build_shards: error: {describe_os_error(error)}", file=sys.stderr)
         return os_error_status(error)
     except KeyboardInterrupt:
-        print("build_shards: interrupted; the finished shards are kept: rerun with --resume", file=sys.stderr)
+        print(f"build_shards: {_what_an_interrupt_left(args.output)}", file=sys.stderr)
         return INTERRUPTED
     print(summary.line())
     return 0

@@ -806,13 +806,59 @@ def test_keyboard_interrupt_keeps_finished_shards_for_resume(ptb_word_tokenizer,
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
-    assert "interrupted; the finished shards are kept: rerun with --resume" in stderr
+    assert re.search(r"build_shards: interrupted.*\(.*\.build_state\.json.*\): rerun with --resume\n", stderr), stderr
     assert not (output / MANIFEST_NAME).exists()
     assert not [p for p in output.iterdir() if p.name.endswith((".partial", ".tmp"))]
     assert (output / build_shards.STATE_NAME).exists()
     assert build_shards.main(args + ["--resume"]) == 0
     manifest = read_manifest(output)
     assert manifest.splits["train"].documents == 4 * len(ptb_sentences("train"))
+    assert inspect_shards.verify_shards(output) == []
+
+
+@pytest.mark.parametrize(
+    ("interrupted_at", "said"),
+    [
+        ("the output's check", "interrupted before anything was written (no shard, no journal): nothing to resume"),
+        ("the first shard", "interrupted before the first shard was finished ({journal} is kept): rerun with --resume"),
+        (
+            "the second shard",
+            "interrupted; the finished shards are kept (1 in {output}, with {journal}): rerun with --",
+        ),
+    ],
+)
+def test_ctrl_c_says_what_the_build_left_and_resume_finishes_it(
+    interrupted_at, said, ptb_word_tokenizer, ptb_text_dir, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C (KeyboardInterrupt, raised where it can land) before the output exists, before the first shard is
+    finished, after one: the line says what is true of the output folder, and the advice it gives works."""
+    from data_tools import shard_builder, shard_writer
+
+    output = tmp_path / "shards"
+    args = ["--tokenizer", ptb_word_tokenizer, "--split", f"train={ptb_text_dir / 'ptb.valid.txt'}", "--output", output]
+    args += ["--tokens-per-block", "4096", "--tokens-per-shard", "20000"]
+    real_tar_writer, opened = shard_writer.wds.TarWriter, []
+
+    def interrupted_at_the_shard(*writer_args, **kwargs):
+        opened.append(writer_args)
+        if len(opened) == {"the first shard": 1, "the second shard": 2}[interrupted_at]:
+            raise KeyboardInterrupt
+        return real_tar_writer(*writer_args, **kwargs)
+
+    def interrupted_at_the_check(*check_args):
+        raise KeyboardInterrupt
+
+    if interrupted_at == "the output's check":
+        monkeypatch.setattr(shard_builder, "refuse_output_over_inputs", interrupted_at_the_check)
+    else:
+        monkeypatch.setattr(shard_writer.wds, "TarWriter", interrupted_at_the_shard)
+    assert run_build(*args) == 130
+    line = said.format(output=output, journal=output / build_shards.STATE_NAME)
+    err = capsys.readouterr().err
+    assert err.startswith(f"build_shards: {line}") and err.count("\n") == 1, err
+    assert output.exists() == (interrupted_at != "the output's check")
+    monkeypatch.undo()
+    assert run_build(*args, *(["--resume"] if output.exists() else [])) == 0
     assert inspect_shards.verify_shards(output) == []
 
 
