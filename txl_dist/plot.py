@@ -7,8 +7,10 @@ Reads each run's ``metrics.jsonl`` (what launchers/train.py writes): the loss (t
 bits per character when every run is a byte or character model (bottom row), training as lines and evaluations as
 dots, against optimizer steps, tokens seen and training time (``--x`` picks one). Training time counts the time
 of each start of a run (from its "start" record to its last record) and leaves out the time between an
-interruption and its resume. The legend names each run and its settings. Needs matplotlib (``pip install
-'txl_dist[plot]'``); errors are one line and exit status 2.
+interruption and its resume. Each run has a colour, line style and marker of its own (up to 280 runs, a sweep),
+and the legend below the panels names each run and its settings. A malformed record (a step that is not a whole
+number >= 0, a value that is not a number, ...) is left out with one warning per file naming its first line.
+Needs matplotlib (``pip install 'txl_dist[plot]'``); errors are one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -49,24 +51,83 @@ class Run:
     x: dict[str, dict[int, float]]
     hparams: dict
     character_level: bool
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    """The malformed records of metrics.jsonl that were left out: (line number, what is wrong)."""
 
     def label(self) -> str:
         h = self.hparams
         if not h:
             return self.name
+        lr = h.get("optim.lr")
         settings = [
             f"{h.get('model.n_layer')} layers x d_model {h.get('model.d_model')}",
             f"mem_len {h.get('model.mem_len')}",
-            f"lr {h.get('optim.lr'):.3g}" if isinstance(h.get("optim.lr"), (int, float)) else None,
+            f"lr {lr:.3g}" if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None,
             f"batch {h.get('train.global_batch')}",
-            h.get("precision.dtype"),
+            None if h.get("precision.dtype") is None else str(h["precision.dtype"]),
             f"ZeRO-{h.get('zero.stage')}",
             f"{h.get('world_size')} ranks",
         ]
         return f"{self.name}: " + ", ".join(s for s in settings if s)
 
+    def skipped_warning(self) -> str | None:
+        """One line for the records left out, naming the file, their count and the first one; None for none."""
+        if not self.skipped:
+            return None
+        line, problem = self.skipped[0]
+        return (
+            f"{Path(self.name) / METRICS}: {len(self.skipped)} malformed record(s) left out of the plot, the first "
+            f"on line {line} ({problem})"
+        )
 
-def _records(path: Path) -> list[dict]:
+
+CURVE_VALUES = ("loss", "ppl", "bpc")
+"""A record's values drawn as curves: numbers, where NaN or infinity (a diverged step, as the trainer logs it) is
+a gap in the curve."""
+AXIS_VALUES = ("tokens", "wall_time", "step_time_s")
+"""A record's values that place its step on the x axes: finite numbers, at least 0."""
+SCALARS = (str, int, float, bool, type(None))
+
+
+MAX_STEP = 2**53
+"""Steps are whole numbers below 2^53, which a float (an axis) holds exactly."""
+
+
+def _is_number(value) -> bool:
+    """An int or float (not a bool) that a float can hold: JSON's integers have no bound."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _record_problem(record) -> str | None:
+    """What makes a decoded metrics.jsonl line unusable for the plot (the types of every field it reads), or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    kind, step = record.get("kind"), record.get("step")
+    if not isinstance(kind, str):
+        return f"'kind' is {kind!r}, not a string"
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+        return f"'step' is {step!r}, not a whole number >= 0 (and below 2^53)"
+    for name in (*CURVE_VALUES, *AXIS_VALUES):
+        value = record.get(name)
+        if name in record and not _is_number(value):
+            return f"'{name}' is {value!r}, not a number"
+        if name in AXIS_VALUES and name in record and not (math.isfinite(value) and value >= 0):
+            return f"'{name}' is {value!r}, not a finite number >= 0"
+    hparams = record.get("hparams", {})
+    if kind == "start" and not (isinstance(hparams, dict) and all(isinstance(v, SCALARS) for v in hparams.values())):
+        return "'hparams' is not a mapping of names to numbers or strings"
+    return None
+
+
+def _records(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """The usable records of a metrics.jsonl, and the malformed ones left out (line number, what is wrong). The
+    last line cut short by a kill (no line end) is no record at all, and is left out without a word."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -75,15 +136,23 @@ def _records(path: Path) -> list[dict]:
         raise PlotError(f"{path}: not UTF-8 text (not a metrics.jsonl written by launchers/train.py)") from None
     except OSError as error:
         raise PlotError(describe_os_error(error, path)) from None
-    records = []
-    for line in text.splitlines():
+    lines = text.splitlines()
+    records, skipped = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and "kind" in record:
+            if number < len(lines) or text.endswith("\n"):
+                skipped.append((number, "not a JSON record"))
+            continue
+        problem = _record_problem(record)
+        if problem is None:
             records.append(record)
-    return records
+        else:
+            skipped.append((number, problem))
+    return records, skipped
 
 
 def _number(value) -> float:
@@ -117,17 +186,20 @@ def read_run(directory: str | Path) -> Run:
     if not directory.is_dir():
         what = "a file, not a run directory" if directory.exists() else "no such run directory"
         raise PlotError(f"{directory}: {what}")
-    records = _records(directory / METRICS)
+    records, skipped = _records(directory / METRICS)
     by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
     hparams: dict = {}
     for record in records:
         if record["kind"] in by_kind:
             by_kind[record["kind"]][record["step"]] = record
-        elif record["kind"] == "start" and isinstance(record.get("hparams"), dict):
+        elif record["kind"] == "start" and "hparams" in record:
             hparams = record["hparams"]
     train, evals = by_kind["train"], by_kind["eval"]
     if not train:
-        raise PlotError(f"{directory / METRICS}: no training step logged yet")
+        left_out = (
+            f" ({len(skipped)} malformed record(s) left out, the first on line {skipped[0][0]})" if skipped else ""
+        )
+        raise PlotError(f"{directory / METRICS}: no training step logged yet{left_out}")
     character_level = all("bpc" in r for r in train.values())
     last = train[max(train)]
     tokens_per_step = _number(last.get("tokens")) / max(last["step"], 1)
@@ -145,7 +217,7 @@ def read_run(directory: str | Path) -> Run:
             result.values[name] = [_number(chosen[s].get(name)) for s in result.steps]
         return result
 
-    return Run(str(directory), curve(train), curve(evals), x, hparams, character_level)
+    return Run(str(directory), curve(train), curve(evals), x, hparams, character_level, skipped)
 
 
 def _matplotlib():
@@ -159,22 +231,44 @@ def _matplotlib():
     return plt, matplotlib.lines.Line2D
 
 
-def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
-    """The picture as PNG bytes: rows loss and ppl/bpc, one column per x axis."""
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+COLORS = 10
+"""matplotlib's tab10 palette; a run's colour, line style and marker: `run_style`."""
+DISTINCT_STYLES = COLORS * len(LINE_STYLES) * len(MARKERS)
+"""How many runs get a look of their own (280): the colour repeats every 10 runs, the line style every 40, the
+marker every 7, and 40 and 7 share no factor."""
+PANEL_INCHES = (5.2, 3.6)
+"""Width and height of one panel; the figure grows by the legend's rows below the panels."""
+LEGEND_FONT_SIZE = 9
+
+
+def run_style(index: int, palette: Sequence) -> dict[str, str | tuple]:
+    """The colour (of the `COLORS` of ``palette``), line style and marker of the ``index``-th run: no two of the
+    first `DISTINCT_STYLES` alike, and runs next to each other differ in colour and marker."""
+    return {
+        "color": palette[index % COLORS],
+        "linestyle": LINE_STYLES[index // COLORS % len(LINE_STYLES)],
+        "marker": MARKERS[index % len(MARKERS)],
+    }
+
+
+def figure_of(runs: Sequence[Run], axes: Sequence[str]):
+    """The matplotlib figure: rows loss and ppl/bpc, one column per x axis, and below them a legend of every run
+    (its colour, line style and marker) sized to the run count, outside the panels."""
     plt, Line2D = _matplotlib()
     second = "bpc" if all(run.character_level for run in runs) else "ppl"
     longest = max((t for run in runs for t in run.x["time"].values() if math.isfinite(t)), default=0.0)
     unit, per_unit = next((u for u in (("hours", 3600.0), ("minutes", 60.0)) if longest >= 2 * u[1]), ("seconds", 1.0))
-    figure, grid = plt.subplots(2, len(axes), figsize=(5.2 * len(axes), 7.2), squeeze=False, sharex="col")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, run in enumerate(runs):
-        color = colors[index % len(colors)]
+    width, height = PANEL_INCHES
+    figure = plt.figure(figsize=(width * len(axes), 2 * height), layout="constrained")
+    grid = figure.subplots(2, len(axes), squeeze=False, sharex="col")
+    styles = [run_style(index, plt.colormaps["tab10"].colors) for index in range(len(runs))]
+    for run, style in zip(runs, styles):
         for column, axis in enumerate(axes):
+            scale = per_unit if axis == "time" else 1.0
             for row, metric in enumerate(("loss", second)):
-                plot = grid[row][column]
-                for curve, style in ((run.train, {"linewidth": 1.2}), (run.eval, {"marker": "o", "linestyle": "--"})):
-                    xs = [run.x[axis][s] / (per_unit if axis == "time" else 1) for s in curve.steps]
-                    plot.plot(xs, curve.values[metric], color=color, **style)
+                _draw_curves(grid[row][column], run, style, axis, metric, scale)
     for column, axis in enumerate(axes):
         grid[1][column].set_xlabel(f"{AXES[axis]} ({unit})" if axis == "time" else AXES[axis])
         for row, metric in enumerate(("loss", second)):
@@ -182,11 +276,44 @@ def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
             grid[row][column].grid(True, alpha=0.3)
         if second == "ppl":
             grid[1][column].set_yscale("log")
-    handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=3) for i in range(len(runs))]
-    handles += [Line2D([], [], color="gray"), Line2D([], [], color="gray", marker="o", linestyle="--")]
-    labels = [run.label() for run in runs] + ["training", "evaluation"]
-    figure.legend(handles, labels, loc="lower center", ncol=1, fontsize=9, frameon=False)
-    figure.tight_layout(rect=(0, 0.04 * (len(runs) + 2), 1, 1))
+    handles = [Line2D([], [], linewidth=1.5, markerfacecolor="none", **style) for style in styles]
+    handles += [
+        Line2D([], [], color="gray", marker="o", markerfacecolor="none"),
+        Line2D([], [], color="gray", marker="o", linestyle="none"),
+    ]
+    _legend_below(figure, handles, [run.label() for run in runs] + ["training", "evaluation"])
+    return figure
+
+
+def _draw_curves(plot, run: Run, style: dict, axis: str, metric: str, scale: float) -> None:
+    """Training as the run's line with its marker every tenth of the panel, evaluations as its filled marker."""
+    for curve, look in (
+        (run.train, {**style, "linewidth": 1.2, "markevery": 0.1, "markerfacecolor": "none", "markersize": 5}),
+        (run.eval, {**style, "linestyle": "none", "markersize": 5}),
+    ):
+        plot.plot([run.x[axis][s] / scale for s in curve.steps], curve.values[metric], **look)
+
+
+def _legend_below(figure, handles: list, labels: list[str]) -> None:
+    """The legend below the panels in as many columns as its widest entry allows (the figure as wide as that entry
+    at least), the figure made taller by its height, so that it covers no panel whatever the number of runs
+    (constrained layout keeps the room)."""
+    renderer = figure.canvas.get_renderer()
+    look = {"fontsize": LEGEND_FONT_SIZE, "frameon": False, "numpoints": 1}
+    probe = figure.legend(handles, labels, **look)
+    entry_width = probe.get_window_extent(renderer).width / figure.dpi
+    probe.remove()
+    figure.set_figwidth(max(figure.get_figwidth(), entry_width / 0.95))  # one panel, a long run name
+    columns = max(1, min(len(labels), int(0.95 * figure.get_figwidth() // entry_width)))
+    legend = figure.legend(handles, labels, loc="outside lower center", ncol=columns, **look)
+    legend_inches = legend.get_window_extent(renderer).height / figure.dpi
+    figure.set_figheight(figure.get_figheight() + legend_inches + 0.3)
+
+
+def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
+    """The picture (`figure_of`) as PNG bytes."""
+    plt, _ = _matplotlib()
+    figure = figure_of(runs, axes)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110)
     plt.close(figure)
@@ -217,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not out.parent.is_dir():
             raise PlotError(f"--out {out}: no such directory {out.parent}")
         runs = [read_run(run) for run in args.runs]
+        for warning in filter(None, (run.skipped_warning() for run in runs)):
+            print(f"plot: warning: {warning}", file=sys.stderr)
         picture = draw(runs, list(AXES) if args.x == "all" else [args.x])
         atomic_write(out, lambda handle: handle.write(picture))
     except PlotError as error:

@@ -1,0 +1,159 @@
+"""`python -m txl_dist.plot` on runs written by hand (the metrics.jsonl records launchers/train.py writes): a sweep
+of many runs stays readable (a look of its own per run, the legend beside no panel, no matplotlib warning), and a
+malformed record is left out with one warning naming the file and its line. The plot of real runs, killed and
+resumed, is in tests/test_tensorboard.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.launcher import REPO
+from txl_dist import plot
+
+HPARAMS = {
+    "model.n_layer": 2,
+    "model.d_model": 64,
+    "model.mem_len": 32,
+    "optim.lr": 1e-3,
+    "train.global_batch": 8,
+    "precision.dtype": "fp32",
+    "zero.stage": 2,
+    "world_size": 2,
+}
+
+
+def _train(step: int, loss: float) -> dict:
+    """A training record as launchers/train.py logs it (the fields the plot reads)."""
+    timing = {"wall_time": 1000.0 + step, "tokens": 256 * step, "step_time_s": 1.0}
+    return {"step": step, "kind": "train", "loss": loss, "ppl": math.exp(loss), **timing}
+
+
+def write_run(folder: Path, records: list[dict | str]) -> Path:
+    """A run folder whose metrics.jsonl holds ``records`` (a string is written as the line itself)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [record if isinstance(record, str) else json.dumps(record) for record in records]
+    (folder / "metrics.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return folder
+
+
+def _sweep(root: Path, count: int) -> list[plot.Run]:
+    runs = []
+    for index in range(count):
+        start = {"step": 0, "kind": "start", "wall_time": 1000.0, "start": 1, "hparams": {**HPARAMS, "optim.lr": index}}
+        train = [_train(step, 6 - step / 10 - index / 100) for step in range(1, 21)]
+        evals = [{"step": step, "kind": "eval", "loss": 5.0, "ppl": 148.0} for step in (10, 20)]
+        runs.append(plot.read_run(write_run(root / f"lr_{index:02d}", [start, *train, *evals])))
+    return runs
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("count", [12, 40])
+def test_a_sweep_gives_every_run_a_look_of_its_own_and_a_legend_beside_the_panels(count, tmp_path):
+    """Runs 0 and 10 once looked the same (one line style, ten colours), and 30 runs put the legend over all six
+    panels with only matplotlib's "Tight layout not applied" warning."""
+    runs = _sweep(tmp_path, count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figure = plot.figure_of(runs, list(plot.AXES))
+        figure.canvas.draw()
+        picture = plot.draw(runs, list(plot.AXES))
+    assert picture[:8] == b"\x89PNG\r\n\x1a\n"
+    panels = figure.axes
+    assert len(panels) == 6
+    for panel in panels:
+        training = [line for line in panel.get_lines() if line.get_linestyle() != "None"]
+        looks = {(line.get_color(), line.get_linestyle(), line.get_marker()) for line in training}
+        assert len(training) == count and len(looks) == count, (count, looks)
+        evaluations = [line for line in panel.get_lines() if line.get_linestyle() == "None"]
+        assert len({(line.get_color(), line.get_marker()) for line in evaluations}) == count  # 70 before repeating
+    [legend] = figure.legends
+    entries = legend.legend_handles[:count]
+    assert len({(h.get_color(), h.get_linestyle(), h.get_marker()) for h in entries}) == count
+    assert [text.get_text() for text in legend.get_texts()][:count] == [run.label() for run in runs]
+    renderer = figure.canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    figure_box = figure.bbox
+    assert figure_box.x0 <= box.x0 and box.x1 <= figure_box.x1 and figure_box.y0 <= box.y0
+    for panel in panels:
+        assert not _overlaps(box, panel.get_tightbbox(renderer)), (box, panel.get_tightbbox(renderer))
+
+
+def test_no_two_runs_look_alike_up_to_280_and_neighbours_differ_in_colour_and_marker():
+    palette = [f"C{index}" for index in range(10)]
+    looks = [tuple(plot.run_style(index, palette).values()) for index in range(plot.DISTINCT_STYLES)]
+    assert plot.DISTINCT_STYLES == 280 and len(set(looks)) == 280
+    assert all(a[0] != b[0] and a[2] != b[2] for a, b in zip(looks, looks[1:]))
+
+
+MALFORMED = [
+    ({"step": 3, "kind": ["train"], "loss": 5.0}, "'kind' is ['train'], not a string"),
+    ({"step": True, "kind": "train", "loss": 5.0}, "'step' is True, not a whole number >= 0"),
+    ({"step": -1, "kind": "train", "loss": 5.0}, "'step' is -1, not a whole number >= 0"),
+    ({"step": "4", "kind": "train", "loss": 5.0}, "'step' is '4', not a whole number >= 0"),
+    ({"step": 4.5, "kind": "train", "loss": 5.0}, "'step' is 4.5, not a whole number >= 0"),
+    ({"step": 2**60, "kind": "train", "loss": 5.0}, "not a whole number >= 0 (and below 2^53)"),
+    ({"kind": "train", "loss": 5.0}, "'step' is None"),
+    ({"step": 4, "kind": "train", "loss": "5.0"}, "'loss' is '5.0', not a number"),
+    ({"step": 4, "kind": "eval", "ppl": True}, "'ppl' is True, not a number"),
+    ({"step": 4, "kind": "train", "loss": 5.0, "tokens": float("nan")}, "'tokens' is nan, not a finite number >= 0"),
+    ({"step": 4, "kind": "train", "loss": 5.0, "wall_time": -3}, "'wall_time' is -3, not a finite number >= 0"),
+    ({"step": 4, "kind": "train", "loss": 10**400}, "not a number"),
+    ({"step": 0, "kind": "start", "hparams": {"precision.dtype": {"a": 1}}}, "'hparams' is not a mapping of names"),
+    ({"step": 0, "kind": "start", "hparams": [1, 2]}, "'hparams' is not a mapping of names"),
+    ([1, 2], "a JSON list, not an object"),
+    ("{not json", "not a JSON record"),
+]
+
+
+@pytest.mark.parametrize(("bad", "problem"), MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+def test_a_malformed_record_is_left_out_with_one_warning_naming_the_file_and_its_line(bad, problem, tmp_path):
+    """Each once drew a wrong point ("step": true as step 1) or ended in a traceback (an unhashable kind, a dict
+    in the hparams); the good records around it are drawn, a NaN loss (a diverged step) stays a gap, and a last
+    line cut short by a kill is left out without a word."""
+    good = [_train(step, 5.0) for step in (1, 2, 3)]
+    diverged = {**_train(5, 5.0), "loss": float("nan"), "ppl": float("inf")}
+    run = write_run(tmp_path / "run", [good[0], good[1], bad, bad, good[2], diverged])
+    with open(run / "metrics.jsonl", "a", encoding="utf-8") as metrics:
+        metrics.write('{"step": 6, "kind": "tr')  # torn by a kill
+    result = plot.read_run(run)
+    assert result.train.steps == [1, 2, 3, 5] and math.isnan(result.train.values["loss"][-1])
+    assert [line for line, _ in result.skipped] == [3, 4] and all(problem in p for _, p in result.skipped)
+    out = tmp_path / "curves.png"
+    completed = subprocess.run(
+        [sys.executable, "-m", "txl_dist.plot", str(run), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0 and out.is_file(), completed.stderr
+    assert completed.stderr.splitlines() == [
+        f"plot: warning: {run / 'metrics.jsonl'}: 2 malformed record(s) left out of the plot, the first on line 3 "
+        f"({result.skipped[0][1]})"
+    ]
+    assert problem in completed.stderr
+
+
+def test_a_run_with_only_malformed_records_is_refused_saying_so(tmp_path):
+    run = write_run(tmp_path / "run", [{"step": True, "kind": "train", "loss": 5.0}, {"step": 2, "kind": ["train"]}])
+    with pytest.raises(plot.PlotError) as refused:
+        plot.read_run(run)
+    assert str(refused.value) == (
+        f"{run / 'metrics.jsonl'}: no training step logged yet (2 malformed record(s) left out, the first on line 1)"
+    )
+
+
+def test_the_label_shows_the_settings_a_start_record_gives(tmp_path):
+    start = {"step": 0, "kind": "start", "hparams": {**HPARAMS, "precision.dtype": 16, "optim.lr": True}}
+    run = plot.read_run(write_run(tmp_path / "run", [start, _train(1, 5.0)]))
+    assert run.label() == f"{tmp_path / 'run'}: 2 layers x d_model 64, mem_len 32, batch 8, 16, ZeRO-2, 2 ranks"
