@@ -209,6 +209,23 @@ def test_a_command_that_reads_an_export_given_a_training_folder_gives_the_export
     assert not [p for p in tmp_path.iterdir() if p.name != "run"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (["--top-p", "nan"], "top_p=nan must be in (0, 1]"),
+        (["--temperature", "-1"], "temperature=-1.0 must be > 0"),
+        (["--top-k", "-2"], "top_k=-2 must be an integer >= 0"),
+    ],
+)
+def test_bad_sampling_settings_are_refused_before_the_prompt_is_echoed(ptb_export, flags, named):
+    """The refusal once came glued to the echoed prompt ("thegenerate.py: error: ...")."""
+    result = in_process("launchers/generate.py", str(ptb_export), "--prompt", "the", *flags, check=False)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("generate.py: error: ") and named in result.stderr
+    _one_line(result, named)
+
+
 def test_a_prompt_of_unknown_words_gets_a_warning(ptb_export):
     result = in_process(
         "launchers/generate.py", str(ptb_export), "--prompt", "zqxv wvvqz", "--greedy", "--max-new-tokens", "2"

@@ -13,7 +13,7 @@ import torch
 
 from txl_dist.exit_status import describe_error, exit_status, print_error
 from txl_dist.export import load_pretrained
-from txl_dist.inference import iter_generate, score
+from txl_dist.inference import TokenSampler, iter_generate, score
 
 
 def generate_or_score(args: argparse.Namespace) -> int:
@@ -30,6 +30,8 @@ def generate_or_score(args: argparse.Namespace) -> int:
         if args.num_samples < 1:
             raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
         _require_device(args.device)
+        # the sampling settings checked before the prompt is echoed, so that a refusal is a line of its own
+        TokenSampler(torch.device("cpu"), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         model, tokenizer = load_pretrained(args.export, device=args.device, verify=not args.no_verify, **overrides)
         if tokenizer is None:
             raise ValueError(f"{args.export} has no tokenizer: text cannot be encoded (see convert.py --tokenizer)")
