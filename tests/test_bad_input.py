@@ -382,7 +382,7 @@ def test_the_planner_refuses_layouts_the_trainer_refuses_and_exits_non_zero_when
             plan.main(base + args)
         assert exited.value.code == 2
         error = capsys.readouterr().err
-        assert "error: train.global_batch=8" in error and "memory plan" not in error
+        assert "error: " in error and "train.global_batch=8" in error and "memory plan" not in error
     assert plan.main(base + ["--world-size", "2", "--device-memory", "1MiB"]) == 3  # the verdict "does not fit"
     assert "no micro-batch fits" in capsys.readouterr().out
     assert plan.main(base + ["--world-size", "2", "--device-memory", "4GiB"]) == 0
