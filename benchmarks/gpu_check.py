@@ -16,6 +16,8 @@ Sections, each in its own process (a CUDA error in one cannot poison the next) w
   fp16) on the Penn Treebank and lm1b_base (bf16) on synthetic shards with its 793k-word vocabulary.
 - ``eval_speed``: `benchmarks/eval_speed.py` on CUDA (evaluation with the memory, generation with the cache).
 - ``compile``: model.compile (TorchInductor) against eager on lm1b_base-shaped layers in bf16, compile time apart.
+- ``oom_snapshot``: the training loop's out-of-memory hook (`txl_dist.training.profiling`) on a real CUDA
+  out-of-memory error, with allocation history recorded: the snapshot file it writes, read back.
 
 On a machine without CUDA it says so in one line and exits 0, so CI may call it.
 """
@@ -35,7 +37,16 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("cuda_tests", "attention", "host_syncs", "train_throughput", "model_step", "eval_speed", "compile")
+SECTIONS = (
+    "cuda_tests",
+    "attention",
+    "host_syncs",
+    "train_throughput",
+    "model_step",
+    "eval_speed",
+    "compile",
+    "oom_snapshot",
+)
 # Seconds each section may take before it is stopped (the whole check must stay under 8 minutes).
 LIMITS = {
     "cuda_tests": 120,
@@ -45,6 +56,7 @@ LIMITS = {
     "train_throughput": 170,
     "eval_speed": 50,
     "compile": 120,
+    "oom_snapshot": 30,
 }
 
 
@@ -417,6 +429,42 @@ def section_cuda_tests(args: argparse.Namespace) -> dict:
         "summary": lines[-1] if lines else "",
         "failures": failures,
         "tail": "\n".join(lines[-40:]) if result.returncode else "",
+    }
+
+
+def section_oom_snapshot(args: argparse.Namespace) -> dict:
+    """A real CUDA out-of-memory error inside `out_of_memory_snapshot` (this process limited to 2% of the device),
+    with allocation history on, as profile.memory_history=true records it: the one-line error and the snapshot."""
+    import pickle
+
+    import torch
+
+    from txl_dist.config import ProfileConfig
+    from txl_dist.training.profiling import OutOfDeviceMemory, out_of_memory_snapshot, start_memory_history
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_per_process_memory_fraction(0.02, 0)
+    start_memory_history(ProfileConfig(memory_history=True), device)
+    out = Path(tempfile.mkdtemp(prefix="oom_snapshot."))
+    blocks, message = [], ""
+    try:
+        with out_of_memory_snapshot(out, 0, device, lambda: 6):
+            while True:
+                blocks.append(torch.empty(256 * 2**20, dtype=torch.uint8, device=device))
+    except OutOfDeviceMemory as error:
+        message = str(error)
+    allocated = len(blocks) * 256
+    blocks.clear()
+    path = out / "memory_snapshot_rank_0_step_7.pickle"
+    snapshot = pickle.loads(path.read_bytes()) if path.is_file() else {}  # our own file, written just now
+    traces = snapshot.get("device_traces", [[]])
+    return {
+        "message": message,
+        "one_line": "\n" not in message and str(path) in message,
+        "allocated_before_oom_mib": allocated,
+        "snapshot_bytes": path.stat().st_size if path.is_file() else 0,
+        "segments": len(snapshot.get("segments", [])),
+        "trace_entries": len(traces[0]) if traces else 0,
     }
 
 

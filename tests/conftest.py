@@ -36,6 +36,8 @@ PATH_MARKERS: dict[str, str] = {
     "tests/test_lm1b_scale.py": "launcher",
     "tests/test_tensorboard.py": "launcher",
     "tests/test_downstream.py": "launcher",
+    "tests/test_profiling.py::test_each_rank_writes_a_trace_of_the_window_that_names_every_phase": "launcher",
+    "tests/test_profiling.py::test_the_profiled_steps_are_marked_in_the_metrics_and_the_log": "launcher",
     "tests/test_hub_export.py": "hf",
     "tests/test_charlm.py::test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses": "hf",
     "tests/test_bad_input_downstream.py::test_every_id_and_every_short_sequence_decodes_as_txl_dist_decodes": "hf",

@@ -17,6 +17,8 @@ METRICS = "metrics.jsonl"
 """One JSON record per line: the run's start, every logged step and evaluation (`txl_dist.training.run_logger`)."""
 TENSORBOARD = "tensorboard"
 """TensorBoard's event files, with log.tensorboard=true."""
+PROFILE = "profile"
+"""The traces of profile.steps, a folder per window of steps (`txl_dist.training.profiling`)."""
 
 
 def checkpoints_dir(output_dir: str | os.PathLike) -> Path:

@@ -57,6 +57,7 @@ from txl_dist.config.sections import (
     LogConfig,
     OptimConfig,
     PrecisionConfig,
+    ProfileConfig,
     ScheduleConfig,
     TrainConfig,
     ZeroConfig,
@@ -74,6 +75,7 @@ __all__ = [
     "LogConfig",
     "OptimConfig",
     "PrecisionConfig",
+    "ProfileConfig",
     "RunConfig",
     "ScheduleConfig",
     "TrainConfig",
@@ -94,6 +96,7 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
+    "profile": ProfileConfig,
 }
 """The sections of a run config file, in the order they are printed."""
 
@@ -128,6 +131,8 @@ class RunConfig:
     """Checkpoint frequency, retention, resume."""
     log: InstanceOf[LogConfig] = field(default_factory=LogConfig)
     """Logging frequency and TensorBoard."""
+    profile: InstanceOf[ProfileConfig] = field(default_factory=ProfileConfig)
+    """Profiled steps (torch.profiler)."""
     key_sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     """Where each key path was last set ("in configs/x.yaml", "on the command line"), for error messages and
     for telling a value that was given from a default. Not part of the configuration itself."""
@@ -166,6 +171,13 @@ class RunConfig:
                 self.zero.offload_optimizer,
                 "'none' with zero.stage=0 (DeepSpeed offloads ZeRO-partitioned optimizer states: "
                 "use zero.stage 1, 2 or 3)",
+            )
+        if self.profile.steps is not None:
+            require(
+                self.profile.steps[1] <= self.train.max_steps,
+                "profile.steps",
+                self.profile.steps,
+                f"steps within the run: at most train.max_steps={self.train.max_steps}",
             )
         evaluation = self.eval.resolve(self.model)
         problem = same_length_problem(evaluation.same_length, evaluation.mem_len, "the evaluation mem_len")

@@ -326,3 +326,32 @@ class LogConfig:
     """Log training scalars every this many optimizer steps."""
     tensorboard: bool = True
     """Write TensorBoard events under train.output_dir/tensorboard."""
+
+
+@config_dataclass
+class ProfileConfig:
+    """A profile of chosen steps with torch.profiler (`txl_dist.training.profiling`; docs/profiling.md)."""
+
+    SECTION: ClassVar[str] = "profile"
+
+    steps: Annotated[list[Positive], TUPLE_AS_LIST] | None = None
+    """[A, B]: record optimizer steps A to B (both included; the first step of a run is 1) on every rank, into a
+    Chrome trace per rank under train.output_dir/profile, with the loop's phases labelled (data, forward,
+    backward, gradient reduction, optimizer step, checkpoint, evaluation). null: no profiler, and none of its
+    cost, at any step."""
+    record_shapes: bool = False
+    """Record each operator's input shapes in the trace (larger traces)."""
+    with_stack: bool = False
+    """Record the Python stack of each operator (much larger traces; slows the profiled steps)."""
+    memory_history: bool = False
+    """CUDA: record every allocation's stack from the start of the run, so that the memory snapshot an
+    out-of-memory error writes shows where each block came from (costs a few percent of step time). Without it
+    the snapshot holds the allocator's segments only."""
+
+    @pydantic.model_validator(mode="after")
+    def _check_steps(self) -> ProfileConfig:
+        if self.steps is not None and (len(self.steps) != 2 or self.steps[1] < self.steps[0]):
+            raise ConfigError(
+                "profile.steps", self.steps, "null or [A, B], the first and last optimizer step to profile, 1 <= A <= B"
+            )
+        return self

@@ -84,6 +84,9 @@ class StepLog:
         self.checksum = torch.zeros((), dtype=torch.int64)
         self.steps = 0
         self.start = time.perf_counter()
+        self.profiled = False
+        """Some step of the window ran under the profiler (profile.steps): its record says so, as its tokens/s
+        includes the profiler's cost."""
 
     def add(self, loss: torch.Tensor, batch, grad_accum: int) -> None:
         """One micro-batch's mean loss and inputs."""
@@ -120,6 +123,8 @@ class StepLog:
         }
         if self.character_level:
             values["bpc"] = loss / math.log(2)
+        if self.profiled:
+            values["profiled"] = True
         self.logger.record(step, "train", values)
         self.logger.info(
             "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s%s | %s",
@@ -130,8 +135,9 @@ class StepLog:
             "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}",
             values["tokens_per_s"],
             _eta(self.max_steps, step, seconds / self.steps),
-            " | ".join(f"{k} {v:.0f}" for k, v in memory.items()),
+            " | ".join(f"{k} {v:.0f}" for k, v in memory.items()) + (" | profiled" if self.profiled else ""),
         )
+        self.profiled = False
         self.loss.zero_()
         self.checksum.zero_()
         self.steps = 0

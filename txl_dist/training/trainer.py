@@ -45,6 +45,7 @@ from txl_dist.model.recurrence import SegmentSettings
 from txl_dist.tokenizer import CHARACTER_KINDS, verified_fingerprint
 from txl_dist.training.cadence import Cadence
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.profiling import StepProfiler, out_of_memory_snapshot, start_memory_history
 from txl_dist.training.run_dir import RunDirectory
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
@@ -76,6 +77,7 @@ class Trainer:
         self.guard = guard if guard is not None else RunGuard()
         self.rank, self.world_size, self.device = ranks.join()
         self.device_type = self.device.type
+        start_memory_history(cfg.profile, self.device)  # before the engine's allocations, which it records
         self.guard.connect(self.rank, self.world_size, cfg.train.stall_timeout)
         # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
         # does not wait for the device to finish the step's kernels.
@@ -275,7 +277,8 @@ class Trainer:
         self.engine.train()
         start_step, run_start = self.state.step, time.perf_counter()
         try:
-            stopped_by, last_eval = self._train()
+            with out_of_memory_snapshot(self.run_dir.path, self.rank, self.device, lambda: self.state.step):
+                stopped_by, last_eval = self._train()
         finally:
             self.streams.close()
         elapsed = time.perf_counter() - run_start
@@ -312,41 +315,61 @@ class Trainer:
         start_step, last_eval = self.state.step, None
         self._last_save_clock = time.monotonic()
         last_saved = self.state.step if self.resumed_from else None
-        while (stopped_by := self.cadence.stop_before(self.state.step, self.streams.epoch)) is None:
-            self._train_step(batches, step_log)
-            if self.resumed_from and self.state.step == start_step + 1:
-                self._require_finite_loss_after_resume(step_log.loss)
-            if self.cadence.log_after(self.state.step):
-                step_log.write(self.state.step, self.state.tokens_seen, self.engine, self.memories)
-            evaluated = self.cadence.evaluate_after(self.state.step)
-            if evaluated:
-                last_eval = self._validate_and_track(self.cfg.eval.max_batches)
-            stopping, clock_due = self._agree()
-            new_best = evaluated and self.state.best is not None and self.state.best["step"] == self.state.step
-            if self.cadence.save_after(self.state.step, stopping=stopping, new_best=new_best, clock_due=clock_due):
-                self.save()
-                last_saved = self.state.step
-            if evaluated or last_saved == self.state.step:  # keep evaluation and saving out of tokens/s
-                step_log.restart_clock()
-            if stopping:
-                return self.guard.reason or "a stop request on another rank", last_eval
+        profiler = StepProfiler(self.cfg.profile, self.run_dir.path, self.rank, self.device, start_step + 1)
+        phase = profiler.phase
+        try:
+            while (stopped_by := self.cadence.stop_before(self.state.step, self.streams.epoch)) is None:
+                profiler.before_step(self.state.step + 1, self.engine)
+                with profiler.step_range(self.state.step + 1):
+                    self._train_step(batches, step_log, phase)
+                    if self.resumed_from and self.state.step == start_step + 1:
+                        self._require_finite_loss_after_resume(step_log.loss)
+                    if profiler.active:
+                        step_log.profiled = True
+                    if self.cadence.log_after(self.state.step):
+                        step_log.write(self.state.step, self.state.tokens_seen, self.engine, self.memories)
+                    if evaluated := self.cadence.evaluate_after(self.state.step):
+                        with phase("evaluation"):
+                            last_eval = self._validate_and_track(self.cfg.eval.max_batches)
+                    with phase("stop agreement"):
+                        stopping, clock_due = self._agree()
+                    best = self.state.best
+                    new_best = evaluated and best is not None and best["step"] == self.state.step
+                    if self.cadence.save_after(
+                        self.state.step, stopping=stopping, new_best=new_best, clock_due=clock_due
+                    ):
+                        with phase("checkpoint"):
+                            self.save()
+                        last_saved = self.state.step
+                profiler.after_step(self.state.step)
+                if evaluated or last_saved == self.state.step:  # keep evaluation and saving out of tokens/s
+                    step_log.restart_clock()
+                if stopping:
+                    return self.guard.reason or "a stop request on another rank", last_eval
+        finally:
+            profiler.close(self.state.step)
         # A full pass over the split when training ends, then the last checkpoint, which records it.
         last_eval = self._validate_and_track(0)
         if last_saved != self.state.step:
             self.save()
         return stopped_by, last_eval
 
-    def _train_step(self, batches, step_log: StepLog) -> None:
-        """One optimizer step: grad_accum micro-batches, each carrying its slot's memory on."""
+    def _train_step(self, batches, step_log: StepLog, phase) -> None:
+        """One optimizer step: grad_accum micro-batches, each carrying its slot's memory on; ``phase`` labels
+        the parts of each for the profiler (`StepProfiler.phase`)."""
         for slot in range(self.layout.grad_accum):
-            batch = next(batches)
+            with phase("data"):
+                batch = next(batches)
             if batch.reset_mems:
                 self.memories.clear(slot)
-            loss, mems = self._forward(batch, self.memories[slot])
-            self.memories.update(slot, mems)
-            loss = loss.mean()
-            self.engine.backward(loss)
-            self.engine.step()
+            with phase("forward"):
+                loss, mems = self._forward(batch, self.memories[slot])
+                self.memories.update(slot, mems)
+                loss = loss.mean()
+            with phase("backward"):
+                self.engine.backward(loss)
+            with phase("optimizer step"):
+                self.engine.step()
             step_log.add(loss, batch, self.layout.grad_accum)
         self.state.step += 1
         self.guard.progress(self.state.step)

@@ -35,6 +35,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from txl_dist.exit_status import CommandFailure
 from txl_dist.fileio import describe_os_error
 from txl_dist.world.heartbeats import HEARTBEAT_EVERY, STALL_CHECK_EVERY, STORE_PREFIX, Heartbeats
 from txl_dist.world.launcher_watch import WATCH_S, LauncherWatch
@@ -50,7 +51,7 @@ SEEN_KEY = STORE_PREFIX + "failure_seen"
 
 # Errors whose message says everything: printed as one line, without a traceback. Anything else is a bug (ours or
 # a library's) and keeps its traceback.
-ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyboardInterrupt)
+ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyboardInterrupt, CommandFailure)
 
 
 class RunFailure(Exception):
