@@ -450,12 +450,32 @@ def test_a_missing_eval_split_is_refused_before_the_run_starts(ptb_word_tokenize
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run_starts(small_shards, small_tmpfs, capsys):  # noqa: F811
+    """A read-only output is a failure of the surroundings (status 1, README), named in one line."""
     _read_only(small_tmpfs)
     with pytest.raises(SystemExit) as stopped:
         _parse_run(f"data.shards={small_shards}", f"train.output_dir={small_tmpfs / 'runs' / 'a'}")
-    assert stopped.value.code == 2
+    assert stopped.value.code == 1
     assert capsys.readouterr().err.endswith(
         f"train.output_dir='{small_tmpfs / 'runs' / 'a'}': cannot write in {small_tmpfs}: read-only file system\n"
+    )
+
+
+def test_an_immutable_run_folder_is_a_failure_with_one_line(small_shards, tmp_path, capsys):
+    """``chattr +i`` refuses even root (the campaign's read-only run folder): status 1, as for a read-only mount."""
+    import subprocess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if subprocess.run(["chattr", "+i", str(run)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            _parse_run(f"data.shards={small_shards}", f"train.output_dir={run}")
+    finally:
+        subprocess.run(["chattr", "-i", str(run)], check=True)
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"launchers/train.py: error: train.output_dir='{run}': cannot write in {run}: operation not permitted"
     )
 
 

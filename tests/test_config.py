@@ -487,12 +487,57 @@ def test_deepspeed_config_overlay_merges_but_refuses_batch_and_owned_keys(tmp_pa
         overlay.write_text(json.dumps({key: {"type": "WarmupLR"}}))
         with pytest.raises(ValueError, match=f"sets '{key}'"):
             ds_dict(cfg, 2, "cpu", str(overlay))
-    overlay.write_text(json.dumps({"bf16": {"enabled": True}}))
-    with pytest.raises(ValueError, match=r"sets bf16.enabled=true, which disagrees with precision.dtype='fp32'"):
-        ds_dict(cfg, 2, "cpu", str(overlay))
+    overlay.write_text(json.dumps({"steps_per_print": 10}))
+    assert ds_dict(cfg, 2, "cpu", str(overlay))["steps_per_print"] == 10  # no config key sets it
     overlay.write_text("{not json")
     with pytest.raises(ValueError, match=rf"--deepspeed_config {overlay}: not valid JSON"):
         ds_dict(cfg, 2, "cpu", str(overlay))
+
+
+@pytest.mark.parametrize(
+    "overlay, key, instead",
+    [
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "zero.stage"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization.offload_optimizer",
+            "zero.offload_optimizer",
+        ),
+        (
+            {"zero_optimization": {"reduce_bucket_size": 512}},
+            "zero_optimization.reduce_bucket_size",
+            "zero.bucket_size",
+        ),
+        (
+            {"zero_optimization": {"stage3_max_live_parameters": 9}},
+            "zero_optimization.stage3_max_live_parameters",
+            "zero.stage3_max_live_parameters",
+        ),
+        ({"gradient_clipping": 1.0}, "gradient_clipping", "optim.grad_clip"),
+        ({"bf16": {"enabled": True}}, "bf16", "precision.dtype"),
+        ({"bf16": {"enabled": False}}, "bf16", "precision.dtype"),
+        ({"fp16": {"enabled": False}}, "fp16", "precision.dtype"),
+        ({"bfloat16": {"enabled": True}}, "bfloat16", "precision.dtype"),
+        ({"optimizer": {"params": {"lr": 1}}}, "optimizer", "optim section"),
+    ],
+)
+def test_a_deepspeed_config_overlay_may_not_set_what_the_run_config_owns(tmp_path, overlay, key, instead):
+    """Every key the builder writes from the config, under any stage, offload or precision (the run's config
+    here is ZeRO-2, fp32, no offload), is refused naming the key and the config key to set instead: the engine
+    must run what the memory plan, the resolved config and the hparams say."""
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(overlay))
+    with pytest.raises(ValueError, match=rf"--deepspeed_config {path} sets '{key}', which is not allowed: .*{instead}"):
+        ds_dict(cfg, 2, "cpu", str(path))
+
+
+def test_a_deepspeed_config_overlay_may_not_replace_the_zero_section(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": 3}))
+    with pytest.raises(ValueError, match=rf"{path} sets 'zero_optimization' to 3, which is not allowed: .*zero.stage"):
+        ds_dict(cfg, 2, "cpu", str(path))
 
 
 ENGINE_PROBE = """
@@ -711,6 +756,10 @@ def test_parse_run_args_fails_before_training_with_the_key_named(capsys, tmp_pat
     overlay.write_text('{"gradient_accumulation_steps": 1}')
     assert "batch sizes are stated once" in parse_error(
         capsys, ["--config", tiny, f"data.shards={shards}", "--deepspeed", "--deepspeed_config", str(overlay)]
+    )
+    overlay.write_text('{"zero_optimization": {"stage": 3}}')
+    assert "sets 'zero_optimization.stage', which is not allowed: the ZeRO setting is zero.stage" in parse_error(
+        capsys, ["--config", tiny, f"data.shards={shards}", "--deepspeed_config", str(overlay)]
     )
 
 

@@ -112,12 +112,28 @@ def test_every_command_refuses_a_bad_input_with_one_line_and_status_2(
         "txl_dist.plan",
         "txl_dist.plot",
         "txl_dist.world.launch_env",
+        "txl_dist.world.process_group",
     ],
 )
 def test_an_unknown_flag_exits_2(target, capsys):
     status, lines = run_main(target, "--bogus-flag", capsys=capsys)
     assert status == exit_status.USAGE_ERROR and lines and "error: " in lines[-1], (status, lines)
     assert "Traceback" not in "\n".join(lines)
+
+
+def test_the_op_build_command_prints_its_help_without_building(capsys):
+    """``python -m txl_dist.world.process_group --help`` is help and exit 0, not the build of DeepSpeed's op."""
+    saved = sys.argv
+    sys.argv = ["txl_dist.world.process_group", "--help"]
+    try:
+        with warnings.catch_warnings(), pytest.raises(SystemExit) as exited:
+            warnings.simplefilter("ignore", RuntimeWarning)
+            runpy.run_module("txl_dist.world.process_group", run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved
+    out = capsys.readouterr().out
+    assert exited.value.code == 0
+    assert out.startswith("usage: python -m txl_dist.world.process_group") and " op: " not in out, out
 
 
 def _refuses_writes(folder: Path) -> bool:

@@ -133,6 +133,50 @@ def test_the_start_rules_refuse_a_fresh_start_and_another_architecture_and_leave
     preflight(tmp_path / "nothing", resume=False, architecture={})
 
 
+def _tag_with_its_universal_conversion(directory: Path, step: int) -> tuple[Path, Path]:
+    """A complete checkpoint of ``step`` and a universal folder of it (as ``ds_to_universal`` lays one out)."""
+    tag_dir = _checkpoint(directory)
+    tag_dir = tag_dir.rename(directory / f"step{step:08d}")
+    universal = directory / f"{tag_dir.name}_universal"
+    (universal / "zero" / "embedding.weight").mkdir(parents=True)
+    torch.save({"param": torch.zeros(4)}, universal / "zero" / "embedding.weight" / "fp32.pt")
+    return tag_dir, universal
+
+
+def test_the_start_removes_what_a_stopped_run_left_unfinished_and_names_the_rest(tmp_path, caplog):
+    """A conversion killed on its way (or one that failed before this fix) leaves a universal folder, or its
+    staging folder, that no reader trusts and nothing else removes; a killed atomic write leaves its temporary.
+    Rank 0 removes them at start (the lock held); a file that no part of a run writes is named and kept."""
+    from txl_dist.checkpoints.manager import CheckpointManager
+
+    tag_dir, universal = _tag_with_its_universal_conversion(tmp_path, 20)
+    staging = tmp_path / ".step00000020_universal.0123456789abcdef.tmp"
+    (staging / "zero").mkdir(parents=True)
+    (tmp_path / ".latest.fedcba9876543210.tmp").write_text("step0000")
+    (tmp_path / "latest_universal").write_text(staging.name)
+    (tmp_path / "step00000030" / "txl_rank_states").mkdir(parents=True)  # a save that was interrupted
+    (tmp_path / "latest").write_text(tag_dir.name + "\n")
+    (tmp_path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+    (tmp_path / "notes.txt").write_text("the user's\n")
+    with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
+        CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=1).remove_incomplete()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "notes.txt", tag_dir.name, "zero_to_fp32.py"]
+    removed = [record.getMessage() for record in caplog.records if record.getMessage().startswith("removing")]
+    assert len(removed) == 5 and any(f"removing {universal}: a universal conversion" in line for line in removed)
+    assert f"{tmp_path / 'notes.txt'} was not written by txl_dist's checkpointing: left as it is" in caplog.text
+
+
+def test_rotation_removes_the_universal_folder_of_a_checkpoint_it_rotates_away(tmp_path):
+    from txl_dist.checkpoints.manager import CheckpointManager
+
+    old, old_universal = _tag_with_its_universal_conversion(tmp_path, 10)
+    new, new_universal = _tag_with_its_universal_conversion(tmp_path, 20)
+    manager = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=1)
+    manager.newest_verified = new.name
+    manager._prune(keep={new.name})
+    assert sorted(path.name for path in tmp_path.iterdir()) == [new.name, new_universal.name]
+
+
 # ---- weights-only loading ----------------------------------------------------------------------------------------
 
 
@@ -554,6 +598,54 @@ def test_a_full_disk_during_a_checkpoint_stops_every_rank_with_one_line(small_tm
     steps = sorted(p.name for p in (output / "checkpoints").iterdir() if p.name.startswith("step"))
     assert steps and all((output / "checkpoints" / tag / "COMPLETE.json").is_file() for tag in steps), steps
     assert not (output / "run.lock").exists()
+
+
+def _files_bytes(folder: Path) -> int:
+    """What ``folder``'s files take on a tmpfs: whole 4 KiB pages."""
+    return sum(-(-path.stat().st_size // 4096) * 4096 for path in folder.rglob("*") if path.is_file())
+
+
+@pytest.mark.launcher
+def test_a_full_disk_during_the_universal_conversion_fails_with_one_line_and_leaves_nothing(ptb_word_shards, tmp_path):
+    """A ZeRO-2 checkpoint resumed at ZeRO-3 is converted through DeepSpeed's ``ds_to_universal``, which saves
+    by path: on a full disk torch's writer raised "unexpected pos 704 vs 598" (a traceback, then that line,
+    naming neither the file nor the cause) and the half-written ``step00000002_universal`` stayed. Now the one
+    line names the folder and the cause, nothing of the conversion is left, and once there is room the same
+    command converts and trains."""
+    from tests.launcher import run, tail
+
+    def train(output: Path, stage: int, steps: int, check: bool = True):
+        args = [f"data.shards={ptb_word_shards}", f"train.output_dir={output}", f"zero.stage={stage}"]
+        steps_args = [f"train.max_steps={steps}", "schedule.warmup_steps=0", "checkpoint.every=2", "eval.every=0"]
+        command = [sys.executable, "launchers/train.py", "--config", "configs/tiny_cpu.yaml", *args, *steps_args]
+        return run(command, check=check)
+
+    base = tmp_path / "base"
+    train(base, stage=2, steps=2)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    # Room for the run folder and the resume's own small files, not for a converted copy of the checkpoint.
+    size_kib = (_files_bytes(base) + (256 << 10)) >> 10
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        output = mount / "run"
+        shutil.copytree(base, output)
+        result = train(output, stage=3, steps=4, check=False)
+        text = tail(result, 300)
+        errors = [line for line in text.splitlines() if line.startswith("train.py: error")]
+        assert result.returncode == 1, text[-3000:]
+        assert errors == [f"train.py: error: {output}/checkpoints/step00000002_universal: no space left on device"]
+        assert "Traceback" not in text and "unexpected pos" not in text
+        left = sorted(path.name for path in (output / "checkpoints").iterdir())
+        assert left == ["latest", "step00000002", "zero_to_fp32.py", "zero_to_torch.py"], left
+        subprocess.run(["mount", "-o", f"remount,size={4 * size_kib}k", str(mount)], check=True)
+        resumed = train(output, stage=3, steps=4)
+        assert "into ZeRO stage 3 on 1 ranks, converted by txl_dist" in resumed.stderr
+        assert not [path for path in (output / "checkpoints").iterdir() if "universal" in path.name]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_anything_starts(ptb_word_shards, tmp_path, capsys):

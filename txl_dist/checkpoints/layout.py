@@ -11,8 +11,9 @@ A checkpoint is the folder ``{directory}/{tag}`` (tag ``step00001234``) holding
 
 ``{directory}/latest`` names the newest complete checkpoint and is replaced atomically after ``COMPLETE.json``.
 A folder without ``COMPLETE.json`` is a save that was interrupted: it is never resumed from, and the next run
-removes it. Everything here reads names and paths only; nothing is verified (`txl_dist.checkpoints.verify`)
-and no process group is needed.
+removes it, with whatever else a stopped run leaves unfinished (`unfinished_entries`: a universal conversion
+``{tag}_universal``, the temporaries of atomic writes). Everything here reads names and paths only; nothing is
+verified (`txl_dist.checkpoints.verify`) and no process group is needed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ FILES_KEY = "files"
 LATEST_UNIVERSAL = "latest_universal"
 """The pointer DeepSpeed writes when a run resumed through a universal checkpoint; ours is `LATEST`."""
 _TAG_RE = re.compile(r"step(\d{8})")
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+"""The recovery scripts DeepSpeed's engine copies beside the checkpoints it saves."""
+_UNIVERSAL_RE = re.compile(r"(step\d{8})_universal")
+_TEMPORARY_RE = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")
+"""The name of a file or folder that `txl_dist.fileio` writes beside its target and renames when it is whole."""
 
 
 def tag_for_step(step: int) -> str:
@@ -71,6 +77,45 @@ def interrupted_saves(directory: str | os.PathLike) -> list[Path]:
     if not directory.is_dir():
         return []
     return [p for p in directory.iterdir() if step_of_tag(p.name) is not None and p.is_dir() and not is_complete(p)]
+
+
+def universal_source(name: str) -> str | None:
+    """The tag whose universal conversion a folder of this name is, None for any other name."""
+    match = _UNIVERSAL_RE.fullmatch(name)
+    return match.group(1) if match else None
+
+
+def unfinished_entries(directory: str | os.PathLike) -> list[Path]:
+    """What a run leaves in ``directory`` when it is stopped in the middle of writing, none of which any reader
+    trusts: checkpoint folders without COMPLETE.json, universal conversions (they live only while a resume
+    loads them), the temporaries of atomic writes and staging folders, and DeepSpeed's ``latest_universal``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(
+        [
+            *interrupted_saves(directory),
+            *(
+                path
+                for path in directory.iterdir()
+                if universal_source(path.name) is not None
+                or _TEMPORARY_RE.fullmatch(path.name)
+                or path.name == LATEST_UNIVERSAL
+            ),
+        ]
+    )
+
+
+def unknown_entries(directory: str | os.PathLike) -> list[Path]:
+    """What lies in ``directory`` that checkpointing neither wrote (complete checkpoints, ``latest``, DeepSpeed's
+    scripts) nor leaves behind when stopped (`unfinished_entries`): a user's file, say, which is named and left
+    alone."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    known = set(unfinished_entries(directory)) | {directory / tag for tag in complete_tags(directory)}
+    known |= {directory / name for name in (LATEST, *DEEPSPEED_SCRIPTS)}
+    return sorted(path for path in directory.iterdir() if path not in known)
 
 
 def named_by_latest(directory: str | os.PathLike) -> str | None:

@@ -38,10 +38,12 @@ from txl_dist.checkpoints.layout import (
     complete_tags,
     files_on_disk,
     has_optimizer_partitions,
-    interrupted_saves,
     is_complete,
     tag_for_step,
+    unfinished_entries,
+    universal_source,
     universal_tag,
+    unknown_entries,
 )
 from txl_dist.checkpoints.rank_state import RankState, read_rank_states, write_rank_state
 from txl_dist.checkpoints.universal import (
@@ -51,6 +53,7 @@ from txl_dist.checkpoints.universal import (
     load_into_stage0,
     plan_load,
     universal_from_stage0,
+    writes_that_name_their_failures,
 )
 from txl_dist.checkpoints.verify import (
     CheckpointVerificationError,
@@ -62,7 +65,15 @@ from txl_dist.checkpoints.verify import (
     refuse_to_start,
     saved_zero_stages,
 )
-from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_checksummed, atomic_write_text, file_checksum
+from txl_dist.fileio import (
+    CHECKSUM_NAME,
+    FileChecksum,
+    atomic_write_checksummed,
+    atomic_write_text,
+    file_checksum,
+    make_temporary_directory,
+    with_path,
+)
 from txl_dist.world.ranks import broadcast
 
 log = logging.getLogger("txl_dist.training")
@@ -89,6 +100,13 @@ class _RecordingCheckpointEngine:
         return weights_only.load(path, map_location=map_location)
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 class CheckpointManager:
     """The checkpoints of one run's ``directory``, as rank ``rank`` of ``world_size`` takes part in them."""
 
@@ -110,12 +128,22 @@ class CheckpointManager:
         return complete_tags(self.directory)
 
     def remove_incomplete(self) -> None:
-        """Rank 0, before training: delete the folders of saves that were interrupted."""
+        """Rank 0, before training (the run lock held): delete what a stopped run left unfinished, the folders
+        of interrupted saves, universal conversions, temporaries (`unfinished_entries`); name what else lies in
+        the folder and leave it."""
         if self.rank != 0:
             return
-        for path in interrupted_saves(self.directory):
-            log.warning("removing %s: an interrupted save (no %s)", path, COMPLETE)
-            shutil.rmtree(path, ignore_errors=True)
+        for path in unfinished_entries(self.directory):
+            if universal_source(path.name) is not None:
+                why = "a universal conversion left by a stopped run (the next resume that needs one converts again)"
+            elif path.name.startswith("."):
+                why = "the temporary of a write that was stopped"
+            else:
+                why = f"an interrupted save (no {COMPLETE})" if path.is_dir() else "DeepSpeed's pointer, unused here"
+            log.warning("removing %s: %s", path, why)
+            _remove(path)
+        for path in unknown_entries(self.directory):
+            log.warning("%s was not written by txl_dist's checkpointing: left as it is, never read", path)
 
     def choose_resume_tag(self, verify: bool) -> str | None:
         """Collective: the newest complete checkpoint that verifies, chosen on rank 0 and known to every rank.
@@ -304,6 +332,11 @@ class CheckpointManager:
         for tag in usable:
             if tag not in keep:
                 shutil.rmtree(self.directory / tag, ignore_errors=True)
+        remaining = set(self.complete_tags())
+        for path in self.directory.iterdir():
+            if universal_source(path.name) not in (None, *remaining):  # its checkpoint is gone: nothing reads it
+                log.warning("removing %s: the universal conversion of a checkpoint rotated away", path)
+                shutil.rmtree(path, ignore_errors=True)
 
     # ---- loading -----------------------------------------------------------------------------------------------
 
@@ -339,9 +372,24 @@ class CheckpointManager:
 
     def _write_universal(self, plan: ResumePlan, target: Path, names: list[str]) -> None:
         """Rank 0: ``plan.tag`` in DeepSpeed's universal layout at ``target``, completed for every stage when
-        the plan converts (`txl_dist.checkpoints.universal`)."""
+        the plan converts (`txl_dist.checkpoints.universal`). Written into a staging folder beside it and
+        renamed when whole; on any failure the staging folder is removed, and a failed write (no space, a
+        read-only or full file system) is an OSError naming ``target``."""
         source = self.directory / plan.tag
         shutil.rmtree(target, ignore_errors=True)
+        staging = make_temporary_directory(self.directory, f".{target.name}.")
+        try:
+            with writes_that_name_their_failures():
+                self._convert(plan, source, staging, names)
+            os.replace(staging, target)
+        except BaseException as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(error, OSError):
+                log.error("the conversion of %s to DeepSpeed's universal format failed; nothing of it is left", source)
+                raise with_path(error, target, replace=True) from error
+            raise
+
+    def _convert(self, plan: ResumePlan, source: Path, target: Path, names: list[str]) -> None:
         if not has_optimizer_partitions(source):
             universal_from_stage0(source, target, names)
             return

@@ -25,6 +25,8 @@ from __future__ import annotations
 import enum
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ import torch
 
 from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.layout import model_state_files
+from txl_dist.fileio import with_path
 
 PARAM = "param"
 """The key of the tensor in a universal per-parameter file (DeepSpeed's ``checkpoint.constants.PARAM``)."""
@@ -97,7 +100,39 @@ class ResumePlan:
 
 def _save(value: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(value, path)
+    _save_through_python_file(value, path)
+
+
+_torch_save = torch.save
+
+
+def _save_through_python_file(value: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+    """``torch.save`` to a file that Python writes: torch's own writer of a path reports a failed write (a full
+    disk, a file-size limit) as a RuntimeError naming neither the file nor the cause ("unexpected pos 704 vs
+    598"); Python's raises the OSError, named here after ``path``."""
+    if not isinstance(path, (str, os.PathLike)):
+        _torch_save(value, path, *args, **kwargs)
+        return
+    try:
+        with open(path, "wb") as handle:
+            _torch_save(value, handle, *args, **kwargs)
+    except (OSError, RuntimeError) as error:
+        # torch's zip writer meets the failed write, then raises its own RuntimeError while closing the archive.
+        failed_write = error if isinstance(error, OSError) else error.__context__
+        if not isinstance(failed_write, OSError):
+            raise
+        raise with_path(failed_write, path) from None
+
+
+@contextmanager
+def writes_that_name_their_failures() -> Iterator[None]:
+    """For the length of the block, DeepSpeed's ``torch.save`` calls (``ds_to_universal`` saves by path) write
+    through `_save_through_python_file`, so that a failed write is an OSError with its errno and file."""
+    torch.save = _save_through_python_file
+    try:
+        yield
+    finally:
+        torch.save = _torch_save
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

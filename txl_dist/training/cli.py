@@ -25,7 +25,7 @@ from txl_dist.checkpoints.verify import preflight
 from txl_dist.config import RunConfig, load_config
 from txl_dist.data.format import MANIFEST_NAME, Manifest
 from txl_dist.data.run_vocab import shards_manifest, with_shards_vocab
-from txl_dist.exit_status import USAGE_ERROR, refuse
+from txl_dist.exit_status import FAILURE, USAGE_ERROR, CommandFailure, os_error_status, print_error
 from txl_dist.fileio import dangling_link, describe_os_error
 from txl_dist.plan.counts import GiB
 from txl_dist.plan.memory import largest_micro_batch, plan_memory
@@ -67,7 +67,8 @@ def resolve_run_config(
     ``device`` (default: `detect_device`), the ``--deepspeed_config`` overlay, and, when data.shards is a local
     directory, takes model.n_token from its manifest. With --print-config it prints the resolved config and its
     memory plan (`txl_dist.plan`, as YAML comments) and exits 0. Any error exits 2 with one line on stderr naming
-    the key, its value and what is allowed.
+    the key, its value and what is allowed; a train.output_dir that the surroundings refuse to write (read-only,
+    no space, not permitted) exits 1 with one line.
 
     Hand DeepSpeed the dict, not ``args``: ``deepspeed.initialize(config=build_deepspeed_config(...,
     overlay_path=args.deepspeed_config), ...)``; DeepSpeed refuses a config given both ways."""
@@ -98,10 +99,12 @@ def resolve_run_config(
         _require_a_run_that_can_start(cfg, manifest)
         if device != "cpu":  # this rank's own device: no rank touches another's before the process group
             require_memory_fits(cfg, world_size, device, device_memory_of(device, _local_rank(args) or 0))
-    except ValueError as error:
-        if _local_rank(args) not in (None, 0):
-            raise SystemExit(USAGE_ERROR) from None  # every rank found the same: the node's first rank says it once
-        refuse(parser.prog, error)  # one line, without argparse's usage: the flags were fine, a value is not
+    except (ValueError, CommandFailure) as error:
+        # A refused value exits 2; an output the surroundings refuse (read-only, no space) is a failure, 1.
+        status = USAGE_ERROR if isinstance(error, ValueError) else FAILURE
+        if _local_rank(args) in (None, 0):  # every rank found the same: the node's first rank says it once
+            print_error(parser.prog, error)  # one line, without argparse's usage: the flags were fine, a value is not
+        raise SystemExit(status) from None
     return cfg
 
 
@@ -186,9 +189,8 @@ def _require_writable_directory(output_dir: Path) -> None:
         os.close(handle)
         os.unlink(probe)
     except OSError as error:
-        raise ValueError(
-            f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, existing)}"
-        ) from None
+        message = f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, existing)}"
+        raise (ValueError if os_error_status(error) == USAGE_ERROR else CommandFailure)(message) from None
 
 
 def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:

@@ -2,12 +2,13 @@
 
 The batch is stated once, as train.global_batch (and optionally train.micro_batch); DeepSpeed's three batch keys
 follow from it and the world size through `TrainConfig.batch_layout`, which is where the arithmetic is checked.
-A user's ``--deepspeed_config`` JSON may add or change other DeepSpeed settings on top.
+A user's ``--deepspeed_config`` JSON may add or change other DeepSpeed settings on top, never one that the config
+owns (`owned_overlay_keys`): the ZeRO stage the memory plan and the hparams report is the one the engine runs.
 """
 
 from __future__ import annotations
 
-import copy
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -18,19 +19,34 @@ from txl_dist.config import OptimConfig, PrecisionConfig, TrainConfig, ZeroConfi
 from txl_dist.config.sections import bucket_elements
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-# Settings the typed config owns: an overlay that set them would silently disagree with what the trainer does
-# (its schedule, its autocast dtype).
-OWNED_KEYS = {
+# The DeepSpeed settings that the typed config decides, by the config key to use instead. An overlay that set one
+# would run the engine behind the config's back while the memory plan, the resolved config and the hparams say
+# otherwise. Every key the builder writes from the config is here, each `zero_optimization` key on its own (the
+# overlay may add DeepSpeed's other ZeRO settings), every other section whole; `owned_overlay_keys` derives the
+# list from what the builder writes and fails on a key without a name here.
+CONFIG_KEY_OF = {
     **{
         key: "batch sizes are stated once, in train.global_batch and train.micro_batch (gradient accumulation "
         "follows from them and the world size)"
         for key in BATCH_KEYS
     },
+    "gradient_clipping": "the gradient clipping is optim.grad_clip",
+    "optimizer": "the optimizer is the optim section (optim.name, lr, betas, eps, weight_decay, implementation)",
+    "bf16": "the precision is precision.dtype",
+    "fp16": "the precision is precision.dtype (its loss scale: precision.initial_scale_power, loss_scale_window, "
+    "hysteresis, min_loss_scale)",
+    "zero_optimization.reduce_bucket_size": "the bucket size is zero.bucket_size",
+    "zero_optimization.allgather_bucket_size": "the bucket size is zero.bucket_size",
+    **{f"zero_optimization.{name}": f"the ZeRO setting is zero.{name}" for name in ZeroConfig.__dataclass_fields__},
+    # Not in the dict but the trainer's all the same: its own schedule and autocast, and DeepSpeed's other names.
     "scheduler": "the learning-rate schedule is the schedule section (schedule.kind, warmup_steps, ...)",
     "amp": "the precision is precision.dtype",
-    "optimizer": "the optimizer is the optim section (optim.name, lr, betas, eps, weight_decay, implementation)",
     "bfloat16": "the precision is precision.dtype",
 }
+PARTLY_OWNED_SECTION = "zero_optimization"
+"""The one section whose keys the config owns one by one: the overlay may add ZeRO settings the config has not."""
+FIXED_KEYS = ("steps_per_print", "wall_clock_breakdown")
+"""Keys the builder writes that no config key sets (the trainer logs instead): an overlay may change them."""
 # DeepSpeed prints its own step line every steps_per_print steps; the trainer logs instead.
 STEPS_PER_PRINT = 2**31 - 1
 
@@ -52,15 +68,41 @@ def build_deepspeed_config(
     torch's fused Adam itself (`build_torch_optimizer`) and hands it to DeepSpeed. Otherwise DeepSpeed builds it
     from the section: FusedAdam on an accelerator, torch's Adam on CPU (``torch_adam``), DeepSpeed's CPU Adam when
     optimizer states are offloaded. ``overlay_path`` names a user's
-    ``--deepspeed_config`` JSON merged on top (mappings key by key); it may not set the keys in `OWNED_KEYS`.
+    ``--deepspeed_config`` JSON merged on top (mappings key by key); it may not set a key the config owns
+    (`owned_overlay_keys`).
     ``num_parameters`` (the model's) caps the gradient buckets at the model's size (`bucket_elements`).
     Raises ValueError naming the key and the file."""
-    layout = train.batch_layout(world_size)
     on_cpu = device == "cpu"
     if on_cpu and precision.dtype == "fp16":
         raise ValueError(
             "precision.dtype='fp16' is not allowed on device cpu: 'bf16' or 'fp32' (fp16 training needs a CUDA device)"
         )
+    config = _built_config(
+        train=train,
+        optim=optim,
+        precision=precision,
+        zero=zero,
+        world_size=world_size,
+        on_cpu=on_cpu,
+        num_parameters=num_parameters,
+    )
+    if overlay_path is not None:
+        merge_mappings(config, read_deepspeed_overlay(overlay_path, owned_overlay_keys(train, world_size)))
+    return config
+
+
+def _built_config(
+    *,
+    train: TrainConfig,
+    optim: OptimConfig,
+    precision: PrecisionConfig,
+    zero: ZeroConfig,
+    world_size: int,
+    on_cpu: bool,
+    num_parameters: int | None,
+) -> dict[str, Any]:
+    """`build_deepspeed_config` before the overlay."""
+    layout = train.batch_layout(world_size)
     config: dict[str, Any] = {
         "train_batch_size": train.global_batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
@@ -84,8 +126,6 @@ def build_deepspeed_config(
             "hysteresis": precision.hysteresis,
             "min_loss_scale": precision.min_loss_scale,
         }
-    if overlay_path is not None:
-        config = _apply_overlay(config, overlay_path, precision.dtype)
     return config
 
 
@@ -134,8 +174,33 @@ def _zero_section(zero: ZeroConfig, on_cpu: bool, num_parameters: int | None = N
     return section
 
 
-def read_deepspeed_overlay(path: str) -> dict[str, Any]:
-    """A ``--deepspeed_config`` JSON file as a dict; ValueError naming the file when it is not one."""
+def owned_overlay_keys(train: TrainConfig, world_size: int) -> dict[str, str]:
+    """The keys an overlay may not set (``section`` or ``zero_optimization.key``), each with the config key to
+    use instead: every key the builder writes for some config (all ZeRO stages, with and without offload, both
+    half precisions, DeepSpeed's optimizer section), less `FIXED_KEYS`, and the names of `CONFIG_KEY_OF` that
+    are the trainer's though not in the dict."""
+    written: set[str] = {"scheduler", "amp", "bfloat16"}
+    for stage, offload, dtype in itertools.product((0, 1, 2, 3), ("none", "cpu"), ("bf16", "fp16")):
+        built = _built_config(
+            train=train,
+            optim=OptimConfig(implementation="deepspeed"),
+            precision=PrecisionConfig(dtype=dtype),
+            zero=ZeroConfig(stage=stage, offload_optimizer=offload),
+            world_size=world_size,
+            on_cpu=False,
+            num_parameters=None,
+        )
+        written |= {key for key in built if key not in FIXED_KEYS and key != PARTLY_OWNED_SECTION}
+        written |= {f"{PARTLY_OWNED_SECTION}.{key}" for key in built[PARTLY_OWNED_SECTION]}
+    unnamed = written - set(CONFIG_KEY_OF)
+    if unnamed:
+        raise AssertionError(f"DeepSpeed keys built from the config without a config key in CONFIG_KEY_OF: {unnamed}")
+    return {key: CONFIG_KEY_OF[key] for key in sorted(written)}
+
+
+def read_deepspeed_overlay(path: str, owned: dict[str, str]) -> dict[str, Any]:
+    """A ``--deepspeed_config`` JSON file as a dict; ValueError naming the file when it is not one, or naming the
+    first key it sets that is in ``owned`` (`owned_overlay_keys`) and the config key to use instead."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -144,20 +209,13 @@ def read_deepspeed_overlay(path: str) -> dict[str, Any]:
         raise ValueError(f"--deepspeed_config {path}: not valid JSON ({error})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--deepspeed_config {path}: the top level must be a JSON object")
-    for key in data:
-        if key in OWNED_KEYS:
-            raise ValueError(f"--deepspeed_config {path} sets {key!r}, which is not allowed: {OWNED_KEYS[key]}")
+    section = data.get(PARTLY_OWNED_SECTION, {})
+    if not isinstance(section, dict):
+        raise ValueError(
+            f"--deepspeed_config {path} sets {PARTLY_OWNED_SECTION!r} to {section!r}, which is not allowed: a JSON "
+            f"object of ZeRO settings the config does not set (the stage is zero.stage)"
+        )
+    for key in [*data, *(f"{PARTLY_OWNED_SECTION}.{key}" for key in section)]:
+        if key in owned:
+            raise ValueError(f"--deepspeed_config {path} sets {key!r}, which is not allowed: {owned[key]}")
     return data
-
-
-def _apply_overlay(config: dict[str, Any], path: str, dtype: str) -> dict[str, Any]:
-    merged = copy.deepcopy(config)
-    merge_mappings(merged, read_deepspeed_overlay(path))
-    for name in ("bf16", "fp16"):
-        enabled = merged.get(name, {}).get("enabled", False)
-        if bool(enabled) != (dtype == name):
-            raise ValueError(
-                f"--deepspeed_config {path} sets {name}.enabled={str(enabled).lower()}, which "
-                f"disagrees with precision.dtype={dtype!r}: choose the precision with precision.dtype"
-            )
-    return merged

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import fcntl
@@ -278,9 +279,11 @@ def describe_environment(record: dict) -> str:
     return f"accelerator {record['accelerator']}, torch {record['torch']}, deepspeed {record['deepspeed']}, {variables}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m txl_dist.world.process_group``: build DeepSpeed's shared-memory op into this environment's cache
     (``make warm`` runs it, so that no launch compiles)."""
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.world.process_group", description=main.__doc__)
+    parser.parse_args(argv)  # no flags: --help prints this, any other flag is refused before the build
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cache = prepare_extension_cache()
     op = load_shm_op()
