@@ -4,10 +4,11 @@
     python -m txl_dist.plot demo/run --x tokens --out demo/curves.png
 
 Reads each run's ``metrics.jsonl`` (what launchers/train.py writes): the loss (top row) and the perplexity, or the
-bits per character when every run is a byte or character model (bottom row), training as lines and evaluations as
-dots, against optimizer steps, tokens seen and training time (``--x`` picks one). Training time counts the time
-of each start of a run (from its "start" record to its last record) and leaves out the time between an
-interruption and its resume. The legend names each run and its settings. Needs matplotlib (``pip install
+bits per character when every run is a byte or character model (second row), training as lines and evaluations as
+dots, and the throughput (bottom row: tokens/s, with the MFU or, where a run's peak is unknown, the model TFLOPS per
+rank on the right axis), against optimizer steps, tokens seen and training time (``--x`` picks one). Training time
+counts the time of each start of a run (from its "start" record to its last record) and leaves out the time between
+an interruption and its resume. The legend names each run and its settings. Needs matplotlib (``pip install
 'txl_dist[plot]'``); errors are one line and exit status 2.
 """
 
@@ -27,6 +28,8 @@ from txl_dist.fileio import atomic_write, describe_os_error
 from txl_dist.run_layout import METRICS
 
 AXES = {"step": "optimizer step", "tokens": "tokens seen", "time": "training time"}
+THROUGHPUT = ("tokens_per_s", "mfu", "tflops")
+"""The training records' throughput figures that the bottom row draws."""
 
 
 class PlotError(ValueError):
@@ -141,7 +144,7 @@ def read_run(directory: str | Path) -> Run:
 
     def curve(chosen: dict[int, dict]) -> Curve:
         result = Curve(sorted(chosen))
-        for name in ("loss", "ppl", "bpc"):
+        for name in ("loss", "ppl", "bpc", *THROUGHPUT):
             result.values[name] = [_number(chosen[s].get(name)) for s in result.steps]
         return result
 
@@ -165,7 +168,7 @@ def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
     second = "bpc" if all(run.character_level for run in runs) else "ppl"
     longest = max((t for run in runs for t in run.x["time"].values() if math.isfinite(t)), default=0.0)
     unit, per_unit = next((u for u in (("hours", 3600.0), ("minutes", 60.0)) if longest >= 2 * u[1]), ("seconds", 1.0))
-    figure, grid = plt.subplots(2, len(axes), figsize=(5.2 * len(axes), 7.2), squeeze=False, sharex="col")
+    figure, grid = plt.subplots(3, len(axes), figsize=(5.2 * len(axes), 10.4), squeeze=False, sharex="col")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, run in enumerate(runs):
         color = colors[index % len(colors)]
@@ -176,7 +179,10 @@ def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
                     xs = [run.x[axis][s] / (per_unit if axis == "time" else 1) for s in curve.steps]
                     plot.plot(xs, curve.values[metric], color=color, **style)
     for column, axis in enumerate(axes):
-        grid[1][column].set_xlabel(f"{AXES[axis]} ({unit})" if axis == "time" else AXES[axis])
+        throughput_panel(
+            grid[2][column], runs, [run.x[axis] for run in runs], per_unit if axis == "time" else 1, colors
+        )
+        grid[2][column].set_xlabel(f"{AXES[axis]} ({unit})" if axis == "time" else AXES[axis])
         for row, metric in enumerate(("loss", second)):
             grid[row][column].set_ylabel({"loss": "loss (nats/token)", "ppl": "perplexity", "bpc": "bits/char"}[metric])
             grid[row][column].grid(True, alpha=0.3)
@@ -191,6 +197,24 @@ def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
     figure.savefig(buffer, format="png", dpi=110)
     plt.close(figure)
     return buffer.getvalue()
+
+
+def throughput_panel(plot, runs: Sequence[Run], xs: Sequence[dict[int, float]], per_unit: float, colors) -> None:
+    """Training tokens/s of each run (solid, left axis) and its MFU in percent (dotted, right axis); the model
+    TFLOPS per rank instead of the MFU when a run has none (no known peak: a CPU without train.peak_tflops).
+    Runs logged before these figures existed draw tokens/s only."""
+    use_mfu = all(any(math.isfinite(v) for v in run.train.values["mfu"]) for run in runs)
+    right = plot.twinx()
+    for index, (run, x) in enumerate(zip(runs, xs)):
+        color = colors[index % len(colors)]
+        steps = run.train.steps
+        at = [x[s] / per_unit for s in steps]
+        plot.plot(at, run.train.values["tokens_per_s"], color=color, linewidth=1.2)
+        second = [100 * v for v in run.train.values["mfu"]] if use_mfu else run.train.values["tflops"]
+        right.plot(at, second, color=color, linewidth=1.2, linestyle=":")
+    plot.set_ylabel("tokens/s (solid)")
+    right.set_ylabel("MFU % (dotted)" if use_mfu else "model TFLOPS per rank (dotted)")
+    plot.grid(True, alpha=0.3)
 
 
 def _parser() -> argparse.ArgumentParser:
