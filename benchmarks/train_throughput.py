@@ -10,7 +10,8 @@ training loss and each other's over the logging windows, and the final validatio
 
 Each (config, stage) is a real run of launchers/train.py on the Penn Treebank; the variants alternate within a
 repeat so that machine noise hits them alike. tokens/s is the median over the run's logging windows after the
-first (start-up excluded); peak memory is rank 0's peak RSS (on GPUs the trainer logs max allocated instead).
+first (start-up excluded), and so are the model's FLOPs per token and TFLOPS per rank (the trainer's figures,
+docs/metrics.md); peak memory is rank 0's peak RSS (on GPUs the trainer logs max allocated instead).
 Summary: medians over repeats and the ratio to ZeRO stage 0. The last line is one JSON object of the figures.
 """
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
             runs[(config, stage, precision)].append(figures)
             print(
                 f"repeat {repeat + 1}/{args.repeats} {config:10s} ZeRO-{stage} {precision:4s} "
-                f"{figures['tokens_per_s']:9.0f} tokens/s  peak RSS {figures['peak_rss_mb']:6.0f} MB  "
+                f"{figures['tokens_per_s']:9.0f} tokens/s  {figures['flops_per_token']:.4g} FLOPs/token  "
+                f"{figures['tflops']:.4f} TFLOPS/rank  peak RSS {figures['peak_rss_mb']:6.0f} MB  "
                 f"valid loss {figures['eval_loss']:.4f}",
                 flush=True,
             )
@@ -83,6 +85,8 @@ def _run(config: str, stage: int, precision: str, steps: int, shards: Path, out:
     windows = train_records[1:]
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in windows),
+        "flops_per_token": statistics.median(r["flops_per_token"] for r in windows),
+        "tflops": statistics.median(r["tflops"] for r in windows),
         "peak_rss_mb": max(r.get("peak_rss_mb", r.get("max_allocated_mb", 0)) for r in windows),
         "losses": [r["loss"] for r in train_records],
         "eval_loss": next((r["loss"] for r in reversed(records) if r["kind"] == "eval"), None),
@@ -94,12 +98,14 @@ def _summary(runs: dict, variants: list, stages: list[int], precisions: list[str
     summary: dict = {"ranks": 2, "device": "cpu", "steps": args.steps, "repeats": args.repeats, "results": {}}
     print(
         f"\n{'config':10s} {'stage':>5s} {'dtype':>5s} {'tokens/s':>10s} {'vs ZeRO-0':>9s} {'vs ' + precisions[0]:>9s} "
-        f"{'peak RSS MB':>12s} {'max loss gap':>12s}"
+        f"{'FLOPs/token':>11s} {'TFLOPS/rank':>11s} {'peak RSS MB':>12s} {'max loss gap':>12s}"
     )
     for config, stage, precision in variants:
         results = runs[(config, stage, precision)]
         row = {
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+            "flops_per_token": statistics.median(r["flops_per_token"] for r in results),
+            "tflops": statistics.median(r["tflops"] for r in results),
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
             "eval_loss": statistics.median(r["eval_loss"] for r in results),
         }
@@ -113,6 +119,7 @@ def _summary(runs: dict, variants: list, stages: list[int], precisions: list[str
         print(
             f"{config:10s} {stage:5d} {precision:>5s} {row['tokens_per_s']:10.0f} "
             f"{row.get('vs_stage0', float('nan')):9.2f} {row.get('vs_' + precisions[0], float('nan')):9.2f} "
+            f"{row['flops_per_token']:11.4g} {row['tflops']:11.5f} "
             f"{row['peak_rss_mb']:12.0f} {row.get('max_train_loss_gap', float('nan')):12.4f}"
         )
     return summary

@@ -224,6 +224,9 @@ def test_an_empty_file_and_an_include_of_an_empty_file_are_the_defaults(tmp_path
         ("optim.lr=.nan", r"a finite number"),
         ("optim.lr=1e400", r"a finite number"),
         ("optim.lr=-.inf", r"a finite number"),
+        ("train.peak_tflops=0", r"a positive number, or null"),
+        ("train.peak_tflops=-989.5", r"a positive number, or null"),
+        ("train.peak_tflops=.inf", r"a finite number"),
     ],
 )
 def test_an_integer_or_number_out_of_the_range_the_code_needs_is_refused_at_config_time(override, message):

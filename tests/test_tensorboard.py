@@ -1,6 +1,6 @@
 """What users look at: a real TensorBoard serving a tiny 2-rank run that was killed and resumed (scalars once per
-step, the Text tab's entry per start, the HParams session), the plot command's picture, the ETA in the log line,
-and a run whose logging breaks mid-run (it warns once and trains on).
+step, the Text tab's entry per start, the HParams session), the plot command's picture, the ETA and the model
+FLOPs in the log line, and a run whose logging breaks mid-run (it warns once and trains on).
 
 One run killed with kill -9 past its step-4 checkpoint and resumed to step 12, and one run whose tensorboard/
 folder is replaced by a file mid-run, both started by torchrun (tests/launcher.py).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 import struct
 import subprocess
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.launcher
 
 TRAIN = "launchers/train.py"
 FINAL_STEP = 12
+BROKEN_RUN_PEAK = 0.5
 TENSORBOARD = Path(sys.executable).parent / "tensorboard"
 
 
@@ -78,10 +80,18 @@ def resumed_run(ptb_word_shards, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def broken_run(ptb_word_shards, tmp_path_factory) -> dict:
-    """A run (another learning rate) whose tensorboard/ folder is replaced by a file after its step 3: one process
-    (python launchers/train.py), since the subject is its logger, not its ranks."""
+    """A run (another learning rate, and a peak given for its MFU) whose tensorboard/ folder is replaced by a file
+    after its step 3: one process (python launchers/train.py), since the subject is its logger, not its ranks."""
     output = tmp_path_factory.mktemp("sweep_broken") / "broken"
-    args = _args(ptb_word_shards, output, "train.max_steps=30", "optim.lr=3e-3", "eval.every=0", "checkpoint.every=0")
+    args = _args(
+        ptb_word_shards,
+        output,
+        "train.max_steps=30",
+        "optim.lr=3e-3",
+        "eval.every=0",
+        "checkpoint.every=0",
+        f"train.peak_tflops={BROKEN_RUN_PEAK}",
+    )
     process = start([sys.executable, TRAIN, *args])
     wait_for_step(output, 3, process, timeout=180)
     shutil.rmtree(output / "tensorboard")
@@ -158,11 +168,15 @@ def test_every_scalar_once_per_step_after_a_kill_and_a_resume(resumed_run, serve
     assert sorted(logged) == list(range(1, FINAL_STEP + 1))
     expected_steps = {"train": list(range(1, FINAL_STEP + 1)), "eval": [4, 8, 12], "best": [FINAL_STEP]}
     assert {"train/loss", "train/ppl", "train/lr", "eval/loss", "eval/ppl", "best/loss", "best/ppl"} <= set(tags)
+    assert {"train/flops_per_token", "train/tflops"} <= set(tags) and "train/mfu" not in tags  # no peak on a CPU
     for tag in tags:
         points = server.get("/data/plugin/scalars/scalars", run=run_name, tag=tag)
         assert [step for _, step, _ in points] == expected_steps[tag.split("/")[0]], tag
     losses = server.get("/data/plugin/scalars/scalars", run=run_name, tag="train/loss")
     assert all(abs(value - logged[step]["loss"]) < 1e-5 for _, step, value in losses)
+    for name in ("flops_per_token", "tflops"):  # float32 scalars
+        points = server.get("/data/plugin/scalars/scalars", run=run_name, tag=f"train/{name}")
+        assert all(value == pytest.approx(logged[step][name], rel=1e-6) for _, step, value in points), name
 
 
 def test_the_text_tab_has_one_entry_per_start(resumed_run, served):
@@ -234,6 +248,29 @@ def test_the_log_line_gives_the_eta_to_max_steps(resumed_run):
     lines = [line for line in resumed_run["log"].splitlines() if " tokens/s" in line and "| loss " in line]
     assert lines and all(f"to step {FINAL_STEP}" in line for line in lines[:-1]), lines
     assert ", ETA " in lines[0] and "ETA" not in lines[-1]  # the last step has nothing left
+
+
+def test_every_train_record_has_the_model_flops_and_the_log_says_why_mfu_is_null(resumed_run, broken_run):
+    """flops_per_token from the formula (docs/metrics.md), tflops per rank from the global tokens/s of 2 ranks, mfu
+    null without a peak (and said once per start), tflops / train.peak_tflops with one."""
+    resumed = records(resumed_run["output"])
+    for record in resumed.values():
+        assert record["flops_per_token"] > 0 and "mfu" in record and record["mfu"] is None
+        assert record["tflops"] == pytest.approx(record["flops_per_token"] * record["tokens_per_s"] / 2 / 1e12)
+    log = resumed_run["log"]
+    assert log.count("model FLOPs per token (forward + backward, docs/metrics.md)") == 1
+    assert log.count("MFU is not logged: no fp32 peak is known for the device (cpu;") == 1
+    assert "set train.peak_tflops" in log
+    assert re.search(r"step 12 \| loss .* FLOPs/token \| [0-9.e+-]+ TFLOPS/rank \| MFU - \|", log)
+    broken = records(broken_run["output"]).values()
+    for record in broken:
+        assert record["tflops"] == pytest.approx(record["flops_per_token"] * record["tokens_per_s"] / 1e12)
+        assert record["mfu"] == pytest.approx(record["tflops"] / BROKEN_RUN_PEAK)
+    assert re.search(r"step 30 \| loss .* TFLOPS/rank \| MFU [0-9.]+% \|", broken_run["log"])
+    assert (
+        f"{BROKEN_RUN_PEAK:g} TFLOPS peak per rank" in broken_run["log"]
+        and "MFU is not logged" not in broken_run["log"]
+    )
 
 
 def test_the_eta_reads_in_hours_minutes_or_seconds():

@@ -33,6 +33,7 @@ from tests.launcher import (
     torchrun_command,
     wait_for_step,
 )
+from txl_dist.training.throughput import known_peak
 
 pytestmark = pytest.mark.launcher
 
@@ -442,7 +443,10 @@ def test_half_precision_training_on_gpus(precision, ptb_word_shards, tmp_path):
         assert logged[30]["skipped_steps"] < 15
     else:
         assert logged[30]["skipped_steps"] == 0 and logged[30].get("loss_scale") is None
-    assert "max_allocated_mb" in logged[30]
+    assert "max_allocated_mb" in logged[30] and "max_reserved_mb" in logged[30]
+    # MFU against the datasheet's dense peak where the device is in the table (A100, H100, H200, B200).
+    peak = known_peak(torch.cuda.get_device_name(), precision)
+    assert logged[30]["mfu"] == (None if peak is None else pytest.approx(logged[30]["tflops"] / peak))
     assert logged[30]["loss"] < logged[1]["loss"] - 0.5
     if precision == "fp16":
         # The fp16 optimizer state (DeepSpeed's loss scaler objects) reads back weights-only, in training and in

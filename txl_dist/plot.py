@@ -4,10 +4,11 @@
     python -m txl_dist.plot demo/run --x tokens --out demo/curves.png
 
 Reads each run's ``metrics.jsonl`` (what launchers/train.py writes): the loss (top row) and the perplexity, or the
-bits per character when every run is a byte or character model (bottom row), training as lines and evaluations as
-dots, against optimizer steps, tokens seen and training time (``--x`` picks one). Training time counts the time
-of each start of a run (from its "start" record to its last record) and leaves out the time between an
-interruption and its resume. Each run has a colour, line style and marker of its own (up to 280 runs, a sweep),
+bits per character when every run is a byte or character model (second row), training as lines and evaluations as
+dots, and the throughput (bottom row: tokens/s, with the MFU or, where a run's peak is unknown, the model TFLOPS per
+rank on the right axis), against optimizer steps, tokens seen and training time (``--x`` picks one). Training time
+counts the time of each start of a run (from its "start" record to its last record) and leaves out the time between
+an interruption and its resume. Each run has a colour, line style and marker of its own (up to 280 runs, a sweep),
 and the legend below the panels names each run and its settings. A malformed record (a step that is not a whole
 number >= 0, a value that is not a number, ...) is left out with one warning per file naming its first line.
 Needs matplotlib (``pip install 'txl_dist[plot]'``); errors are one line and exit status 2.
@@ -29,6 +30,8 @@ from txl_dist.fileio import atomic_write, describe_os_error
 from txl_dist.run_layout import METRICS
 
 AXES = {"step": "optimizer step", "tokens": "tokens seen", "time": "training time"}
+THROUGHPUT = ("tokens_per_s", "mfu", "tflops")
+"""The training records' throughput figures that the bottom row draws."""
 
 
 class PlotError(ValueError):
@@ -213,7 +216,7 @@ def read_run(directory: str | Path) -> Run:
 
     def curve(chosen: dict[int, dict]) -> Curve:
         result = Curve(sorted(chosen))
-        for name in ("loss", "ppl", "bpc"):
+        for name in ("loss", "ppl", "bpc", *THROUGHPUT):
             result.values[name] = [_number(chosen[s].get(name)) for s in result.steps]
         return result
 
@@ -261,8 +264,8 @@ def figure_of(runs: Sequence[Run], axes: Sequence[str]):
     longest = max((t for run in runs for t in run.x["time"].values() if math.isfinite(t)), default=0.0)
     unit, per_unit = next((u for u in (("hours", 3600.0), ("minutes", 60.0)) if longest >= 2 * u[1]), ("seconds", 1.0))
     width, height = PANEL_INCHES
-    figure = plt.figure(figsize=(width * len(axes), 2 * height), layout="constrained")
-    grid = figure.subplots(2, len(axes), squeeze=False, sharex="col")
+    figure = plt.figure(figsize=(width * len(axes), 3 * height), layout="constrained")
+    grid = figure.subplots(3, len(axes), squeeze=False, sharex="col")
     styles = [run_style(index, plt.colormaps["tab10"].colors) for index in range(len(runs))]
     for run, style in zip(runs, styles):
         for column, axis in enumerate(axes):
@@ -270,7 +273,10 @@ def figure_of(runs: Sequence[Run], axes: Sequence[str]):
             for row, metric in enumerate(("loss", second)):
                 _draw_curves(grid[row][column], run, style, axis, metric, scale)
     for column, axis in enumerate(axes):
-        grid[1][column].set_xlabel(f"{AXES[axis]} ({unit})" if axis == "time" else AXES[axis])
+        throughput_panel(
+            grid[2][column], runs, [run.x[axis] for run in runs], per_unit if axis == "time" else 1, styles
+        )
+        grid[2][column].set_xlabel(f"{AXES[axis]} ({unit})" if axis == "time" else AXES[axis])
         for row, metric in enumerate(("loss", second)):
             grid[row][column].set_ylabel({"loss": "loss (nats/token)", "ppl": "perplexity", "bpc": "bits/char"}[metric])
             grid[row][column].grid(True, alpha=0.3)
@@ -318,6 +324,26 @@ def draw(runs: Sequence[Run], axes: Sequence[str]) -> bytes:
     figure.savefig(buffer, format="png", dpi=110)
     plt.close(figure)
     return buffer.getvalue()
+
+
+def throughput_panel(
+    plot, runs: Sequence[Run], xs: Sequence[dict[int, float]], per_unit: float, styles: Sequence[dict]
+) -> None:
+    """Training tokens/s of each run (solid, left axis) and its MFU in percent (dotted, right axis), in the run's
+    colour and marker (`run_style`); the model TFLOPS per rank instead of the MFU when a run has none (no known
+    peak: a CPU without train.peak_tflops). Runs logged before these figures existed draw tokens/s only."""
+    use_mfu = all(any(math.isfinite(v) for v in run.train.values["mfu"]) for run in runs)
+    right = plot.twinx()
+    for run, x, style in zip(runs, xs, styles):
+        look = {"color": style["color"], "marker": style["marker"], "markevery": 0.1, "markerfacecolor": "none"}
+        at = [x[s] / per_unit for s in run.train.steps]
+        second = [100 * v for v in run.train.values["mfu"]] if use_mfu else run.train.values["tflops"]
+        for axis, values, line in ((plot, run.train.values["tokens_per_s"], "-"), (right, second, ":")):
+            if any(math.isfinite(v) for v in values):  # a run logged before these figures has none
+                axis.plot(at, values, linewidth=1.2, linestyle=line, markersize=4, **look)
+    plot.set_ylabel("tokens/s (solid)")
+    right.set_ylabel("MFU % (dotted)" if use_mfu else "model TFLOPS per rank (dotted)")
+    plot.grid(True, alpha=0.3)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -91,6 +91,10 @@ class TrainConfig:
     """Seconds after which a rank whose heartbeat has stopped (a stopped process, a hung host, a dead link) is
     named and the job ends with status 1, so that the scheduler can requeue it; keep it well under the collective
     timeout (DEEPSPEED_TIMEOUT, 10 minutes by default)."""
+    peak_tflops: PositiveNumber | None = None
+    """The accelerator's peak for the run's dtype, in TFLOPS per device (one rank), against which the log's MFU
+    is taken; null means the known peak of the device (`txl_dist.training.throughput.PEAK_TFLOPS`: A100, H100,
+    H200, B200, dense), or no MFU where none is known (a CPU)."""
 
     @pydantic.model_validator(mode="after")
     def _micro_batch_divides(self) -> TrainConfig:

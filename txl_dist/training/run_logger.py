@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,12 +133,15 @@ class RunLogger:
         if self.enabled:
             log.info(message, *args)
 
-    def record(self, step: int, kind: str, values: dict[str, float | int | None]) -> None:
+    def record(
+        self, step: int, kind: str, values: dict[str, float | int | None], keep_null: Sequence[str] = ()
+    ) -> None:
         """One metrics.jsonl line ``{"step", "kind", "wall_time", ...values}`` and TensorBoard scalars
-        ``{kind}/{name}`` of the finite numbers."""
+        ``{kind}/{name}`` of the finite numbers. A None value is left out of the line, except those named in
+        ``keep_null``, written as null (a figure the run cannot know, as opposed to one that does not apply)."""
         if not self.enabled:
             return
-        clean = {k: v for k, v in values.items() if v is not None}
+        clean = {k: v for k, v in values.items() if v is not None or k in keep_null}
         line = {"step": step, "kind": kind, "wall_time": time.time(), **clean}
         self._guarded("_metrics", step, lambda metrics: metrics.line(line))
 

@@ -18,10 +18,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from txl_dist.config import RunConfig
+from txl_dist.model.flops import cluster_counts
 from txl_dist.plan import describe, device_memory_of
 from txl_dist.training import run_info
 from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.stream_memory import SlotMemories
+from txl_dist.training.throughput import FlopsMeter
 
 
 def _resident_memory_mb() -> float:
@@ -51,18 +53,25 @@ def _loss_scale(optimizer: Any) -> float | None:
 
 
 def _memory() -> dict[str, float]:
-    """This rank's memory for the log line: resident memory on the CPU, the device's peak since the last line."""
+    """This rank's memory for the log line: resident memory on the CPU, the device's peaks (allocated by tensors,
+    reserved by the caching allocator) since the last line."""
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
         return {"rss_mb": _resident_memory_mb(), "peak_rss_mb": peak_kib / 1024}
-    memory = {"max_allocated_mb": accelerator.max_memory_allocated() / 2**20}
+    memory = {
+        "max_allocated_mb": accelerator.max_memory_allocated() / 2**20,
+        "max_reserved_mb": accelerator.max_memory_reserved() / 2**20,
+    }
     accelerator.reset_peak_memory_stats()
     return memory
 
 
 class StepLog:
-    """The window of steps since the last log line, and the line (`write`) that closes it."""
+    """The window of steps since the last log line, and the line (`write`) that closes it.
+
+    ``flops``: the model FLOPs of the line; the adaptive softmax's share is counted from the window's targets in
+    each cluster (over all ranks), which are the rows its tail clusters computed (docs/metrics.md)."""
 
     def __init__(
         self,
@@ -73,9 +82,15 @@ class StepLog:
         tokens_per_step: int,
         fp16: bool,
         character_level: bool,
+        flops: FlopsMeter,
         max_steps: int | None = None,
     ):
         self.logger = logger
+        self.flops = flops
+        self.cluster_counts = torch.zeros(len(flops.model.cutoffs) + 1, dtype=torch.int64)
+        """The window's targets in each softmax cluster (head first), on the host like the targets."""
+        self.described = False
+        """Whether this start's FLOPs per token and its parts have been logged."""
         self.max_steps = max_steps
         self.world_size, self.tokens_per_step = world_size, tokens_per_step
         self.fp16, self.character_level = fp16, character_level
@@ -92,6 +107,11 @@ class StepLog:
         """One micro-batch's mean loss and inputs."""
         self.loss += loss.detach().double() / grad_accum
         self.checksum += (batch.inputs.sum(dim=1) * (batch.stream_ids + 1)).sum()
+        counts = cluster_counts(batch.targets, self.flops.model.cutoffs)
+        if not self.described:  # this start's first micro-batch
+            self.logger.info("%s", self.flops.describe(counts.tolist()))
+            self.described = True
+        self.cluster_counts += counts
 
     def end_step(self) -> None:
         self.steps += 1
@@ -102,11 +122,15 @@ class StepLog:
 
     def write(self, step: int, tokens_seen: int, engine, memories: SlotMemories) -> None:
         """Collective: the window's line (loss over all ranks, throughput, optimizer state), then a new window."""
-        totals = torch.stack([self.loss, self.checksum.to(self.loss.device, torch.float64)])
+        counts = self.cluster_counts.to(self.loss.device, torch.float64)
+        totals = torch.cat([torch.stack([self.loss, self.checksum.to(self.loss.device, torch.float64)]), counts])
         dist.all_reduce(totals)
-        loss = totals[0].item() / (self.steps * self.world_size)
+        totals = totals.tolist()
+        loss = totals[0] / (self.steps * self.world_size)
         seconds = time.perf_counter() - self.start
         memory = _memory()
+        tokens_per_s = self.steps * self.tokens_per_step / max(seconds, 1e-9)
+        model_flops = self.flops.figures(totals[2:], tokens_per_s)
         values = {
             "loss": loss,
             "ppl": math.exp(min(loss, 50.0)),
@@ -115,9 +139,10 @@ class StepLog:
             "loss_scale": _loss_scale(engine.optimizer) if self.fp16 else None,
             "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
             "tokens": tokens_seen,
-            "tokens_per_s": self.steps * self.tokens_per_step / max(seconds, 1e-9),
+            "tokens_per_s": tokens_per_s,
+            **model_flops,
             "step_time_s": seconds / self.steps,
-            "data_checksum": int(totals[1].item()),
+            "data_checksum": int(totals[1]),
             "mems_reset": memories.reset_total(),
             **memory,
         }
@@ -125,9 +150,9 @@ class StepLog:
             values["bpc"] = loss / math.log(2)
         if self.profiled:
             values["profiled"] = True
-        self.logger.record(step, "train", values)
+        self.logger.record(step, "train", values, keep_null=("mfu",))
         self.logger.info(
-            "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s%s | %s",
+            "step %d | loss %.4f | %s | lr %.3g | grad norm %s | %.0f tokens/s%s | %s | %s",
             step,
             loss,
             f"bpc {values['bpc']:.4f}" if self.character_level else f"ppl {values['ppl']:.2f}",
@@ -135,13 +160,21 @@ class StepLog:
             "-" if values["grad_norm"] is None else f"{values['grad_norm']:.3f}",
             values["tokens_per_s"],
             _eta(self.max_steps, step, seconds / self.steps),
+            _model_flops_columns(model_flops),
             " | ".join(f"{k} {v:.0f}" for k, v in memory.items()) + (" | profiled" if self.profiled else ""),
         )
         self.profiled = False
         self.loss.zero_()
         self.checksum.zero_()
+        self.cluster_counts.zero_()
         self.steps = 0
         self.restart_clock()
+
+
+def _model_flops_columns(figures: dict[str, float | None]) -> str:
+    """ "1.23e+06 FLOPs/token | 0.0456 TFLOPS/rank | MFU 12.3%" (MFU "-" where no peak is known)."""
+    mfu = "-" if figures["mfu"] is None else f"{100 * figures['mfu']:.1f}%"
+    return f"{figures['flops_per_token']:.3g} FLOPs/token | {figures['tflops']:.3g} TFLOPS/rank | MFU {mfu}"
 
 
 def _eta(max_steps: int | None, step: int, step_seconds: float) -> str:

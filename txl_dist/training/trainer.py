@@ -51,6 +51,7 @@ from txl_dist.training.run_logger import RunLogger
 from txl_dist.training.schedule import build_lr_scheduler
 from txl_dist.training.step_log import StepLog, log_best, log_done, log_start
 from txl_dist.training.stream_memory import SlotMemories
+from txl_dist.training.throughput import FlopsMeter
 from txl_dist.training.train_state import TrainState
 from txl_dist.world import ranks
 from txl_dist.world.guard import RunFailure, RunGuard
@@ -309,6 +310,7 @@ class Trainer:
             tokens_per_step=self.tokens_per_step,
             fp16=self.cfg.precision.dtype == "fp16",
             character_level=self.character_level,
+            flops=FlopsMeter.of(self.cfg, self.world_size, self.layout.micro_batch, self.device),
             max_steps=self.cfg.train.max_steps,
         )
         batches = iter(self.streams)
