@@ -365,3 +365,186 @@ def test_check_refuses_a_bad_node_count_naming_the_flag(nodes, capsys):
     assert slurm_nodes.main(["check", "--nodes", nodes]) == 2
     err = capsys.readouterr().err
     assert err == f"slurm.sbatch: error: --nodes {nodes!r} is not allowed: a whole number of at least 1\n", err
+
+
+# ---- launchers/slurm.sbatch, against fake srun, scontrol and scancel --------------------------------------------
+
+_SIGNAL_SCRIPT = 'kill -{signal} "$(cat {folder}/script_pid)"; sleep 0.5\n'
+
+
+def sbatch(tmp_path, job=JOB, nodes=LOST_N2, srun_status=(1, 0), environ=None, planner=None, hooks=None):
+    """`bash launchers/slurm.sbatch` as Slurm starts it for job 7 on n[1-2] (one rank each), the fakes on PATH:
+    (status, log, the fakes' folder). PLANNER, when given, is the body of a TXL_PYTHON wrapper that runs in place
+    of `python -m txl_dist.world.slurm_nodes relaunch ...` (the real one is `"$PY" "$@"`); HOOKS: fake -> bash."""
+    folder = tmp_path / "slurm"
+    env = fake_slurm.install(folder)
+    for name in [name for name in env if name.startswith("TXL_")]:
+        del env[name]
+    (folder / "job").write_text(job + "\n")
+    (folder / "nodes").write_text("".join(f"NodeName={node} State={state}\n" for node, state in nodes.items()))
+    (folder / "srun_status").write_text("\n".join(map(str, srun_status)))
+    (folder / "hooks").mkdir()
+    for name, body in (hooks or {}).items():
+        (folder / "hooks" / name).write_text(body.format(folder=folder))
+    python = sys.executable
+    if planner is not None:
+        wrapper = folder / "python"
+        wrapper.write_text(
+            f'#!/bin/bash\nPY={sys.executable}\nif [ "$3" = relaunch ]; then\n{planner.format(folder=folder)}\nfi\n'
+            'exec "$PY" "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        python = str(wrapper)
+    env.update(
+        SLURM_JOB_ID="7",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_CPUS_ON_NODE="2",
+        TXL_PYTHON=python,
+    )
+    env.update(environ or {})
+    run = tmp_path / "run"
+    script = subprocess.Popen(
+        ["bash", "launchers/slurm.sbatch", "--config", "configs/tiny_cpu.yaml", f"train.output_dir={run}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    (folder / "script_pid").write_text(str(script.pid))
+    log, _ = script.communicate(timeout=120)
+    return script.returncode, log, folder
+
+
+def _signal_at(signal: str, when: str) -> dict:
+    """The sbatch() arguments that send SIGNAL to the batch script WHEN: while the failing step runs (before the
+    planning), while the planner runs, or once the planner has decided and before the script reads its answer."""
+    send = _SIGNAL_SCRIPT.replace("{signal}", signal)
+    if when == "before":
+        return {"hooks": {"srun": f"[ -e {{folder}}/signalled ] || {{{{ touch {{folder}}/signalled; {send}}}}}"}}
+    if when == "during":
+        return {"planner": send}
+    return {"planner": f'answer="$("$PY" "$@")"; status=$?\n{send}printf "%s\\n" "$answer"; exit $status'}
+
+
+PLANS = {
+    "relaunch": {},
+    "requeue": {"environ": {"TXL_MAX_RELAUNCHES": "0"}},
+    "end": {"nodes": {"n1": "MIXED", "n2": "MIXED"}, "job": JOB.replace("NodeList=n1", "NodeList=n[1-2]")},
+}
+"""The three answers of the planner to the failed first step, and what makes it give each: n2 lost with a relaunch
+left, n2 lost with none left (TXL_MAX_RELAUNCHES=0), no node lost (the step failed on healthy nodes)."""
+
+# (plan, signal) -> (srun calls, `scontrol requeue` calls, the script's status). Without a signal the plan is
+# followed; the time limit (USR1) turns a relaunch into a requeue and keeps a requeue; SIGTERM (scancel, or a
+# preemption, which Slurm requeues itself) ends the job without a new step or a requeue.
+POLICY = {
+    ("relaunch", None): (2, 0, 0),
+    ("requeue", None): (1, 1, 1),
+    ("end", None): (1, 0, 1),
+    ("relaunch", "USR1"): (1, 1, 0),
+    ("requeue", "USR1"): (1, 1, 1),
+    ("end", "USR1"): (1, 0, 1),
+    ("relaunch", "TERM"): (1, 0, 1),
+    ("requeue", "TERM"): (1, 0, 1),
+    ("end", "TERM"): (1, 0, 1),
+}
+
+
+@pytest.mark.parametrize(
+    "plan, signal, when",
+    [(plan, None, None) for plan in PLANS]
+    + [(plan, signal, when) for plan in PLANS for signal in ("USR1", "TERM") for when in ("before", "during", "after")],
+)
+def test_every_plan_and_stop_signal_ends_the_job_as_the_policy_says(tmp_path, plan, signal, when):
+    """The campaign's case: the plan `requeue` with USR1 during the planning logged "requeueing" twice, never
+    called `scontrol requeue` and exited 1."""
+    status, log, folder = sbatch(tmp_path, **PLANS[plan], **(_signal_at(signal, when) if signal else {}))
+    sruns, requeues = fake_slurm.calls(folder, "srun"), fake_slurm.calls(folder, "scontrol requeue")
+    assert (len(sruns), len(requeues), status) == POLICY[plan, signal], log
+    if signal:
+        assert ("time limit near" if signal == "USR1" else "SIGTERM: asking every rank") in log, log
+    if len(sruns) == 2:
+        assert "--overlap --nodelist=n1 --nodes=1 --ntasks-per-node=1 --ntasks=1" in sruns[1]
+    assert log.count("requeueing job") == len(requeues), log
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "exit 1",
+        "exit 2",
+        "echo; exit 0",
+        "echo relaunch x n1; exit 0",
+        "echo relaunch 1; exit 0",
+        "echo maybe; exit 0",
+        "printf 'relaunch 1 n1\\nend\\n'; exit 0",
+        "echo requeue now; exit 0",
+        "kill -9 $$",
+    ],
+)
+def test_a_planner_without_a_clear_answer_requeues_a_requeueable_job(tmp_path, answer):
+    status, log, folder = sbatch(tmp_path, planner=answer)
+    assert len(fake_slurm.calls(folder, "srun")) == 1, log
+    assert fake_slurm.calls(folder, "scontrol requeue") == ["scontrol requeue 7"], log
+    assert "slurm.sbatch: the relaunch planner gave no answer (exit " in log and "requeueing job 7" in log, log
+    assert status != 0
+
+
+def test_a_requeue_that_slurm_refuses_ends_the_job_naming_slurms_reason(tmp_path):
+    """A job submitted with --no-requeue whose planner could not tell: Slurm's refusal, in one line."""
+    folder = tmp_path / "slurm"
+    folder.mkdir()
+    (folder / "requeue_refused").write_text("scontrol: error: Requested operation is presently disabled for job 7\n")
+    status, log, folder = sbatch(tmp_path, planner="exit 1")
+    assert status == 1 and fake_slurm.calls(folder, "scontrol requeue") == ["scontrol requeue 7"], log
+    assert (
+        "slurm.sbatch: Slurm did not requeue job 7 (scontrol: error: Requested operation is presently disabled for "
+        "job 7): the job ends with status 1"
+    ) in log, log
+
+
+def test_a_damaged_log_line_does_not_end_the_job(tmp_path):
+    """The campaign's sb_trace_ends: a `[1,2]` line in metrics.jsonl ended a job that had lost a node."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 3}\n[1,2]\n')
+    status, log, folder = sbatch(tmp_path)
+    assert status == 0 and len(fake_slurm.calls(folder, "srun")) == 2, log
+    assert f"warning: {tmp_path / 'run' / 'metrics.jsonl'}: skipped 1 unreadable line(s) (line 2:" in log, log
+
+
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("TXL_RANKS_PER_NODE", "0", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "abc", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "-1", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "1.5", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "99999999999999999999", "a whole number from 1 to 4096"),
+        ("TXL_MIN_NODES", "abc", "a whole number of at least 1"),
+        ("TXL_MAX_RELAUNCHES", "-1", "a whole number of at least 0"),
+    ],
+)
+def test_a_bad_variable_stops_the_job_before_anything_starts(tmp_path, name, value, allowed):
+    status, log, folder = sbatch(tmp_path, environ={name: value})
+    assert (status, log) == (2, f"slurm.sbatch: error: {name}={value!r} is not allowed: {allowed}\n")
+    assert fake_slurm.calls(folder, "srun") == [] and fake_slurm.calls(folder, "scontrol requeue") == []
+
+
+def test_a_python_that_does_not_run_stops_the_job_naming_txl_python(tmp_path):
+    status, log, folder = sbatch(tmp_path, environ={"TXL_PYTHON": "/no/such/python"})
+    assert (status, log) == (
+        2,
+        "slurm.sbatch: error: TXL_PYTHON='/no/such/python' is not allowed: a Python command that runs here "
+        "(default python)\n",
+    )
+    assert fake_slurm.calls(folder, "srun") == []
+
+
+def test_ranks_per_node_from_the_variable_reach_srun(tmp_path):
+    status, log, folder = sbatch(tmp_path, srun_status=(0,), environ={"TXL_RANKS_PER_NODE": " 2 "})
+    assert status == 0 and "2 rank(s) per node, 1 CPU(s) per rank" in log, log
+    assert "--nodes=2 --ntasks-per-node=2 --ntasks=4 --cpus-per-task=1" in fake_slurm.calls(folder, "srun")[0]
