@@ -468,7 +468,7 @@ def test_every_plan_and_stop_signal_ends_the_job_as_the_policy_says(tmp_path, pl
     if signal:
         assert ("time limit near" if signal == "USR1" else "SIGTERM: asking every rank") in log, log
     if len(sruns) == 2:
-        assert "--overlap --nodelist=n1 --nodes=1 --ntasks-per-node=1 --ntasks=1" in sruns[1]
+        assert "--overlap --mem=0 --nodelist=n1 --nodes=1 --ntasks-per-node=1 --ntasks=1" in sruns[1]
     assert log.count("requeueing job") == len(requeues), log
 
 
@@ -548,3 +548,19 @@ def test_ranks_per_node_from_the_variable_reach_srun(tmp_path):
     status, log, folder = sbatch(tmp_path, srun_status=(0,), environ={"TXL_RANKS_PER_NODE": " 2 "})
     assert status == 0 and "2 rank(s) per node, 1 CPU(s) per rank" in log, log
     assert "--nodes=2 --ntasks-per-node=2 --ntasks=4 --cpus-per-task=1" in fake_slurm.calls(folder, "srun")[0]
+
+
+def test_a_relaunch_that_slurm_refuses_requeues_the_job_naming_slurms_reason(tmp_path):
+    """The relaunched step, refused by Slurm (here its memory, which the failed step still held), ended the job:
+    its one node is healthy, so the planner saw no lost node."""
+    refusal = "Unable to create step for job 7: Memory required by task is not available"
+    hook = f'[ -e {{folder}}/relaunched ] && echo "srun: error: {refusal}" >&2; touch {{folder}}/relaunched\n'
+    status, log, folder = sbatch(tmp_path, srun_status=(1, 1), hooks={"srun": hook})
+    assert len(fake_slurm.calls(folder, "srun")) == 2, log
+    assert fake_slurm.calls(folder, "scontrol requeue") == ["scontrol requeue 7"], log
+    assert f"slurm.sbatch: Slurm refused the relaunched step ({refusal}): requeueing the job" in log, log
+
+
+def test_every_step_takes_the_jobs_memory_without_reserving_a_share(tmp_path):
+    status, log, folder = sbatch(tmp_path)
+    assert status == 0 and all(" --mem=0 " in call for call in fake_slurm.calls(folder, "srun")), log
