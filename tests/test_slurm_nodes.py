@@ -5,10 +5,14 @@ tests/cluster/test_cluster.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests import fake_slurm
+from tests.launcher import REPO
 from txl_dist.world import slurm_nodes
 from txl_dist.world.slurm_nodes import Limits, Situation, decide
 
@@ -146,3 +150,417 @@ def test_the_output_directory_is_read_as_the_ranks_read_it(tmp_path):
     assert slurm_nodes.output_dir_of(args) == Path("runs/a")
     assert slurm_nodes.output_dir_of([*args, "train.output_dir=/shared/b"]) == Path("/shared/b")
     assert slurm_nodes.output_dir_of(["log.every=1"]) is None
+
+
+# ---- the run's log and checkpoints ------------------------------------------------------------------------------
+
+
+def _checkpoint(run: Path, step: int) -> None:
+    folder = run / "checkpoints" / f"step{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "COMPLETE.json").write_text("{}")
+
+
+@pytest.mark.parametrize(
+    "damaged, why",
+    [
+        (b"[1,2]\n", "a JSON list, not a record"),
+        (b'"train"\n', "a JSON str, not a record"),
+        (b'{"kind": "train"}\n', "a train record whose step is None, not a whole number"),
+        (b'{"kind": "train", "step": Infinity}\n', "a train record whose step is inf, not a whole number"),
+        (b'{"kind": "train", "step": NaN}\n', "a train record whose step is nan, not a whole number"),
+        (b'{"kind": "train", "step": "25x"}\n', "a train record whose step is '25x', not a whole number"),
+        (b'{"kind": "train", "step": 2.5e9}\n', "a train record whose step is 2500000000.0, not a whole number"),
+        (b'{"kind": "train", "step": -3}\n', "a train record whose step is -3, not a whole number"),
+        (b'{"kind": "train", "step": true}\n', "a train record whose step is True, not a whole number"),
+        ('{"kind": "train", "step": 99, "note": "é'.encode()[:-1] + b"\n", "not UTF-8 text"),
+        (b'{"kind": "train"\n', "not a JSON record (Expecting ',' delimiter)"),
+    ],
+)
+def test_a_damaged_log_line_is_skipped_with_a_warning_naming_the_file_and_line(tmp_path, damaged, why):
+    """The line between two good ones and as the last (cut) line: the rest of the log and the checkpoints decide."""
+    metrics = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"kind": "train", "step": step}).encode() + b"\n" for step in (11, 12)]
+    for lines, number in (([good[0], damaged, good[1]], 2), ([*good, damaged.rstrip(b"\n")], 3)):
+        metrics.write_bytes(b"".join(lines))
+        said: list[str] = []
+        assert slurm_nodes.run_progress(tmp_path, said.append) == (12, None)
+        assert said == [f"warning: {metrics}: skipped 1 unreadable line(s) (line {number}: {why})"], said
+
+
+def test_many_damaged_lines_are_one_warning_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("[1]\n" * 5 + '{"kind": "train", "step": 4}\n')
+    said: list[str] = []
+    assert slurm_nodes.run_progress(tmp_path, said.append) == (4, None)
+    assert said == [
+        f"warning: {tmp_path / 'metrics.jsonl'}: skipped 5 unreadable line(s) (line 1: a JSON list, not a record; "
+        "line 2: a JSON list, not a record; line 3: a JSON list, not a record and 2 more)"
+    ]
+
+
+@pytest.mark.parametrize("logged", [[5, 10], []], ids=["log-behind-the-checkpoint", "no-log"])
+def test_the_step_reached_is_the_newest_of_the_log_and_the_checkpoints(tmp_path, logged):
+    """A save on the clock between two logged steps, or a run without metrics.jsonl: at step 20, 0 recomputed."""
+    if logged:
+        (tmp_path / "metrics.jsonl").write_text(
+            "".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in logged)
+        )
+    _checkpoint(tmp_path, 20)
+    assert slurm_nodes.run_progress(tmp_path) == (20, 20)
+    decision, said = run_decide(situation(healthy("n4")), progress=slurm_nodes.run_progress(tmp_path))
+    assert decision == "relaunch 3 n1,n2,n3"
+    assert said[0].endswith("at step 20; newest checkpoint: checkpoint step 20"), said
+    assert said[-1].endswith("resuming from checkpoint step 20, 0 step(s) recomputed"), said
+
+
+# ---- node states and Slurm's records ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        "IDLE",
+        "MIXED",
+        "ALLOCATED",
+        "ALLOCATED+COMPLETING",
+        "MIXED+COMPLETING",
+        "IDLE+CLOUD",
+        "MIXED+RESERVED",
+        "allocated",
+        "mixed$",
+        "allocated+",
+        "idle-",
+        "MIXED+PLANNED",
+    ],
+)
+def test_the_states_slurm_documents_as_usable_keep_a_node(state):
+    assert slurm_nodes.usable(state)
+    decision, said = run_decide(situation({**healthy(), "n2": state}))
+    assert decision == "end", said
+
+
+@pytest.mark.parametrize(
+    "state, named",
+    [
+        ("INVAL", "State=INVAL"),
+        ("IDLE+INVALID_REG", "State=IDLE+INVALID_REG"),
+        ("", "no state reported"),
+        ("  ", "no state reported"),
+        ("UNKNOWN", "State=UNKNOWN"),
+        ("MAINT", "State=MAINT"),
+        ("PERFCTRS", "State=PERFCTRS"),
+        ("IDLE+POWERING_UP", "State=IDLE+POWERING_UP"),
+        ("MIXED+REBOOT_REQUESTED", "State=MIXED+REBOOT_REQUESTED"),
+        ("ALLOCATED+NOT_RESPONDING", "State=ALLOCATED+NOT_RESPONDING"),
+        ("mixed~", "State=mixed~"),
+        ("idle@", "State=idle@"),
+        ("BLOCKED", "State=BLOCKED"),
+        ("IDLE+SOMETHING_NEW", "State=IDLE+SOMETHING_NEW"),
+    ],
+)
+def test_every_other_state_is_unusable_and_named(state, named):
+    assert not slurm_nodes.usable(state)
+    decision, said = run_decide(situation({**healthy(), "n2": state}))
+    assert decision == "relaunch 3 n1,n3,n4", said
+    assert said[0].startswith(f"lost n2 ({named}) at step 63"), said
+
+
+def test_a_node_slurm_no_longer_knows_is_named_so():
+    states = {node: "MIXED" for node in ("n1", "n3", "n4")}
+    decision, said = run_decide(situation(states, job_nodes=NODES))
+    assert decision == "relaunch 3 n1,n3,n4" and said[0].startswith("lost n2 (unknown to Slurm)"), said
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "JobId=7 JobName=x NodeList=n1 BatchHost=n1 Requeue=1 Comment=moved from NodeList=n[1-2] BatchHost=n2",
+        "JobId=7 JobName=a NodeList=n[1-2] Requeue=0 UserId=0(0) NodeList=n1 BatchHost=n1 Requeue=1",
+        "JobId=7 NodeList=n1 BatchHost=n1 Requeue=1 Reason=Requeue=0 NodeList=n[1-2] AdminComment=BatchHost=n2",
+    ],
+)
+def test_free_text_fields_of_a_record_cannot_pose_as_its_keys(line):
+    record = slurm_nodes.parse_record(line)
+    assert (record["NodeList"], record["BatchHost"], record["Requeue"]) == ("n1", "n1", "1"), record
+    node = slurm_nodes.parse_record("NodeName=n2 Arch=x86_64 State=DOWN+NOT_RESPONDING Reason=was State=IDLE [root]")
+    assert node["State"] == "DOWN+NOT_RESPONDING"
+
+
+# ---- python -m txl_dist.world.slurm_nodes relaunch, against fake scontrol ---------------------------------------
+
+
+def relaunch(tmp_path, job, nodes, *args, train_args=None, environ=None):
+    """`slurm_nodes relaunch` in a process of its own, against the fake scontrol: (status, stdout, stderr)."""
+    folder = tmp_path / "slurm"
+    env = fake_slurm.install(folder)
+    for name in ("TXL_MIN_NODES", "TXL_MAX_RELAUNCHES", "TXL_RANKS_PER_NODE"):
+        env.pop(name, None)
+    env.update(environ or {})
+    (folder / "job").write_text(job + "\n")
+    (folder / "nodes").write_text("".join(f"NodeName={node} State={state}\n" for node, state in nodes.items()))
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "txl_dist.world.slurm_nodes", "relaunch", "--job", "7"]
+    if not any(arg.startswith("--step-nodes") for arg in args):
+        command += ["--step-nodes", "n[1-2]"]
+    for flag, value in (("--ranks-per-node", "1"), ("--relaunches", "0")):
+        if flag not in args:
+            command += [flag, value]
+    command += [*args, "--", *(train_args or ["--config", "configs/tiny_cpu.yaml", f"train.output_dir={run}"])]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stdout, result.stderr
+
+
+JOB = "JobId=7 JobName=txl NodeList=n1 BatchHost=n1 Requeue=1"
+LOST_N2 = {"n1": "MIXED", "n2": "DOWN+NOT_RESPONDING"}
+
+
+def test_a_damaged_log_does_not_decide_the_relaunch(tmp_path):
+    """The campaign's case: a `[1,2]` line in metrics.jsonl was a traceback and no answer (the end of the job)."""
+    run = tmp_path / "run"
+    _checkpoint(run, 10)
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 14}\n[1,2]\n{"kind": "train", "step": 15}\n')
+    status, out, err = relaunch(tmp_path, JOB, LOST_N2)
+    assert (status, out) == (0, "relaunch 1 n1\n"), err
+    assert f"warning: {run / 'metrics.jsonl'}: skipped 1 unreadable line(s) (line 2: a JSON list" in err
+    assert "at step 15; newest checkpoint: checkpoint step 10" in err and "5 step(s) recomputed" in err, err
+
+
+def test_a_blank_or_foreign_job_record_is_unknown_and_the_answer_is_the_safe_requeue(tmp_path):
+    for job in ("", "   ", "scontrol: something else"):
+        status, out, err = relaunch(tmp_path, job, {"n1": "MIXED", "n2": "MIXED"})
+        assert (status, out) == (0, "requeue\n"), err
+        assert "cannot read Slurm's view of the job" in err and "removed from the job" not in err, err
+
+
+@pytest.mark.parametrize("requeue, verdict", [("1", "requeue"), ("0", "end")])
+def test_a_run_the_planner_cannot_read_gets_the_safe_verdict(tmp_path, requeue, verdict):
+    """A config file gone since the step started: the planner fails, and answers what cannot lose the run."""
+    job = JOB.replace("Requeue=1", f"Requeue={requeue}")
+    status, out, err = relaunch(tmp_path, job, LOST_N2, train_args=["--config", str(tmp_path / "gone.yaml")])
+    assert (status, out) == (0, f"{verdict}\n"), err
+    assert "cannot plan a relaunch (" in err and "gone.yaml" in err and "Traceback" not in err, err
+    # On healthy nodes the same failure of reading is no reason to requeue: the job ends as before.
+    job = job.replace("NodeList=n1", "NodeList=n[1-2]")
+    status, out, err = relaunch(tmp_path, job, {"n1": "MIXED", "n2": "MIXED"}, train_args=["--config", "gone.yaml"])
+    assert (status, out) == (0, "end\n"), err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ranks-per-node", "0"], "--ranks-per-node '0' is not allowed: a whole number of at least 1"),
+        (["--ranks-per-node", "two"], "--ranks-per-node 'two' is not allowed: a whole number of at least 1"),
+        (["--relaunches", "-2"], "--relaunches '-2' is not allowed: a whole number of at least 0"),
+        (["--relaunches", "1.0"], "--relaunches '1.0' is not allowed: a whole number of at least 0"),
+        (["--step-nodes", "n1,n1,n2"], "--step-nodes 'n1,n1,n2' names n1 more than once"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line_naming_the_flag(tmp_path, args, message):
+    status, out, err = relaunch(tmp_path, JOB, LOST_N2, *args)
+    assert (status, out, err) == (2, "", f"slurm.sbatch: error: {message}\n")
+
+
+@pytest.mark.parametrize("nodes", ["0", "-3", "two", ""])
+def test_check_refuses_a_bad_node_count_naming_the_flag(nodes, capsys):
+    assert slurm_nodes.main(["check", "--nodes", nodes]) == 2
+    err = capsys.readouterr().err
+    assert err == f"slurm.sbatch: error: --nodes {nodes!r} is not allowed: a whole number of at least 1\n", err
+
+
+# ---- launchers/slurm.sbatch, against fake srun, scontrol and scancel --------------------------------------------
+
+_SIGNAL_SCRIPT = 'kill -{signal} "$(cat {folder}/script_pid)"; sleep 0.5\n'
+
+
+def sbatch(tmp_path, job=JOB, nodes=LOST_N2, srun_status=(1, 0), environ=None, planner=None, hooks=None):
+    """`bash launchers/slurm.sbatch` as Slurm starts it for job 7 on n[1-2] (one rank each), the fakes on PATH:
+    (status, log, the fakes' folder). PLANNER, when given, is the body of a TXL_PYTHON wrapper that runs in place
+    of `python -m txl_dist.world.slurm_nodes relaunch ...` (the real one is `"$PY" "$@"`); HOOKS: fake -> bash."""
+    folder = tmp_path / "slurm"
+    env = fake_slurm.install(folder)
+    for name in [name for name in env if name.startswith("TXL_")]:
+        del env[name]
+    (folder / "job").write_text(job + "\n")
+    (folder / "nodes").write_text("".join(f"NodeName={node} State={state}\n" for node, state in nodes.items()))
+    (folder / "srun_status").write_text("\n".join(map(str, srun_status)))
+    (folder / "hooks").mkdir()
+    for name, body in (hooks or {}).items():
+        (folder / "hooks" / name).write_text(body.format(folder=folder))
+    python = sys.executable
+    if planner is not None:
+        wrapper = folder / "python"
+        wrapper.write_text(
+            f'#!/bin/bash\nPY={sys.executable}\nif [ "$3" = relaunch ]; then\n{planner.format(folder=folder)}\nfi\n'
+            'exec "$PY" "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        python = str(wrapper)
+    env.update(
+        SLURM_JOB_ID="7",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_CPUS_ON_NODE="2",
+        TXL_PYTHON=python,
+    )
+    env.update(environ or {})
+    run = tmp_path / "run"
+    script = subprocess.Popen(
+        ["bash", "launchers/slurm.sbatch", "--config", "configs/tiny_cpu.yaml", f"train.output_dir={run}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    (folder / "script_pid").write_text(str(script.pid))
+    log, _ = script.communicate(timeout=120)
+    return script.returncode, log, folder
+
+
+def _signal_at(signal: str, when: str) -> dict:
+    """The sbatch() arguments that send SIGNAL to the batch script WHEN: while the failing step runs (before the
+    planning), while the planner runs, or once the planner has decided and before the script reads its answer."""
+    send = _SIGNAL_SCRIPT.replace("{signal}", signal)
+    if when == "before":
+        return {"hooks": {"srun": f"[ -e {{folder}}/signalled ] || {{{{ touch {{folder}}/signalled; {send}}}}}"}}
+    if when == "during":
+        return {"planner": send}
+    return {"planner": f'answer="$("$PY" "$@")"; status=$?\n{send}printf "%s\\n" "$answer"; exit $status'}
+
+
+PLANS = {
+    "relaunch": {},
+    "requeue": {"environ": {"TXL_MAX_RELAUNCHES": "0"}},
+    "end": {"nodes": {"n1": "MIXED", "n2": "MIXED"}, "job": JOB.replace("NodeList=n1", "NodeList=n[1-2]")},
+}
+"""The three answers of the planner to the failed first step, and what makes it give each: n2 lost with a relaunch
+left, n2 lost with none left (TXL_MAX_RELAUNCHES=0), no node lost (the step failed on healthy nodes)."""
+
+# (plan, signal) -> (srun calls, `scontrol requeue` calls, the script's status). Without a signal the plan is
+# followed; the time limit (USR1) turns a relaunch into a requeue and keeps a requeue; SIGTERM (scancel, or a
+# preemption, which Slurm requeues itself) ends the job without a new step or a requeue.
+POLICY = {
+    ("relaunch", None): (2, 0, 0),
+    ("requeue", None): (1, 1, 1),
+    ("end", None): (1, 0, 1),
+    ("relaunch", "USR1"): (1, 1, 0),
+    ("requeue", "USR1"): (1, 1, 1),
+    ("end", "USR1"): (1, 0, 1),
+    ("relaunch", "TERM"): (1, 0, 1),
+    ("requeue", "TERM"): (1, 0, 1),
+    ("end", "TERM"): (1, 0, 1),
+}
+
+
+@pytest.mark.parametrize(
+    "plan, signal, when",
+    [(plan, None, None) for plan in PLANS]
+    + [(plan, signal, when) for plan in PLANS for signal in ("USR1", "TERM") for when in ("before", "during", "after")],
+)
+def test_every_plan_and_stop_signal_ends_the_job_as_the_policy_says(tmp_path, plan, signal, when):
+    """The campaign's case: the plan `requeue` with USR1 during the planning logged "requeueing" twice, never
+    called `scontrol requeue` and exited 1."""
+    status, log, folder = sbatch(tmp_path, **PLANS[plan], **(_signal_at(signal, when) if signal else {}))
+    sruns, requeues = fake_slurm.calls(folder, "srun"), fake_slurm.calls(folder, "scontrol requeue")
+    assert (len(sruns), len(requeues), status) == POLICY[plan, signal], log
+    if signal:
+        assert ("time limit near" if signal == "USR1" else "SIGTERM: asking every rank") in log, log
+    if len(sruns) == 2:
+        assert "--overlap --mem=0 --nodelist=n1 --nodes=1 --ntasks-per-node=1 --ntasks=1" in sruns[1]
+    assert log.count("requeueing job") == len(requeues), log
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "exit 1",
+        "exit 2",
+        "echo; exit 0",
+        "echo relaunch x n1; exit 0",
+        "echo relaunch 1; exit 0",
+        "echo maybe; exit 0",
+        "printf 'relaunch 1 n1\\nend\\n'; exit 0",
+        "echo requeue now; exit 0",
+        "kill -9 $$",
+    ],
+)
+def test_a_planner_without_a_clear_answer_requeues_a_requeueable_job(tmp_path, answer):
+    status, log, folder = sbatch(tmp_path, planner=answer)
+    assert len(fake_slurm.calls(folder, "srun")) == 1, log
+    assert fake_slurm.calls(folder, "scontrol requeue") == ["scontrol requeue 7"], log
+    assert "slurm.sbatch: the relaunch planner gave no answer (exit " in log and "requeueing job 7" in log, log
+    assert status != 0
+
+
+def test_a_requeue_that_slurm_refuses_ends_the_job_naming_slurms_reason(tmp_path):
+    """A job submitted with --no-requeue whose planner could not tell: Slurm's refusal, in one line."""
+    folder = tmp_path / "slurm"
+    folder.mkdir()
+    (folder / "requeue_refused").write_text("scontrol: error: Requested operation is presently disabled for job 7\n")
+    status, log, folder = sbatch(tmp_path, planner="exit 1")
+    assert status == 1 and fake_slurm.calls(folder, "scontrol requeue") == ["scontrol requeue 7"], log
+    assert (
+        "slurm.sbatch: Slurm did not requeue job 7 (scontrol: error: Requested operation is presently disabled for "
+        "job 7): the job ends with status 1"
+    ) in log, log
+
+
+def test_a_damaged_log_line_does_not_end_the_job(tmp_path):
+    """The campaign's sb_trace_ends: a `[1,2]` line in metrics.jsonl ended a job that had lost a node."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 3}\n[1,2]\n')
+    status, log, folder = sbatch(tmp_path)
+    assert status == 0 and len(fake_slurm.calls(folder, "srun")) == 2, log
+    assert f"warning: {tmp_path / 'run' / 'metrics.jsonl'}: skipped 1 unreadable line(s) (line 2:" in log, log
+
+
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("TXL_RANKS_PER_NODE", "0", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "abc", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "-1", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "1.5", "a whole number from 1 to 4096"),
+        ("TXL_RANKS_PER_NODE", "99999999999999999999", "a whole number from 1 to 4096"),
+        ("TXL_MIN_NODES", "abc", "a whole number of at least 1"),
+        ("TXL_MAX_RELAUNCHES", "-1", "a whole number of at least 0"),
+    ],
+)
+def test_a_bad_variable_stops_the_job_before_anything_starts(tmp_path, name, value, allowed):
+    status, log, folder = sbatch(tmp_path, environ={name: value})
+    assert (status, log) == (2, f"slurm.sbatch: error: {name}={value!r} is not allowed: {allowed}\n")
+    assert fake_slurm.calls(folder, "srun") == [] and fake_slurm.calls(folder, "scontrol requeue") == []
+
+
+def test_a_python_that_does_not_run_stops_the_job_naming_txl_python(tmp_path):
+    status, log, folder = sbatch(tmp_path, environ={"TXL_PYTHON": "/no/such/python"})
+    assert (status, log) == (
+        2,
+        "slurm.sbatch: error: TXL_PYTHON='/no/such/python' is not allowed: a Python command that runs here "
+        "(default python)\n",
+    )
+    assert fake_slurm.calls(folder, "srun") == []
+
+
+def test_ranks_per_node_from_the_variable_reach_srun(tmp_path):
+    status, log, folder = sbatch(tmp_path, srun_status=(0,), environ={"TXL_RANKS_PER_NODE": " 2 "})
+    assert status == 0 and "2 rank(s) per node, 1 CPU(s) per rank" in log, log
+    assert "--nodes=2 --ntasks-per-node=2 --ntasks=4 --cpus-per-task=1" in fake_slurm.calls(folder, "srun")[0]
+
+
+def test_a_relaunch_that_slurm_refuses_requeues_the_job_naming_slurms_reason(tmp_path):
+    """The relaunched step, refused by Slurm (here its memory, which the failed step still held), ended the job:
+    its one node is healthy, so the planner saw no lost node."""
+    refusal = "Unable to create step for job 7: Memory required by task is not available"
+    hook = f'[ -e {{folder}}/relaunched ] && echo "srun: error: {refusal}" >&2; touch {{folder}}/relaunched\n'
+    status, log, folder = sbatch(tmp_path, srun_status=(1, 1), hooks={"srun": hook})
+    assert len(fake_slurm.calls(folder, "srun")) == 2, log
+    assert fake_slurm.calls(folder, "scontrol requeue") == ["scontrol requeue 7"], log
+    assert f"slurm.sbatch: Slurm refused the relaunched step ({refusal}): requeueing the job" in log, log
+
+
+def test_every_step_takes_the_jobs_memory_without_reserving_a_share(tmp_path):
+    status, log, folder = sbatch(tmp_path)
+    assert status == 0 and all(" --mem=0 " in call for call in fake_slurm.calls(folder, "srun")), log

@@ -70,15 +70,23 @@ TIME_LIMIT_SIGNAL = "--signal=B:USR1@10"
 
 
 def sbatch_job(
-    cluster, directory: Path, steps: int, *options: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+    cluster,
+    directory: Path,
+    steps: int,
+    *options: str,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    memory: tuple[str, ...] = ("--mem=1500",),
 ) -> int:
+    """The run of STEPS steps submitted as `sbatch OPTIONS launchers/slurm.sbatch ...`; MEMORY is the job's memory
+    request (none: the cluster's DefMemPerCPU)."""
     signal = () if any(option.startswith("--signal") for option in options) else (TIME_LIMIT_SIGNAL,)
     return cluster.sbatch(
         [
             "--nodes=2",
             "--ntasks-per-node=1",
             "--cpus-per-task=1",
-            "--mem=1500",
+            *memory,
             f"--output={directory}/slurm-%j.out",
             *signal,
             *options,

@@ -46,16 +46,31 @@ def _print_cost_of_the_loss(directory: Path, lost_at: int, timeout: float = 240)
     print(f"lost at step {lost_at}: " + ", ".join(f"{mark} after {seconds:.0f} s" for mark, seconds in marks.items()))
 
 
-def test_a_lost_node_costs_a_relaunch_on_the_node_left_within_the_same_job(slurm_cluster, shared, reference_run):
+@pytest.mark.parametrize(
+    "memory",
+    [(), ("--mem-per-cpu=1500",), ("--mem=1500",), ("--mem=0",)],
+    ids=["DefMemPerCPU", "mem-per-cpu", "mem", "mem0"],
+)
+def test_a_lost_node_costs_a_relaunch_on_the_node_left_within_the_same_job(
+    slurm_cluster, shared, reference_run, memory
+):
     """The second node dies (every process of it, and its link) at step 60: the ranks name it, Slurm marks it
     DOWN, and the batch script starts the step again on the first node alone, inside the same allocation
     (--no-kill). The one rank resumes from the step-50 checkpoint with 4 accumulation steps instead of 2 and
     finishes the run: the same data in the same order (checksums equal) and the same losses within float
-    tolerance, without a requeue."""
+    tolerance, without a requeue. Under each of Slurm's memory requests: with memory per CPU (the cluster's
+    DefMemPerCPU, --mem-per-cpu) the failed step, still RUNNING in Slurm's books, held the memory that a relaunch
+    with --overlap alone asked for ("Memory required by task is not available"), and the job ended."""
     directory = fresh(shared, "elastic")
     steps = 100
     job = sbatch_job(
-        slurm_cluster, directory, steps, "--time=5", "--signal=B:USR1@10", extra=("train.stall_timeout=20",)
+        slurm_cluster,
+        directory,
+        steps,
+        "--time=5",
+        "--signal=B:USR1@10",
+        extra=("train.stall_timeout=20",),
+        memory=memory,
     )
     running_at_step(slurm_cluster, job, directory, 60)  # past the checkpoint of step 50
     lost = slurm_cluster.nodes[1]

@@ -350,3 +350,55 @@ def test_below_the_node_floor_a_lost_node_ends_the_job_naming_it_and_the_next_jo
     ]
     got = losses(directory / "run")
     assert all(got[step] == reference[step] for step in range(newest + 1, newest + 11))
+
+
+def test_a_time_limit_signal_while_the_relaunch_is_planned_still_requeues_the_job(slurm_cluster, shared, reference):
+    """TXL_MAX_RELAUNCHES=0: a lost node sends the job back to the queue. The time limit's USR1 lands while the
+    planner decides (a TXL_PYTHON wrapper sends it to the batch script, as Slurm's --signal=B: does, on the first
+    run only): the job is requeued once, and its next run resumes from the checkpoint of step 50 with the
+    reference's losses. Before, the log said "requeueing" twice, no requeue came and the job ended FAILED."""
+    directory = fresh(shared, "signalplan")
+    signalled = directory / "signalled"
+    wrapper = directory / "python"
+    # The batch script: the first ancestor whose parent runs another program (the planner runs in a command
+    # substitution, a fork of the script with the script's command line).
+    wrapper.write_text(
+        "#!/bin/bash\n"
+        f'if [ "$2" = txl_dist.world.slurm_nodes ] && [ "$3" = relaunch ] && [ ! -e {signalled} ]; then\n'
+        "  script=$PPID\n"
+        '  parent() { cut -d" " -f4 "/proc/$1/stat"; }\n'
+        '  while cmp -s "/proc/$script/cmdline" "/proc/$(parent "$script")/cmdline"; do\n'
+        '    script=$(parent "$script")\n'
+        "  done\n"
+        f'  touch {signalled} && kill -USR1 "$script" && sleep 1\n'
+        "fi\n"
+        f'exec {PYTHON} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    steps = 80
+    job = sbatch_job(
+        slurm_cluster,
+        directory,
+        steps,
+        "--time=5",
+        env={"TXL_PYTHON": str(wrapper), "TXL_MAX_RELAUNCHES": "0"},
+        extra=("train.stall_timeout=20",),
+    )
+    running_at_step(slurm_cluster, job, directory, 60)  # past the checkpoint of step 50
+    lost = slurm_cluster.nodes[1]
+    slurm_cluster.kill_node(lost)
+    try:
+        deadline = time.monotonic() + 120
+        while "requeueing job" not in job_output(directory) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        slurm_cluster.restart_node(lost)
+        slurm_cluster.resume_node(lost)
+    assert slurm_cluster.wait_job(job, "COMPLETED", timeout=240) == "COMPLETED", job_output(directory)[-3000:]
+    out = job_output(directory)
+    first, _, second = out.partition("(restart 1)")
+    assert signalled.exists() and second, out[-3000:]
+    assert "TXL_MAX_RELAUNCHES=0: requeueing the job" in first and "time limit near" in first, first[-3000:]
+    assert first.count("requeueing job") == 1 and "relaunching" not in first, first[-3000:]
+    assert re.search(r"resumed from \S+step00000050 at step 50 \(exact", second), second[-3000:]
+    assert_same_losses(directory / "run", reference, steps)
