@@ -233,10 +233,12 @@ def fabricated_lm1b_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers():
-    """Every DeepSpeed run on the CPU accelerator leaves /dev/shm/deepspeed_allreduce_buffer_* files (66 MiB
-    each, named ``..._{master address}_{master port}_{rank}``): remove this test's after it so they do not pile up
-    in memory. Only the ports this session handed out: removing another session's live buffer (a parallel run on a
-    shared machine) makes its ranks wait for each other forever in DeepSpeed's start-up."""
+    """A DeepSpeed run on the CPU accelerator creates /dev/shm/deepspeed_allreduce_buffer_* files (66 MiB each,
+    named ``..._{master address}_{master port}_{rank}``); the ranks remove theirs once all are mapped
+    (process_group.release_shm_buffer), but a run killed during start-up, or a test's own DeepSpeed process group,
+    may still leave one: remove this test's after it so they do not pile up in memory. Only the ports this session
+    handed out: removing another session's live buffer (a parallel run on a shared machine) makes its ranks wait
+    for each other forever in DeepSpeed's start-up."""
     from tests.launcher import remove_shm_buffers
 
     yield

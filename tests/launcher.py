@@ -54,6 +54,13 @@ def remove_shm_buffers(directory: Path = Path("/dev/shm")) -> list[Path]:
     return removed
 
 
+def shm_buffers_left(command: list[str], directory: Path = Path("/dev/shm")) -> list[Path]:
+    """The shared-memory all-reduce buffers of the run that ``command`` (a `launcher_command` or
+    `torchrun_command`) started that are still in ``directory``: by its master port."""
+    port = command[command.index("--master_port") + 1]
+    return sorted(directory.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def launcher_command(
     script: str, args: list[str], nprocs: int = 2, launcher_flags: list[str] | None = None
 ) -> list[str]:

@@ -28,6 +28,7 @@ from tests.launcher import (
     rank_processes,
     records,
     run,
+    shm_buffers_left,
     start,
     tail,
     torchrun_command,
@@ -64,10 +65,15 @@ def args(shards: Path, output_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+REFERENCE_COMMAND: list[str] = []
+"""The command of the reference run, for the buffers it may have left."""
+
+
 @pytest.fixture(scope="module")
 def reference(ptb_word_shards, tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("reference")
-    run(launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={STEPS}")))
+    REFERENCE_COMMAND[:] = launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={STEPS}"))
+    run(REFERENCE_COMMAND)
     return output
 
 
@@ -104,6 +110,8 @@ def test_reference_run_trains_and_reports(reference):
     evals = records(reference, "eval")
     assert list(evals) == [STEPS] and evals[STEPS]["targets"] == 73760 - 1  # PTB valid, every target once
     assert latest(reference) == "step00000040"
+    # DeepSpeed's shared-memory all-reduce buffers (2 x 66 MiB) are the run's to remove, not the node's reboot.
+    assert shm_buffers_left(REFERENCE_COMMAND) == []
 
 
 def test_exact_resume_gives_identical_losses(reference, first_half, ptb_word_shards, tmp_path):
@@ -195,11 +203,13 @@ def _check_complete(tag_dir: Path, step: int, reference: Path) -> None:
 
 def test_kill9_fails_the_launcher_and_resume_uses_the_last_complete_checkpoint(reference, ptb_word_shards, tmp_path):
     output = tmp_path / "killed"
-    process = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400", "checkpoint.every=5")))
+    command = launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400", "checkpoint.every=5"))
+    process = start(command)
     wait_for_step(output, 12, process)
     rank_processes(process)[1].kill()
     out = finish(process)
     assert process.returncode != 0
+    assert shm_buffers_left(command) == []  # not even the killed rank's
     # One line from the ranks that name the dead one (not the 36 lines of gloo's "Connection reset by peer").
     errors = [line for line in out.splitlines() if line.startswith("train.py: error")]
     assert len(errors) == 1 and errors[0].startswith("train.py: error: rank 1 (") and " died " in errors[0], out[-4000:]
@@ -475,8 +485,10 @@ def test_a_shard_damaged_where_only_rank_1_reads_stops_every_rank_with_one_messa
     shards = tmp_path / "shards"
     shutil.copytree(ptb_word_shards, shards)
     _overwrite_middle(shards / "train-000005.tar", size=64)  # rank 1's third stream starts in it
-    result = run(launcher_command(TRAIN, args(shards, tmp_path / "damaged_shard", "train.max_steps=4")), check=False)
+    command = launcher_command(TRAIN, args(shards, tmp_path / "damaged_shard", "train.max_steps=4"))
+    result = run(command, check=False)
     assert result.returncode != 0
+    assert shm_buffers_left(command) == []
     _one_error(tail(result, 300), "train.py: error on rank 1 (")
     assert "train-000005.tar" in tail(result, 300)
 

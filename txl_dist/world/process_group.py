@@ -16,6 +16,10 @@
    rank that never got the user's variables is the usual cause: ``deepspeed --hostfile`` forwards only a few
    variable families and ``.deepspeed_env``).
 4. The process group, on that store, and DeepSpeed's communication wrapper around it.
+5. `release_shm_buffer`: on the CPU, DeepSpeed's wrapper creates one shared-memory all-reduce buffer per rank
+   (``/dev/shm/deepspeed_allreduce_buffer_{uid}_{address}_{port}_{rank}``, 66 MiB) and maps every other rank's;
+   once every rank has mapped them all, each removes the name of its own. The mappings live on to the process's
+   end, and no exit, however abrupt, leaves a buffer behind in the node's memory.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ from txl_dist.world.guard import ReportedByRankZero
 log = logging.getLogger("txl_dist.training")
 
 SHM_OP_NAME = "deepspeed_shm_comm"
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{address}_{port}_{rank}"
+"""The name DeepSpeed's CPU op gives a rank's all-reduce buffer (ops/csrc/cpu/comm/shm.cpp), from the rendezvous
+variables it reads (MASTER_ADDR, MASTER_PORT)."""
 ENVIRONMENT_KEY = "txl_dist/environment/{rank}"
 STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -251,6 +258,7 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
             timeout=default_pg_timeout,
         )
     deepspeed.init_distributed()
+    release_shm_buffer(dist.get_rank(), dist.get_world_size())
     # pdsh's ranks have only what .deepspeed_env (wherever DS_ENV_FILE put it) or a login shell gave them.
     forwarded = any(os.environ.get(key) for key in launch_env.RUN_VARIABLES if key != "TORCH_EXTENSIONS_DIR") or any(
         (Path(directory) / ".deepspeed_env").is_file() for directory in (os.path.expanduser("~"), os.getcwd())
@@ -263,6 +271,25 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
             ", ".join(launch_env.RUN_VARIABLES[:3]),
         )
     return dist.get_rank(), dist.get_world_size(), records
+
+
+def shm_buffer_path(rank: int, environ: dict[str, str] | os._Environ = os.environ) -> Path:
+    """Where DeepSpeed's CPU op keeps rank ``rank``'s all-reduce buffer in this launch."""
+    address, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
+    return Path(SHM_BUFFER.format(uid=os.getuid(), address=address, port=port, rank=rank))
+
+
+def release_shm_buffer(rank: int, world_size: int) -> None:
+    """Collective: remove the name of this rank's shared-memory buffer once every rank has mapped every buffer
+    (DeepSpeed's op maps the others' while the wrapper starts, before the barrier). A name that is not there (no
+    shared-memory op: an accelerator, ranks on several nodes) is nothing to do."""
+    if get_accelerator().device_name() != "cpu":
+        return  # the op is the CPU accelerator's (the ranks agree on the accelerator: agree_on_environment)
+    path = shm_buffer_path(rank)
+    if world_size > 1:
+        dist.barrier()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 def _started_over_ssh() -> bool:
