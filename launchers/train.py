@@ -37,6 +37,7 @@ import sys
 import warnings
 
 from txl_dist.exit_status import USAGE_ERROR, print_error, run_command
+from txl_dist.run_layout import fault_log
 from txl_dist.training.arguments import build_arg_parser
 from txl_dist.world import launch_env
 from txl_dist.world.guard import RunGuard
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         # the guard's watch thread.
         guard.close()
         raise
+    guard.fault_log = fault_log(cfg.train.output_dir)  # the run folder exists and takes files (resolve_run_config)
     try:
         _launch_environment()
     except ValueError as error:  # a launch whose processes cannot form one world: nothing has started

@@ -5,8 +5,11 @@ Each answers from the files of one folder, as Slurm would for one job: ``job`` (
 record), ``nodes`` (one ``scontrol show node -o`` record a line), ``srun_status`` (the exit status of each srun in
 turn, one a line; 0 once they are used up), ``requeue_refused`` (when it exists, `scontrol requeue` fails with its
 text, as Slurm refuses a job submitted with --no-requeue) and ``calls`` (every command line they were given, one a
-line, appended). ``hooks/NAME`` is run by the fake NAME (srun, scontrol-requeue) before it answers, with the
-folder as its working directory: where a test sends the batch script a signal at that moment.
+line, appended) and ``dead_nodes`` (nodes on which a one-task ``srun ... hostname``, the planner's question
+whether a node still runs a step, fails as srun does for a dead node; it prints the node's name elsewhere).
+``hooks/NAME`` is run by the fake NAME (srun, scontrol-requeue) before it answers, with the folder as its working
+directory and the caller's environment (TXL_LAUNCH, for a training step): where a test sends the batch script a
+signal, or writes what the ranks of a failing step would record, at that moment.
 """
 
 from __future__ import annotations
@@ -45,6 +48,15 @@ def expand(hostlist):
     return names
 
 
+if name == "srun" and args[-1:] == ["hostname"]:
+    node = [arg.split("=", 1)[1] for arg in args if arg.startswith("--nodelist=")][0]
+    dead = (folder / "dead_nodes").read_text().split() if (folder / "dead_nodes").exists() else []
+    if node in dead:
+        print(f"srun: error: Task launch for StepId=7.9 failed on node {{node}}: Communication connection failure",
+              file=sys.stderr)
+        sys.exit(1)
+    print(node)
+    sys.exit(0)
 if name == "srun":
     hook("srun")
     statuses = (folder / "srun_status").read_text().split() if (folder / "srun_status").exists() else []

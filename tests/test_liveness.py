@@ -4,6 +4,7 @@ after a build killed midway starts. (The same on a real two-node Slurm cluster: 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,6 +78,12 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_the_job_ends_non_z
     line_logged = [line for line in out.splitlines() if "has made no progress for" in line][0]
     stalled_for = int(line_logged.split("has made no progress for ")[1].split(" s")[0])
     assert 6 <= stalled_for <= 20 and took < 80, (stalled_for, took)
+    # The same, as a record for what decides the next step (the Slurm batch script: txl_dist.world.faults).
+    recorded = [json.loads(line) for line in (output / "faults.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["rank"], r["host"], r["reporter"]) for r in recorded] == [
+        ("stalled", 1, os.uname().nodename, 0)
+    ], recorded
+    assert recorded[0]["message"] == errors[0] and isinstance(recorded[0]["step"], int), recorded
 
 
 def test_ranks_that_disagree_on_their_environment_stop_before_training(ptb_word_shards, tmp_path):

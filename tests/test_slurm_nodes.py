@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def run_decide(case: Situation, limits=DEFAULTS, holds=lambda world: True, progr
 def test_a_node_removed_from_the_job_is_lost_and_the_step_goes_on_without_it():
     states = healthy("n3")
     decision, said = run_decide(situation(states, job_nodes=["n1", "n2", "n4"]))
-    assert decision == "relaunch 3 n1,n2,n4"
+    assert decision == "relaunch 3 n1,n2,n4 -"
     assert said[0] == (
         "lost n3 (removed from the job by Slurm, State=DOWN+NOT_RESPONDING) at step 63; newest checkpoint: "
         "checkpoint step 50"
@@ -59,17 +60,125 @@ def test_a_node_removed_from_the_job_is_lost_and_the_step_goes_on_without_it():
 def test_a_node_still_in_the_job_but_unusable_is_lost(state):
     states = {**healthy(), "n2": state}
     decision, said = run_decide(situation(states))
-    assert decision == "relaunch 3 n1,n3,n4", said
+    assert decision == "relaunch 3 n1,n3,n4 -", said
     assert said[0].startswith(f"lost n2 (State={state})")
 
 
-def test_a_failure_on_healthy_nodes_is_not_a_lost_node():
-    decision, said = run_decide(situation(healthy()))
+def fault(kind: str, rank: int, host: str | None, step: int | None = 61, message: str = "", **more) -> dict:
+    """A rank's record in the fault log, as txl_dist.world.guard writes it."""
+    text = message or f"train.py: error: rank {rank} ({host}) {kind}"
+    return {"kind": kind, "rank": rank, "host": host, "step": step, "message": text, "world_size": 4, **more}
+
+
+def test_a_failure_on_healthy_nodes_is_retried_on_the_same_nodes():
+    """A rank that failed while every node is healthy (the OOM killer, a crash): the same nodes again, so the world
+    and the run stay those of the uninterrupted run. Before, the job ended."""
+    error = fault("error", 2, "n3", message="train.py: error on rank 2 (n3): [Errno 5] Input/output error")
+    case = situation(healthy(), requeueable=True)
+    decision, said = run_decide(Situation(**{**case.__dict__, "failures": [error]}))
+    assert decision == "relaunch 4 n1,n2,n3,n4 -"
+    assert said == [
+        "the training step failed at step 63 on nodes that are healthy (n1 ALLOCATED, n2 ALLOCATED, n3 ALLOCATED, "
+        "n4 ALLOCATED): rank 2 (n3) at step 61: train.py: error on rank 2 (n3): [Errno 5] Input/output error; "
+        "relaunch 1 of 3 (TXL_MAX_RELAUNCHES) on the same nodes: world 4 as before; resuming from checkpoint step "
+        "50, 13 step(s) recomputed"
+    ]
+
+
+def with_(case: Situation, **changes) -> Situation:
+    return Situation(**{**case.__dict__, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"status": 2}, {"failures": [fault("refused", 0, "n1", message="train.py: error: data.shards: no manifest")]}],
+    ids=["exit-2", "refused-record"],
+)
+def test_a_rank_that_refused_its_input_is_never_retried(changes):
+    decision, said = run_decide(with_(situation(healthy(), requeueable=True), **changes))
+    assert decision == "end" and len(said) == 1, said
+    assert said[0].startswith("a rank refused its input (") and "so the job ends" in said[0], said
+
+
+def test_a_failure_that_comes_back_at_the_same_step_ends_the_job_in_one_line():
+    """Relaunched once after a failure at step 61, the run fails at step 61 again: the job ends with one line
+    naming the step, the rank and its error, instead of relaunching (or requeueing) into the same failure."""
+    error = fault("died", 1, "n2", message="train.py: error: rank 1 (n2, PID 9) died without reporting an error")
+    case = with_(situation(healthy(), relaunches=1, requeueable=True), failures=[error], previous_failure=61)
+    decision, said = run_decide(case)
     assert decision == "end"
     assert said == [
-        "the training step failed on nodes that Slurm reports healthy (n1 ALLOCATED, n2 ALLOCATED, n3 ALLOCATED, "
-        "n4 ALLOCATED): not a lost node, so no relaunch"
+        "the failure came back at step 61 after a relaunch (rank 1 (n2) at step 61: train.py: error: rank 1 (n2, "
+        "PID 9) died without reporting an error): not retrying it again, the job ends; the same command resumes "
+        "from the newest checkpoint once the cause is fixed"
     ]
+    assert run_decide(with_(case, previous_failure=58))[0] == "relaunch 4 n1,n2,n3,n4 -"
+    # Without a record of the ranks, the step reached (the log and the checkpoints) tells.
+    assert run_decide(with_(case, failures=[], previous_failure=63))[0] == "end"
+
+
+def test_failures_on_healthy_nodes_past_the_bound_end_the_job():
+    decision, said = run_decide(with_(situation(healthy(), relaunches=3, requeueable=True)))
+    assert decision == "end"
+    assert said[-1].endswith("after 3 relaunch(es) in this job, TXL_MAX_RELAUNCHES=3: the job ends"), said
+
+
+def test_a_rank_named_stalled_leaves_its_node_out_whatever_slurm_says():
+    """Slurm still calls n2 ALLOCATED (it would mark it DOWN after SlurmdTimeout, 300 s by default): the ranks'
+    word is enough to leave it out at once."""
+    stalled = fault("stalled", 1, "n2", message="train.py: error: rank 1 (n2, PID 7) has made no progress for 20 s")
+    named = slurm_nodes.named_by_the_ranks([stalled], NODES, 1, answers=lambda node: pytest.fail("no probe"))
+    assert named == {"n2": "named by the ranks: rank 1 (n2) at step 61: " + stalled["message"]}
+    decision, said = run_decide(with_(situation(healthy()), failures=[stalled], named=named))
+    assert decision == "relaunch 3 n1,n3,n4 -"
+    assert said[0].startswith("lost n2 (named by the ranks: rank 1 (n2) at step 61: ") and "at step 63;" in said[0]
+
+
+def test_a_dead_rank_costs_its_node_only_when_slurm_cannot_run_a_step_there():
+    died = fault("died", 2, "n3.cluster.example", message="train.py: error: rank 2 (n3) died")
+    asked = []
+
+    def answers(node):
+        asked.append(node)
+        return None if node == "n3" else "no answer"
+
+    assert slurm_nodes.named_by_the_ranks([died], NODES, 1, answers) == {} and asked == ["n3"]
+    named = slurm_nodes.named_by_the_ranks([died], NODES, 1, lambda node: "srun failed (exit 1): refused")
+    assert named == {"n3": "named by the ranks and no step runs there: srun failed (exit 1): refused"}
+
+
+def test_a_rank_whose_host_is_unknown_is_placed_by_slurms_block_distribution():
+    """The rank that died was rank 0, whose identity went with the rendezvous store: rank 5 of 8 ranks on 4 nodes
+    runs on the third."""
+    assert slurm_nodes.node_of({"rank": 5, "host": None, "world_size": 8}, NODES, 2) == "n3"
+    assert slurm_nodes.node_of({"rank": 5, "host": None, "world_size": 6}, NODES, 2) is None  # another world
+    assert slurm_nodes.node_of({"rank": 0, "host": "elsewhere", "world_size": 3}, NODES, 1) is None
+
+
+def spares_case(states: dict[str, str], spares=("n5", "n6"), job_nodes=None) -> Situation:
+    job = list(NODES) + list(spares) if job_nodes is None else job_nodes
+    return with_(situation({**states}, job_nodes=job), spares=list(spares))
+
+
+def test_a_spare_takes_the_place_of_a_lost_node_and_the_world_keeps_its_size():
+    states = {**healthy("n2"), "n5": "IDLE", "n6": "IDLE"}
+    decision, said = run_decide(spares_case(states))
+    assert decision == "relaunch 4 n1,n5,n3,n4 n6"
+    assert "spare n5 takes the place of n2: the world keeps its size" in said
+    assert said[-1].startswith(
+        "relaunch 1 of 3 (TXL_MAX_RELAUNCHES) on n1,n5,n3,n4: world 4 -> 4 rank(s), the same micro-batches"
+    )
+
+
+def test_an_unusable_spare_is_dropped_and_without_spares_the_world_shrinks():
+    states = {**healthy("n2", "n4"), "n5": "IDLE+DRAIN", "n6": "IDLE"}
+    decision, said = run_decide(spares_case(states))
+    assert decision == "relaunch 3 n1,n6,n3 -"
+    assert "spare n5 is not usable (State=IDLE+DRAIN): dropped" in said
+    assert "spare n6 takes the place of n2: the world keeps its size" in said
+    assert said[-1].startswith(
+        "relaunch 1 of 3 (TXL_MAX_RELAUNCHES) on n1,n6,n3: world 4 -> 3 rank(s), the same global batch"
+    )
 
 
 @pytest.mark.parametrize("requeueable, expected", [(False, "end"), (True, "requeue")])
@@ -84,7 +193,7 @@ def test_past_the_bound_the_job_ends():
     decision, said = run_decide(situation(healthy("n4"), relaunches=2), Limits(max_relaunches=2))
     assert decision == "end"
     assert said[-1].startswith("2 relaunch(es) in this job already, TXL_MAX_RELAUNCHES=2: ending the job"), said
-    assert run_decide(situation(healthy("n4"), relaunches=1), Limits(max_relaunches=2))[0] == "relaunch 3 n1,n2,n3"
+    assert run_decide(situation(healthy("n4"), relaunches=1), Limits(max_relaunches=2))[0] == "relaunch 3 n1,n2,n3 -"
 
 
 def test_the_world_is_the_largest_that_holds_the_global_batch(tmp_path):
@@ -92,7 +201,7 @@ def test_the_world_is_the_largest_that_holds_the_global_batch(tmp_path):
     holds = slurm_nodes.batch_holds(["--config", "configs/tiny_cpu.yaml", f"train.output_dir={tmp_path}"], 4)
     assert [holds(world) for world in (4, 3, 2, 1)] == [True, False, True, True]
     decision, said = run_decide(situation(healthy("n2")), holds=holds)
-    assert decision == "relaunch 2 n1,n3"
+    assert decision == "relaunch 2 n1,n3 -"
     assert "3 node(s) would not hold the global batch; using 2 of the 3 left" in said
     decision, said = run_decide(situation(healthy("n2")), Limits(min_nodes=3), holds=holds)
     assert decision == "end" and said[-1].startswith("the global batch does not split over 3 rank(s)"), said
@@ -101,7 +210,7 @@ def test_the_world_is_the_largest_that_holds_the_global_batch(tmp_path):
 def test_the_batch_host_stays_in_the_step_as_rank_0():
     case = Situation(NODES, NODES, healthy("n1"), "n3", 1, 0, False)
     decision, _ = run_decide(case, holds=lambda world: world != 3)
-    assert decision == "relaunch 2 n3,n2"
+    assert decision == "relaunch 2 n3,n2 -"
 
 
 @pytest.mark.parametrize(
@@ -111,10 +220,21 @@ def test_the_batch_host_stays_in_the_step_as_rank_0():
         ({"TXL_MIN_NODES": "two"}, "TXL_MIN_NODES='two' is not allowed: a whole number of at least 1"),
         ({"TXL_MAX_RELAUNCHES": "-1"}, "TXL_MAX_RELAUNCHES='-1' is not allowed: a whole number of at least 0"),
         ({"TXL_MIN_NODES": "3"}, "TXL_MIN_NODES=3 is more than the job's 2 node(s)"),
+        ({"TXL_SPARE_NODES": "x"}, "TXL_SPARE_NODES='x' is not allowed: a whole number of at least 0"),
+        (
+            {"TXL_SPARE_NODES": "2"},
+            "TXL_SPARE_NODES=2 leaves 0 of the job's 2 node(s) to train on, fewer than TXL_MIN_NODES=1; allowed: 0 "
+            "to 1",
+        ),
+        (
+            {"TXL_SPARE_NODES": "1", "TXL_MIN_NODES": "2"},
+            "TXL_SPARE_NODES=1 leaves 1 of the job's 2 node(s) to train on, fewer than TXL_MIN_NODES=2; allowed: 0 "
+            "to 0",
+        ),
     ],
 )
 def test_bad_limits_are_refused_in_one_line_at_the_start_of_the_job(environ, message, monkeypatch, capsys):
-    for name in ("TXL_MIN_NODES", "TXL_MAX_RELAUNCHES"):
+    for name in ("TXL_MIN_NODES", "TXL_MAX_RELAUNCHES", "TXL_SPARE_NODES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
@@ -124,7 +244,8 @@ def test_bad_limits_are_refused_in_one_line_at_the_start_of_the_job(environ, mes
 
 
 def test_limits_default_to_a_floor_of_one_node_and_three_relaunches():
-    assert slurm_nodes.read_limits({}, 2) == Limits(1, 3)
+    assert slurm_nodes.read_limits({}, 2) == Limits(1, 3, 0)
+    assert slurm_nodes.read_limits({"TXL_SPARE_NODES": " 1 "}, 3) == Limits(1, 3, 1)
     assert slurm_nodes.read_limits({"TXL_MIN_NODES": "2", "TXL_MAX_RELAUNCHES": "0"}, 2) == Limits(2, 0)
 
 
@@ -208,7 +329,7 @@ def test_the_step_reached_is_the_newest_of_the_log_and_the_checkpoints(tmp_path,
     _checkpoint(tmp_path, 20)
     assert slurm_nodes.run_progress(tmp_path) == (20, 20)
     decision, said = run_decide(situation(healthy("n4")), progress=slurm_nodes.run_progress(tmp_path))
-    assert decision == "relaunch 3 n1,n2,n3"
+    assert decision == "relaunch 3 n1,n2,n3 -"
     assert said[0].endswith("at step 20; newest checkpoint: checkpoint step 20"), said
     assert said[-1].endswith("resuming from checkpoint step 20, 0 step(s) recomputed"), said
 
@@ -236,7 +357,7 @@ def test_the_step_reached_is_the_newest_of_the_log_and_the_checkpoints(tmp_path,
 def test_the_states_slurm_documents_as_usable_keep_a_node(state):
     assert slurm_nodes.usable(state)
     decision, said = run_decide(situation({**healthy(), "n2": state}))
-    assert decision == "end", said
+    assert decision == "relaunch 4 n1,n2,n3,n4 -" and "on the same nodes" in said[-1], said
 
 
 @pytest.mark.parametrize(
@@ -261,14 +382,14 @@ def test_the_states_slurm_documents_as_usable_keep_a_node(state):
 def test_every_other_state_is_unusable_and_named(state, named):
     assert not slurm_nodes.usable(state)
     decision, said = run_decide(situation({**healthy(), "n2": state}))
-    assert decision == "relaunch 3 n1,n3,n4", said
+    assert decision == "relaunch 3 n1,n3,n4 -", said
     assert said[0].startswith(f"lost n2 ({named}) at step 63"), said
 
 
 def test_a_node_slurm_no_longer_knows_is_named_so():
     states = {node: "MIXED" for node in ("n1", "n3", "n4")}
     decision, said = run_decide(situation(states, job_nodes=NODES))
-    assert decision == "relaunch 3 n1,n3,n4" and said[0].startswith("lost n2 (unknown to Slurm)"), said
+    assert decision == "relaunch 3 n1,n3,n4 -" and said[0].startswith("lost n2 (unknown to Slurm)"), said
 
 
 @pytest.mark.parametrize(
@@ -320,7 +441,7 @@ def test_a_damaged_log_does_not_decide_the_relaunch(tmp_path):
     _checkpoint(run, 10)
     (run / "metrics.jsonl").write_text('{"kind": "train", "step": 14}\n[1,2]\n{"kind": "train", "step": 15}\n')
     status, out, err = relaunch(tmp_path, JOB, LOST_N2)
-    assert (status, out) == (0, "relaunch 1 n1\n"), err
+    assert (status, out) == (0, "relaunch 1 n1 -\n"), err
     assert f"warning: {run / 'metrics.jsonl'}: skipped 1 unreadable line(s) (line 2: a JSON list" in err
     assert "at step 15; newest checkpoint: checkpoint step 10" in err and "5 step(s) recomputed" in err, err
 
@@ -433,10 +554,14 @@ def _signal_at(signal: str, when: str) -> dict:
 PLANS = {
     "relaunch": {},
     "requeue": {"environ": {"TXL_MAX_RELAUNCHES": "0"}},
-    "end": {"nodes": {"n1": "MIXED", "n2": "MIXED"}, "job": JOB.replace("NodeList=n1", "NodeList=n[1-2]")},
+    "end": {
+        "nodes": {"n1": "MIXED", "n2": "MIXED"},
+        "job": JOB.replace("NodeList=n1", "NodeList=n[1-2]"),
+        "srun_status": (2, 0),
+    },
 }
 """The three answers of the planner to the failed first step, and what makes it give each: n2 lost with a relaunch
-left, n2 lost with none left (TXL_MAX_RELAUNCHES=0), no node lost (the step failed on healthy nodes)."""
+left, n2 lost with none left (TXL_MAX_RELAUNCHES=0), no node lost and a rank that refused its input (exit 2)."""
 
 # (plan, signal) -> (srun calls, `scontrol requeue` calls, the script's status). Without a signal the plan is
 # followed; the time limit (USR1) turns a relaunch into a requeue and keeps a requeue; SIGTERM (scancel, or a
@@ -444,13 +569,13 @@ left, n2 lost with none left (TXL_MAX_RELAUNCHES=0), no node lost (the step fail
 POLICY = {
     ("relaunch", None): (2, 0, 0),
     ("requeue", None): (1, 1, 1),
-    ("end", None): (1, 0, 1),
+    ("end", None): (1, 0, 2),
     ("relaunch", "USR1"): (1, 1, 0),
     ("requeue", "USR1"): (1, 1, 1),
-    ("end", "USR1"): (1, 0, 1),
+    ("end", "USR1"): (1, 0, 2),
     ("relaunch", "TERM"): (1, 0, 1),
     ("requeue", "TERM"): (1, 0, 1),
-    ("end", "TERM"): (1, 0, 1),
+    ("end", "TERM"): (1, 0, 2),
 }
 
 
@@ -481,7 +606,8 @@ def test_every_plan_and_stop_signal_ends_the_job_as_the_policy_says(tmp_path, pl
         "echo relaunch x n1; exit 0",
         "echo relaunch 1; exit 0",
         "echo maybe; exit 0",
-        "printf 'relaunch 1 n1\\nend\\n'; exit 0",
+        "printf 'relaunch 1 n1 -\\nend\\n'; exit 0",
+        "echo relaunch 1 n1; exit 0",
         "echo requeue now; exit 0",
         "kill -9 $$",
     ],
@@ -526,6 +652,8 @@ def test_a_damaged_log_line_does_not_end_the_job(tmp_path):
         ("TXL_RANKS_PER_NODE", "99999999999999999999", "a whole number from 1 to 4096"),
         ("TXL_MIN_NODES", "abc", "a whole number of at least 1"),
         ("TXL_MAX_RELAUNCHES", "-1", "a whole number of at least 0"),
+        ("TXL_SPARE_NODES", "one", "a whole number of at least 0"),
+        ("TXL_SPARE_NODES", "-1", "a whole number of at least 0"),
     ],
 )
 def test_a_bad_variable_stops_the_job_before_anything_starts(tmp_path, name, value, allowed):
@@ -564,3 +692,106 @@ def test_a_relaunch_that_slurm_refuses_requeues_the_job_naming_slurms_reason(tmp
 def test_every_step_takes_the_jobs_memory_without_reserving_a_share(tmp_path):
     status, log, folder = sbatch(tmp_path)
     assert status == 0 and all(" --mem=0 " in call for call in fake_slurm.calls(folder, "srun")), log
+
+
+# ---- the ranks' fault log, a rank lost on a healthy node, hot spares -----------------------------------------------
+
+HEALTHY_JOB = JOB.replace("NodeList=n1", "NodeList=n[1-2]")
+HEALTHY = {"n1": "MIXED", "n2": "MIXED"}
+
+
+def _record_hook(run: Path, kind: str, rank: int, host: str, step: int, then: str = "") -> dict:
+    """A fake srun hook that writes what the ranks of the failing step record (txl_dist.world.guard), under the
+    step's TXL_LAUNCH, then runs THEN."""
+    record = (
+        f'{{{{"kind": "{kind}", "rank": {rank}, "host": "{host}", "step": {step}, "world_size": 2, '
+        f'"message": "train.py: error: rank {rank} ({host}) {kind} at step {step}", "launch": "\'"$TXL_LAUNCH"\'"}}}}'
+    )
+    return {"srun": f"mkdir -p {run}; echo '{record}' >> {run}/faults.jsonl\n{then}"}
+
+
+def test_relaunch_reads_the_ranks_records_and_remembers_its_decision(tmp_path):
+    """`slurm_nodes relaunch` against fake Slurm: n2 is ALLOCATED for Slurm, its rank died and no step runs there:
+    lost at once. Its decision goes to the fault log, where the next failure finds it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    faults_path = run / "faults.jsonl"
+    record = fault("died", 1, "n2", world_size=2, launch="7.0.0", slurm_step="7.0")
+    faults_path.write_text(json.dumps(record) + "\n")
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "dead_nodes").write_text("n2\n")
+    status, out, err = relaunch(tmp_path, HEALTHY_JOB, HEALTHY, "--launch", "7.0.0", "--status", "137")
+    assert (status, out) == (0, "relaunch 1 n1 -\n"), err
+    assert "lost n2 (named by the ranks and no step runs there: srun failed (exit 1): srun: error: Task launch" in err
+    assert fake_slurm.calls(tmp_path / "slurm", "srun")[0].endswith("--nodelist=n2 --quiet hostname")
+    plan = json.loads(faults_path.read_text().splitlines()[-1])
+    assert (plan["kind"], plan["launch"], plan["lost"], plan["decision"]) == ("plan", "7.0.0", ["n2"], out.strip())
+
+
+def test_the_batch_script_relaunches_a_step_that_failed_on_healthy_nodes_on_the_same_nodes(tmp_path):
+    status, log, folder = sbatch(
+        tmp_path, job=HEALTHY_JOB, nodes=HEALTHY, hooks=_record_hook(tmp_path / "run", "died", 1, "n2", 61)
+    )
+    steps = [call for call in fake_slurm.calls(folder, "srun") if "launchers/train.py" in call]
+    assert status == 0 and len(steps) == 2, log
+    assert "--overlap --mem=0 --nodelist=n1,n2 --nodes=2 --ntasks-per-node=1 --ntasks=2" in steps[1], log
+    assert "relaunch 1 of 3 (TXL_MAX_RELAUNCHES) on the same nodes: world 2 as before" in log, log
+    assert fake_slurm.calls(folder, "scontrol requeue") == [], log
+
+
+def test_a_failure_repeated_at_the_same_step_ends_the_job_in_one_line_without_a_loop(tmp_path):
+    status, log, folder = sbatch(
+        tmp_path,
+        job=HEALTHY_JOB,
+        nodes=HEALTHY,
+        srun_status=(1, 1, 1, 1),
+        hooks=_record_hook(tmp_path / "run", "error", 0, "n1", 61),
+    )
+    steps = [call for call in fake_slurm.calls(folder, "srun") if "launchers/train.py" in call]
+    assert status == 1 and len(steps) == 2, log
+    came_back = [line for line in log.splitlines() if "came back" in line]
+    assert came_back == [
+        "slurm.sbatch: the failure came back at step 61 after a relaunch (rank 0 (n1) at step 61: train.py: error: "
+        "rank 0 (n1) error at step 61): not retrying it again, the job ends; the same command resumes from the "
+        "newest checkpoint once the cause is fixed"
+    ], log
+    assert fake_slurm.calls(folder, "scontrol requeue") == [], log
+
+
+def test_a_spare_node_replaces_a_lost_one_and_the_world_keeps_its_size(tmp_path):
+    """sbatch --nodes 3 with TXL_SPARE_NODES=1: n1 and n2 train, n3 waits; n2 is lost; n3 takes its place."""
+    job = "JobId=7 JobName=txl NodeList=n[1,3] BatchHost=n1 Requeue=1"
+    nodes = {"n1": "MIXED", "n2": "DOWN+NOT_RESPONDING", "n3": "IDLE"}
+    environ = {"SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "n[1-3]", "TXL_SPARE_NODES": "1"}
+    status, log, folder = sbatch(tmp_path, job=job, nodes=nodes, environ=environ)
+    steps = [call for call in fake_slurm.calls(folder, "srun") if "launchers/train.py" in call]
+    assert status == 0 and len(steps) == 2, log
+    assert "--nodelist=n1,n2 --nodes=2 --ntasks-per-node=1 --ntasks=2" in steps[0], log
+    assert "--overlap --mem=0 --nodelist=n1,n3 --nodes=2 --ntasks-per-node=1 --ntasks=2" in steps[1], log
+    assert "slurm.sbatch: spare n3 takes the place of n2: the world keeps its size" in log, log
+    assert "world 2 -> 2 rank(s), the same micro-batches" in log and "(spares: none)" in log, log
+
+
+def test_the_step_ends_when_the_ranks_name_a_dead_node_without_waiting_for_slurm(tmp_path):
+    """The ranks record rank 1 dead; srun goes on waiting for n2, which Slurm still calls ALLOCATED (until its
+    SlurmdTimeout). The watcher ends the step after its grace, the planner finds that no step runs on n2, and the
+    step goes on n1 alone, long before Slurm would have said anything."""
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "dead_nodes").write_text("n2\n")
+    hook = _record_hook(
+        tmp_path / "run",
+        "died",
+        1,
+        "n2",
+        61,
+        then="[ -e relaunched ] || {{ touch relaunched; exec sleep 60 > /dev/null 2>&1; }}",
+    )
+    began = time.monotonic()
+    # The first srun never answers (the watcher kills it): the status is the relaunched step's.
+    status, log, folder = sbatch(tmp_path, job=HEALTHY_JOB, nodes=HEALTHY, srun_status=(0,), hooks=hook)
+    took = time.monotonic() - began
+    steps = [call for call in fake_slurm.calls(folder, "srun") if "launchers/train.py" in call]
+    assert status == 0 and len(steps) == 2 and took < 45, (took, log)
+    assert "srun is still waiting for that rank's node 10 s later: ending the step now" in log, log
+    assert "--overlap --mem=0 --nodelist=n1 --nodes=1" in steps[1], log
+    assert "lost n2 (named by the ranks and no step runs there: " in log, log

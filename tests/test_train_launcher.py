@@ -213,6 +213,8 @@ def test_kill9_fails_the_launcher_and_resume_uses_the_last_complete_checkpoint(r
     # One line from the ranks that name the dead one (not the 36 lines of gloo's "Connection reset by peer").
     errors = [line for line in out.splitlines() if line.startswith("train.py: error")]
     assert len(errors) == 1 and errors[0].startswith("train.py: error: rank 1 (") and " died " in errors[0], out[-4000:]
+    recorded = [json.loads(line) for line in (output / "faults.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["rank"], r["reporter"], r["message"]) for r in recorded] == [("died", 1, 0, errors[0])]
     assert "SIGKILL" in errors[0] and "since its last checkpoint (step" in errors[0], errors
     assert "Traceback" not in out and "Connection reset" not in out, out[-4000:]
     complete = latest(output)
@@ -491,6 +493,11 @@ def test_a_shard_damaged_where_only_rank_1_reads_stops_every_rank_with_one_messa
     assert shm_buffers_left(command) == []
     _one_error(tail(result, 300), "train.py: error on rank 1 (")
     assert "train-000005.tar" in tail(result, 300)
+    # Recorded as a refusal of the input, which the Slurm batch script never retries (txl_dist.world.faults).
+    recorded = [json.loads(line) for line in (tmp_path / "damaged_shard" / "faults.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["rank"]) for r in recorded] == [("refused", 1)] and "train-000005.tar" in recorded[0][
+        "message"
+    ]
 
 
 # ---- run integrity (issue 10) --------------------------------------------------------------------------------

@@ -18,9 +18,17 @@ METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 """TensorBoard's event files, with log.tensorboard=true."""
 PROFILE = "profile"
+FAULTS = "faults.jsonl"
+"""The run's fault log: what the ranks found when the run failed, and the Slurm batch script's decisions
+(`txl_dist.world.faults`)."""
 """The traces of profile.steps, a folder per window of steps (`txl_dist.training.profiling`)."""
 
 
 def checkpoints_dir(output_dir: str | os.PathLike) -> Path:
     """The checkpoints folder of the run in ``output_dir``."""
     return Path(output_dir) / CHECKPOINTS
+
+
+def fault_log(output_dir: str | os.PathLike) -> Path:
+    """The fault log of the run in ``output_dir``."""
+    return Path(output_dir) / FAULTS

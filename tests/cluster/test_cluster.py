@@ -283,6 +283,6 @@ def test_slurm_nodes_reads_a_drained_node_of_a_running_job_as_lost(slurm_cluster
         slurm_cluster.resume_node(slurm_cluster.nodes[1])
         slurm(slurm_cluster, ["scancel", str(job_id)])
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"relaunch 1 {slurm_cluster.nodes[0]}\n", result.stderr
+    assert result.stdout == f"relaunch 1 {slurm_cluster.nodes[0]} -\n", result.stderr
     assert f"lost {slurm_cluster.nodes[1]} (State=" in result.stderr and "DRAIN" in result.stderr, result.stderr
     assert "before its first logged step; newest checkpoint: the start (no checkpoint yet)" in result.stderr

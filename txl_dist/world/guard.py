@@ -33,10 +33,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
-from txl_dist.exit_status import CommandFailure
+from txl_dist.exit_status import USAGE_ERROR, CommandFailure, os_error_status
 from txl_dist.fileio import describe_os_error
+from txl_dist.world import faults
 from txl_dist.world.heartbeats import HEARTBEAT_EVERY, STALL_CHECK_EVERY, STORE_PREFIX, Heartbeats
 from txl_dist.world.launcher_watch import WATCH_S, LauncherWatch
 
@@ -79,6 +81,20 @@ def _print(message: str) -> None:
         pass
 
 
+def _refused_input(error: BaseException) -> bool:
+    """Whether ERROR refuses the run's input (exit_status: a ValueError, or an OSError about a path the user named
+    wrongly): the same input would be refused again."""
+    if isinstance(error, ValueError):
+        return True
+    return isinstance(error, OSError) and os_error_status(error) == USAGE_ERROR
+
+
+def _slurm_step() -> str | None:
+    """``JOB.STEP`` of the Slurm step this rank runs in (None outside one)."""
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    return f"{job}.{step}" if job and step else None
+
+
 class RunGuard:
     """One per rank, created as early as possible (before the heavy imports); `connect` after the process group
     exists. ``reason`` is the stop request, None while there is none."""
@@ -106,6 +122,9 @@ class RunGuard:
         self.last_checkpoint: int | None = None
         self.stall_timeout: float | None = None
         """train.stall_timeout, from `connect` on (no heartbeat is followed before)."""
+        self.fault_log: Path | None = None
+        """The run's faults.jsonl (`txl_dist.world.faults`), once the run folder is known: the rank that prints the
+        run's failure message records it there too, for the batch script that decides what comes next."""
         self._thread = threading.Thread(target=self._watch, name="txl_dist-guard", daemon=True)
         self._thread.start()
 
@@ -183,10 +202,40 @@ class RunGuard:
         )
         self._closed.set()
         if self._report(message):
+            self._record("stalled", rank, message, step=self._heartbeats.step_of(rank))
             _print(message)
             self._wait_for_the_others()
         self.run_cleanups()
         self._exit(1)
+
+    def _host_of(self, rank: int) -> str | None:
+        if rank == self.rank:
+            return socket.gethostname()
+        return self._heartbeats.host_of(rank) if self._heartbeats is not None else None
+
+    def _record(self, kind: str, rank: int, message: str, step: int | str | None = None) -> None:
+        """The failure in the run's fault log (when it is known): KIND (`txl_dist.world.faults`), the rank it names
+        and that rank's host. Never in the way of the exit: a log that cannot be written is left out."""
+        if self.fault_log is None:
+            return
+        step = self.step if step is None else step
+        record = {
+            "kind": kind,
+            "rank": rank,
+            "host": self._host_of(rank),
+            "step": int(step) if isinstance(step, int) or str(step).isdigit() else None,
+            "message": message.strip().splitlines()[-1] if message.strip() else "",
+            "reporter": self.rank,
+            "world_size": self.world_size,
+            "launch": os.environ.get(faults.LAUNCH_VAR),
+            "slurm_step": _slurm_step(),
+        }
+        try:
+            faults.append(self.fault_log, record)
+        except FileNotFoundError:  # before the run folder was made: nothing of the run to resume either
+            pass
+        except OSError as error:
+            log.warning("rank %d: the fault log %s cannot be written: %s", self.rank, self.fault_log, error)
 
     def dead_peers(self, wait_s: float = 3.0) -> list[tuple[int, str]]:
         """Ranks that are gone, with how they went where it can be read: peers on this host by their process,
@@ -245,11 +294,14 @@ class RunGuard:
             where = f" on rank {self.rank} ({socket.gethostname()})" if self.world_size > 1 else ""
             message = f"train.py: error{where}: {_error_text(error)}"
             dead = self.dead_peers() if not one_line and self.world_size > 1 else []
+            kind, named = ("refused" if _refused_input(error) else "error"), self.rank
             if dead:  # the communication library's error is only the echo of a rank that died
                 one_line, message = True, f"train.py: error: {self.death_message(dead)}"
+                kind, named = "died", dead[0][0]
             if not one_line:
                 message = "".join(traceback.format_exception(error)).rstrip() + "\n" + message
             if self._report(message):
+                self._record(kind, named, message)
                 _print(message)
                 self._wait_for_the_others()
             else:
@@ -337,11 +389,13 @@ class RunGuard:
                 # Rank 0 is gone with the store. A normal end can race with this look, hence the delay.
                 self._store_errors_since = self._store_errors_since or now
                 if now - self._store_errors_since > 10.0:
-                    _print(
+                    message = (
                         f"train.py: error on rank {self.rank} ({socket.gethostname()}): lost contact with "
                         f"{self._who(0)} at step {self._heartbeats.step_of(0)} (gone, stopped, or its network is "
                         f"down); stopping; {self._since_checkpoint()}"
                     )
+                    self._record("lost_contact", 0, message)
+                    _print(message)
                     self.run_cleanups()
                     self._exit(1)
                 return

@@ -68,6 +68,11 @@ class Heartbeats:
         identity = self._identity(rank)
         return f"rank {rank} ({identity[0]}, PID {identity[1]})" if identity else f"rank {rank}"
 
+    def host_of(self, rank: int) -> str | None:
+        """The host of ``rank`` as it published it (None before it did, or once the store is gone unread)."""
+        identity = self._identity(rank)
+        return identity[0] if identity else None
+
     def step_of(self, rank: int) -> str:
         """The step in ``rank``'s last heartbeat seen here; ``?`` before the first."""
         beat = self._peer_beats.get(rank, (None, 0.0))[0]

@@ -1,55 +1,69 @@
-"""Slurm's view of a job's nodes, and the relaunch decision of ``launchers/slurm.sbatch`` (README.md, "Elastic
-runs").
+"""Slurm's view of a job's nodes, the ranks' record of a failure, and the relaunch decision of
+``launchers/slurm.sbatch`` (docs: "Elastic runs").
 
 The batch script decides every restart of a Slurm job; this module is the part of it that reads Slurm and the
 run. When the training step ends non-zero without a stop request, the script asks::
 
     python -m txl_dist.world.slurm_nodes relaunch --job JOB --step-nodes NODES --ranks-per-node R --relaunches K \\
-        -- TRAIN_ARGS...
+        --spares SPARES --status STATUS --launch JOB.RESTART.K -- TRAIN_ARGS...
 
-which prints one line on stdout: ``relaunch N NODELIST`` (start the step again on those N nodes), ``requeue`` (a
-node was lost but the job cannot go on: below ``TXL_MIN_NODES``, past ``TXL_MAX_RELAUNCHES``, or no smaller world
-holds the global batch; the job is requeueable, so it goes back to the queue as a node failure did before) or
-``end`` (no node was lost, or the job is not requeueable: the job ends with the step's status). Its reasons go to
-stderr, the job's log, in one line each: which node was lost and how Slurm sees it, at which step, the new world
-size and the steps that the relaunch recomputes. Where this module cannot read Slurm's view (a failed, blank or
-foreign ``scontrol`` answer) or the run (a config file gone), or fails itself, it answers the safe verdict:
-``requeue`` (``end`` for a job known not to be requeueable), never the end of a job that could go on; a damaged
-line of metrics.jsonl is skipped with a warning naming the file and the line. ``python -m
-txl_dist.world.slurm_nodes check`` validates the batch script's variables at the start of the job (exit 2 with one
-line naming the variable).
+which prints one line on stdout: ``relaunch N NODELIST SPARES`` (start the step again on those N nodes, keeping
+SPARES, ``-`` for none, idle), ``requeue`` (a node was lost but the job cannot go on: below ``TXL_MIN_NODES``, past
+``TXL_MAX_RELAUNCHES``, or no smaller world holds the global batch; the job is requeueable, so it goes back to the
+queue as a node failure did before) or ``end`` (the job ends with the step's status). Its reasons go to stderr, the
+job's log, in one line each.
 
-A node counts as lost when Slurm has taken it out of the job (``--no-kill`` jobs keep running without a failed node,
-whose ``NodeList`` no longer names it) or its state is not one that Slurm documents as usable (IDLE, MIXED,
-ALLOCATED, COMPLETING, with flags that keep steps running: `usable`); DOWN, DRAIN, FAIL, NOT_RESPONDING, INVAL, no
-state at all, ... keep it out. srun ends a step that had a task on a dead node only once Slurm has marked the node
-DOWN (SlurmdTimeout), so by then Slurm's view is settled. A rank that fails on a node Slurm still calls healthy (a
-bad file, the OOM killer) is not a lost node: the job ends as before, since the same fault would most likely end the
-relaunch too.
+What it reads:
+
+- Slurm: a node counts as lost when Slurm has taken it out of the job (``--no-kill`` jobs keep running without a
+  failed node, whose ``NodeList`` no longer names it) or its state is not one that Slurm documents as usable (IDLE,
+  MIXED, ALLOCATED, COMPLETING, with flags that keep steps running: `usable`); DOWN, DRAIN, FAIL, NOT_RESPONDING,
+  INVAL, no state at all, ... keep it out.
+- The ranks (the run's fault log, `txl_dist.world.faults`): Slurm notices a dead node only after SlurmdTimeout
+  (300 s by default); the ranks name a dead or stalled rank within seconds. The host of a stalled rank is left out
+  at once; the host of a rank that died is left out when Slurm cannot run a one-task step there (`node_answers`),
+  and is a healthy node otherwise. ``python -m txl_dist.world.slurm_nodes watch`` ends a step whose ranks named a
+  lost rank while srun still waits for that node, so that this decision comes at once.
+
+What it decides: with a node lost, a spare (``TXL_SPARE_NODES``) takes its place, so the world keeps its size;
+without spares the step goes on the nodes left. With every node healthy (a rank killed by the OOM killer, a
+crash), the step starts again on the same nodes, unless a rank refused its input (exit 2, a ``refused`` record),
+or the failure came back at the same step after a relaunch (the script's own ``plan`` records in the fault log),
+or the relaunches are used up: then the job ends, with one line naming the step, the rank and its last error line.
+Where this module cannot read Slurm's view (a failed, blank or foreign ``scontrol`` answer) or the run (a config
+file gone), or fails itself, it answers the safe verdict: ``requeue`` (``end`` for a job known not to be
+requeueable), never the end of a job that could go on; a damaged line of metrics.jsonl or of the fault log is
+skipped with a warning naming the file and the line. ``python -m txl_dist.world.slurm_nodes check`` validates the
+batch script's variables at the start of the job (exit 2 with one line naming the variable).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from txl_dist.checkpoints.layout import complete_tags, step_of_tag
 from txl_dist.config import load_config
 from txl_dist.config.files import read_layers
 from txl_dist.exit_status import one_line, run_command
-from txl_dist.run_layout import METRICS, checkpoints_dir
+from txl_dist.run_layout import METRICS, checkpoints_dir, fault_log
+from txl_dist.world import faults
 
 MIN_NODES_VAR = "TXL_MIN_NODES"
 MAX_RELAUNCHES_VAR = "TXL_MAX_RELAUNCHES"
 RANKS_PER_NODE_VAR = "TXL_RANKS_PER_NODE"
+SPARE_NODES_VAR = "TXL_SPARE_NODES"
 MOST_RANKS_PER_NODE = 4096
 """The bound of TXL_RANKS_PER_NODE: far above any node's devices, and far below what the batch script's arithmetic
 holds."""
@@ -71,6 +85,16 @@ USABLE_STATE_SUFFIXES = "$-"
 ``*`` (not responding), ``~ # ! %`` (power) and ``@ ^`` (reboot) do not."""
 
 SCONTROL_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 30.0
+"""How long a node named by the ranks has to run a trivial step (`node_answers`) before it counts as lost: a live
+slurmd answers in well under a second; a dead host fails at once (refused) or after Slurm's MessageTimeout (10 s
+by default)."""
+STEP_END_GRACE_S = 10.0
+"""`watch`: after the ranks named a rank dead or stalled, how long srun may take to end by itself before the batch
+script stops waiting for it (the ranks on healthy nodes end within a few seconds of the report; srun itself waits
+for a dead node until Slurm marks it DOWN, SlurmdTimeout: 300 s by default)."""
+REFUSED_INPUT_STATUS = 2
+"""The exit status of a rank that refused its input (txl_dist.exit_status.USAGE_ERROR): never retried."""
 
 
 class SlurmQueryError(RuntimeError):
@@ -87,6 +111,7 @@ class Limits:
 
     min_nodes: int = DEFAULT_MIN_NODES
     max_relaunches: int = DEFAULT_MAX_RELAUNCHES
+    spare_nodes: int = 0
 
 
 def _whole(environ: Mapping[str, str], name: str, default: int, least: int, most: int | None = None) -> int:
@@ -100,18 +125,27 @@ def _whole(environ: Mapping[str, str], name: str, default: int, least: int, most
 
 
 def read_limits(environ: Mapping[str, str] = os.environ, job_nodes: int | None = None) -> Limits:
-    """TXL_MIN_NODES (default 1, at least 1, at most JOB_NODES when given) and TXL_MAX_RELAUNCHES (default 3, at
-    least 0); ValueError naming the variable and its value. TXL_RANKS_PER_NODE, read by the batch script alone, is
-    checked here too (unset, or at least 1), so that every variable of the script is refused in one place."""
+    """TXL_MIN_NODES (default 1, at least 1), TXL_MAX_RELAUNCHES (default 3, at least 0) and TXL_SPARE_NODES
+    (default 0: the nodes of the job kept idle to replace a lost one); with JOB_NODES, the job's node count, the
+    spares must leave at least TXL_MIN_NODES nodes to train on. ValueError naming the variable and its value.
+    TXL_RANKS_PER_NODE, read by the batch script alone, is checked here too (unset, or at least 1), so that every
+    variable of the script is refused in one place."""
     _whole(environ, RANKS_PER_NODE_VAR, 1, 1, MOST_RANKS_PER_NODE)
     limits = Limits(
         _whole(environ, MIN_NODES_VAR, DEFAULT_MIN_NODES, 1),
         _whole(environ, MAX_RELAUNCHES_VAR, DEFAULT_MAX_RELAUNCHES, 0),
+        _whole(environ, SPARE_NODES_VAR, 0, 0),
     )
     if job_nodes is not None and limits.min_nodes > job_nodes:
         raise ValueError(
             f"{MIN_NODES_VAR}={limits.min_nodes} is more than the job's {job_nodes} node(s): the job could never "
             "start; allowed: 1 to the number of nodes"
+        )
+    if job_nodes is not None and job_nodes - limits.spare_nodes < limits.min_nodes:
+        raise ValueError(
+            f"{SPARE_NODES_VAR}={limits.spare_nodes} leaves {max(0, job_nodes - limits.spare_nodes)} of the job's "
+            f"{job_nodes} node(s) to train on, fewer than {MIN_NODES_VAR}={limits.min_nodes}; allowed: 0 to "
+            f"{job_nodes - limits.min_nodes}"
         )
     return limits
 
@@ -331,12 +365,85 @@ def batch_holds(train_args: Sequence[str], old_world: int) -> Callable[[int], bo
     return holds
 
 
+# ---- the ranks' view --------------------------------------------------------------------------------------------
+
+
+def node_answers(job: str, node: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Whether Slurm can still run a step on NODE in JOB: None when a trivial one ran there, else why not (srun's
+    last line). This is the question Slurm itself answers only after SlurmdTimeout; asked here, it takes a second
+    on a live node and at most TIMEOUT on a dead one."""
+    command = [
+        "srun",
+        f"--jobid={job}",
+        "--overlap",
+        "--mem=0",
+        "--nodes=1",
+        "--ntasks=1",
+        "--cpus-per-task=1",
+        f"--nodelist={node}",
+        "--quiet",
+        "hostname",
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"no answer to srun within {timeout:.0f} s"
+    except OSError as error:
+        return f"srun: {error}"
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        return f"srun failed (exit {result.returncode}): {lines[-1] if lines else 'no message'}"
+    return None
+
+
+def node_of(record: Mapping, step_nodes: Sequence[str], ranks_per_node: int) -> str | None:
+    """The node of the step that a rank's fault record names: by the host the rank published, else by its rank
+    (Slurm's block distribution: rank r on node r // ranks_per_node, in Slurm's order of the step's nodes)."""
+    host = record.get("host")
+    if isinstance(host, str) and host:
+        for node in step_nodes:
+            if host == node or host.split(".")[0] == node.split(".")[0]:
+                return node
+    rank = faults.whole(record.get("rank"))
+    if rank is not None and record.get("world_size") == len(step_nodes) * ranks_per_node:
+        return step_nodes[rank // ranks_per_node]
+    return None
+
+
+def named_by_the_ranks(
+    records: Sequence[Mapping],
+    step_nodes: Sequence[str],
+    ranks_per_node: int,
+    answers: Callable[[str], str | None],
+) -> dict[str, str]:
+    """The nodes that the ranks' records of the failed step leave out, each with why: the host of a rank that
+    stalled (its process or its host is stuck), and the host of a rank that died or that the others lost contact
+    with, unless Slurm still runs a step there (ANSWERS: `node_answers`), which makes it a healthy node whose rank
+    failed."""
+    named: dict[str, str] = {}
+    for record in records:
+        kind = record.get("kind")
+        if kind != "stalled" and kind not in faults.NODE_SUSPECT_KINDS:
+            continue
+        node = node_of(record, step_nodes, ranks_per_node)
+        if node is None or node in named:
+            continue
+        if kind == "stalled":
+            named[node] = f"named by the ranks: {faults.describe(record)}"
+            continue
+        why_not = answers(node)
+        if why_not is not None:
+            named[node] = f"named by the ranks and no step runs there: {why_not}"
+    return named
+
+
 # ---- the decision -----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Situation:
-    """What the decision reads: the step that ended and Slurm's view of the job after it."""
+    """What the decision reads: the step that ended, Slurm's view of the job after it, and what the ranks
+    recorded (`txl_dist.world.faults`)."""
 
     step_nodes: list[str]
     job_nodes: list[str]
@@ -345,6 +452,103 @@ class Situation:
     ranks_per_node: int
     relaunches: int
     requeueable: bool
+    spares: list[str] = field(default_factory=list)
+    status: int | None = None
+    """The step's exit status (srun's), None when unknown."""
+    failures: list[dict] = field(default_factory=list)
+    """The ranks' fault records of the step that ended."""
+    named: dict[str, str] = field(default_factory=dict)
+    """Nodes the ranks' records leave out (`named_by_the_ranks`), with why."""
+    previous_failure: int | None = None
+    """The step at which the previous training step of this job failed, when it did on healthy nodes too."""
+    launch: str = ""
+    """The failed step's name in the fault log (`txl_dist.world.faults.launch_id`)."""
+
+
+def _give_up(situation: Situation, since: str) -> tuple[str, str]:
+    if situation.requeueable:
+        return "requeue", f"requeueing the job (its next run resumes from {since})"
+    return "end", f"ending the job (the same command resumes from {since})"
+
+
+def _progress_words(progress: tuple[int | None, int | None]) -> tuple[str, str, int]:
+    logged, checkpointed = progress
+    at = f"at step {logged}" if logged is not None else "before its first logged step"
+    since = f"checkpoint step {checkpointed}" if checkpointed is not None else "the start (no checkpoint yet)"
+    return at, since, max(0, (logged or 0) - (checkpointed or 0))
+
+
+def failed_at(situation: Situation, progress: tuple[int | None, int | None]) -> int | None:
+    """The training step at which the step failed: the ranks' record, else the newest step reached."""
+    for record in situation.failures:
+        step = faults.whole(record.get("step"))
+        if step is not None:
+            return step
+    return progress[0]
+
+
+def retry_on_the_same_nodes(
+    situation: Situation, limits: Limits, progress: tuple[int | None, int | None], say: Callable[[str], None]
+) -> str:
+    """The decision after a step failed on nodes that are all healthy (Slurm's view and the ranks' agree): the
+    same nodes again, so the world and the run are those of the uninterrupted run, unless the failure refused the
+    input, came back at the same step after a relaunch, or the relaunches are used up; then the job ends (a
+    failure on healthy nodes is not one that the queue cures)."""
+    what = faults.describe(situation.failures[0]) if situation.failures else "no rank recorded why"
+    nodes = ", ".join(f"{node} {situation.states.get(node, '?')}" for node in situation.step_nodes)
+    refused = any(record.get("kind") == "refused" for record in situation.failures)
+    if refused or situation.status == REFUSED_INPUT_STATUS:
+        say(f"a rank refused its input ({what}): a relaunch would be refused the same way, so the job ends")
+        return "end"
+    step = failed_at(situation, progress)
+    if step is not None and situation.previous_failure == step:
+        say(
+            f"the failure came back at step {step} after a relaunch ({what}): not retrying it again, the job ends; "
+            f"the same command resumes from the newest checkpoint once the cause is fixed"
+        )
+        return "end"
+    if situation.relaunches >= limits.max_relaunches:
+        say(
+            f"the training step failed on healthy nodes ({what}) after {situation.relaunches} relaunch(es) in this "
+            f"job, {MAX_RELAUNCHES_VAR}={limits.max_relaunches}: the job ends"
+        )
+        return "end"
+    at, since, redo = _progress_words(progress)
+    world = len(situation.step_nodes) * situation.ranks_per_node
+    say(
+        f"the training step failed {at} on nodes that are healthy ({nodes}): {what}; relaunch "
+        f"{situation.relaunches + 1} of {limits.max_relaunches} ({MAX_RELAUNCHES_VAR}) on the same nodes: world "
+        f"{world} as before; resuming from {since}, {redo} step(s) recomputed"
+    )
+    return _relaunch_line(situation.step_nodes, situation.spares)
+
+
+def _relaunch_line(nodes: Sequence[str], spares: Sequence[str]) -> str:
+    return f"relaunch {len(nodes)} {','.join(nodes)} {','.join(spares) or '-'}"
+
+
+def take_spares(
+    situation: Situation, lost: Mapping[str, str], say: Callable[[str], None]
+) -> tuple[list[str], list[str]]:
+    """The nodes of the next step: the step's healthy nodes, each lost one replaced by a usable spare in its place
+    while spares last; and the spares left. A spare that Slurm took out of the job or marks unusable is dropped."""
+    spares = []
+    for node in situation.spares:
+        if node not in situation.job_nodes or not usable(situation.states.get(node, "")):
+            state = situation.states.get(node)
+            why = "removed from the job" if node not in situation.job_nodes else describe_state(state)
+            say(f"spare {node} is not usable ({why}): dropped")
+        else:
+            spares.append(node)
+    nodes = []
+    for node in situation.step_nodes:
+        if node not in lost:
+            nodes.append(node)
+        elif spares:
+            spare = spares.pop(0)
+            say(f"spare {spare} takes the place of {node}: the world keeps its size")
+            nodes.append(spare)
+    return nodes, spares
 
 
 def decide(
@@ -354,35 +558,25 @@ def decide(
     progress: tuple[int | None, int | None],
     say: Callable[[str], None],
 ) -> str:
-    """The line for the batch script (``relaunch N NODES``, ``requeue`` or ``end``); SAY gets the reasons."""
+    """The line for the batch script (``relaunch N NODES SPARES``, ``requeue`` or ``end``); SAY gets the reasons."""
     lost = lost_nodes(situation.step_nodes, situation.job_nodes, situation.states)
+    for node, why in situation.named.items():
+        lost.setdefault(node, why)
     if not lost:
-        say(
-            "the training step failed on nodes that Slurm reports healthy ("
-            + ", ".join(f"{node} {situation.states.get(node, '?')}" for node in situation.step_nodes)
-            + "): not a lost node, so no relaunch"
-        )
-        return "end"
-    logged, checkpointed = progress
-    at = f"at step {logged}" if logged is not None else "before its first logged step"
-    since = f"checkpoint step {checkpointed}" if checkpointed is not None else "the start (no checkpoint yet)"
-    redo = max(0, (logged or 0) - (checkpointed or 0))
+        return retry_on_the_same_nodes(situation, limits, progress, say)
+    at, since, redo = _progress_words(progress)
     say(f"lost {', '.join(f'{node} ({why})' for node, why in lost.items())} {at}; newest checkpoint: {since}")
-    healthy = [node for node in situation.step_nodes if node not in lost]
-    healthy.sort(key=lambda node: node != situation.batch_host)  # the batch host is alive: keep it, as rank 0
-    give_up = "requeue" if situation.requeueable else "end"
-    if situation.requeueable:
-        after = f"requeueing the job (its next run resumes from {since})"
-    else:
-        after = f"ending the job (the same command resumes from {since})"
-    if len(healthy) < limits.min_nodes:
-        say(f"{len(healthy)} node(s) left, fewer than {MIN_NODES_VAR}={limits.min_nodes}: {after}")
-        return give_up
+    give_up, after = _give_up(situation, since)
     if situation.relaunches >= limits.max_relaunches:
         say(
             f"{situation.relaunches} relaunch(es) in this job already, "
             f"{MAX_RELAUNCHES_VAR}={limits.max_relaunches}: {after}"
         )
+        return give_up
+    healthy, spares = take_spares(situation, lost, say)
+    healthy.sort(key=lambda node: node != situation.batch_host)  # the batch host is alive: keep it, as rank 0
+    if len(healthy) < limits.min_nodes:
+        say(f"{len(healthy)} node(s) left, fewer than {MIN_NODES_VAR}={limits.min_nodes}: {after}")
         return give_up
     nodes, refused = largest_world(len(healthy), situation.ranks_per_node, limits.min_nodes, holds)
     if nodes is None:
@@ -394,55 +588,111 @@ def decide(
         say(f"{counts} node(s) would not hold the global batch; using {nodes} of the {len(healthy)} left")
     chosen = healthy[:nodes]
     old_world = len(situation.step_nodes) * situation.ranks_per_node
+    new_world = nodes * situation.ranks_per_node
+    batch = "the same micro-batches" if new_world == old_world else "the same global batch"
     say(
         f"relaunch {situation.relaunches + 1} of {limits.max_relaunches} ({MAX_RELAUNCHES_VAR}) on "
-        f"{','.join(chosen)}: world {old_world} -> {nodes * situation.ranks_per_node} rank(s), the same global "
-        f"batch; resuming from {since}, {redo} step(s) recomputed"
+        f"{','.join(chosen)}: world {old_world} -> {new_world} rank(s), {batch}; resuming from {since}, {redo} "
+        "step(s) recomputed"
     )
-    return f"relaunch {nodes} {','.join(chosen)}"
+    return _relaunch_line(chosen, spares)
 
 
-def _situation(args: argparse.Namespace) -> Situation:
+def _previous_failure(records: Sequence[Mapping], job: str, restart: str, relaunches: int) -> int | None:
+    """The step at which the previous training step of this run of the job failed on healthy nodes (its plan
+    record), None when there was none."""
+    if relaunches == 0:
+        return None
+    previous = faults.launch_id(job, restart, relaunches - 1)
+    for record in reversed(records):
+        if record.get("kind") == faults.PLAN and record.get("launch") == previous and not record.get("lost"):
+            return faults.whole(record.get("failed_at"))
+    return None
+
+
+def _situation(args: argparse.Namespace, records: Sequence[Mapping]) -> Situation:
     job = job_record(args.job)
     step_nodes = hostnames(args.step_nodes)
     repeated = sorted({node for node in step_nodes if step_nodes.count(node) > 1})
     if repeated:
         raise ValueError(f"--step-nodes {args.step_nodes!r} names {', '.join(repeated)} more than once")
+    spares = [node for node in hostnames(args.spares) if node not in step_nodes] if args.spares != "-" else []
+    restart = job.get("Restarts", "0") or "0"
+    launch = args.launch or faults.launch_id(args.job, restart, args.relaunches)
+    failures = faults.of_launch(records, launch)
     return Situation(
         step_nodes=step_nodes,
         job_nodes=hostnames(job["NodeList"]),
-        states=node_states(step_nodes),
+        states=node_states(step_nodes + spares),
         batch_host=job.get("BatchHost", ""),
         ranks_per_node=args.ranks_per_node,
         relaunches=args.relaunches,
         requeueable=job.get("Requeue") == "1",
+        spares=spares,
+        status=args.status,
+        failures=failures,
+        named=named_by_the_ranks(failures, step_nodes, args.ranks_per_node, lambda node: node_answers(args.job, node)),
+        previous_failure=_previous_failure(records, args.job, restart, args.relaunches),
+        launch=launch,
     )
 
 
-def _plan(situation: Situation, train_args: Sequence[str], say: Callable[[str], None]) -> str:
-    """`decide` on the run's side read only when a node was lost: a run this module cannot read does not turn a
-    failure on healthy nodes into a requeue."""
+def _plan(
+    situation: Situation, train_args: Sequence[str], output_dir: Path | None, say: Callable[[str], None]
+) -> tuple[str, tuple[int | None, int | None]]:
     limits = read_limits(os.environ)
-    progress: tuple[int | None, int | None] = (None, None)
-    if lost_nodes(situation.step_nodes, situation.job_nodes, situation.states):
-        output_dir = output_dir_of(train_args)
-        progress = run_progress(output_dir, say) if output_dir is not None else (None, None)
+    progress = run_progress(output_dir, say) if output_dir is not None else (None, None)
     old_world = len(situation.step_nodes) * situation.ranks_per_node
-    return decide(situation, limits, batch_holds(train_args, old_world), progress, say)
+    return decide(situation, limits, batch_holds(train_args, old_world), progress, say), progress
+
+
+def _record_plan(output_dir: Path | None, situation: Situation, decision: str, progress) -> None:
+    """The decision in the run's fault log, for the next failure's question "the same step again?"."""
+    if output_dir is None:
+        return
+    lost = sorted(set(lost_nodes(situation.step_nodes, situation.job_nodes, situation.states)) | set(situation.named))
+    record = {
+        "kind": faults.PLAN,
+        "launch": situation.launch,
+        "failed_at": failed_at(situation, progress),
+        "lost": lost,
+        "decision": decision,
+    }
+    try:
+        faults.append(fault_log(output_dir), record)
+    except OSError:
+        pass  # the decision stands; only the check for a repeated failure loses its memory
 
 
 def relaunch_plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     """The answer to the batch script. When this module cannot read Slurm or the run, or fails itself, the answer
     is the safe one: a requeue (Slurm refuses it for a job that is not requeueable, which then ends), never the end
-    of a job that could go on."""
+    of a job that could go on; on nodes that are all healthy, a run it cannot read ends the job as before (there is
+    nothing lost to make up for, and no record to tell a repeated failure)."""
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     try:
-        situation = _situation(args)
+        output_dir = output_dir_of(train_args)
+        records = faults.read(fault_log(output_dir), say) if output_dir is not None else []
+    except (ValueError, OSError) as error:
+        output_dir, records, unreadable = None, [], error
+    else:
+        unreadable = None
+    try:
+        situation = _situation(args, records)
     except SlurmQueryError as error:
         say(f"cannot read Slurm's view of the job ({error}): requeueing the job, the safe choice")
         return "requeue"
+    lost = lost_nodes(situation.step_nodes, situation.job_nodes, situation.states)
+    if unreadable is not None and not lost and not situation.named:
+        say(
+            f"the training step failed on nodes that Slurm reports healthy, and the run cannot be read "
+            f"({type(unreadable).__name__}: {one_line(unreadable)}): no relaunch, the job ends"
+        )
+        return "end"
     try:
-        return _plan(situation, train_args, say)
+        if unreadable is not None:
+            raise unreadable
+        decision, progress = _plan(situation, train_args, output_dir, say)
     except Exception as error:  # noqa: BLE001 -- whatever fails here, the job must not end for it
         if not isinstance(error, (ValueError, OSError, SlurmQueryError)):
             traceback.print_exc()
@@ -452,6 +702,57 @@ def relaunch_plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
             after = "ending the job, which is not requeueable (the same command resumes from the newest checkpoint)"
         say(f"cannot plan a relaunch ({type(error).__name__}: {one_line(error)}): {after}")
         return "requeue" if situation.requeueable else "end"
+    _record_plan(output_dir, situation, decision, progress)
+    return decision
+
+
+# ---- watching the step ------------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch_step(
+    pid: int,
+    path: Path,
+    launch: str,
+    say: Callable[[str], None],
+    grace: float = STEP_END_GRACE_S,
+    period: float = 0.5,
+) -> bool:
+    """Wait while the training step's srun (PID) runs. Once the ranks of LAUNCH have recorded a rank dead, stalled
+    or out of contact (`txl_dist.world.faults`), srun may still wait for the dead node until Slurm marks it DOWN
+    (SlurmdTimeout, 300 s by default): if it has not ended GRACE seconds later, end it (SIGKILL to srun, and
+    ``scancel`` of the step's remains on the healthy nodes) so that the batch script decides now. True when it
+    ended the step."""
+    seen_at = None
+    while _alive(pid):
+        if seen_at is None:
+            records = faults.of_launch(faults.read(path), launch, ("died", "stalled", "lost_contact"))
+            if records:
+                seen_at = time.monotonic()
+                first = records[0]
+        elif time.monotonic() - seen_at > grace:
+            say(
+                f"the ranks named {faults.describe(first)}; srun is still waiting for that rank's node "
+                f"{grace:.0f} s later: ending the step now, not after Slurm's node timeout"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            step = first.get("slurm_step")
+            if isinstance(step, str) and re.fullmatch(r"[0-9]+\.[0-9]+", step):
+                with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                    subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=SCONTROL_TIMEOUT_S)
+            return True
+        time.sleep(period)
+    return False
 
 
 def _at_least(flag: str, text: str, least: int) -> int:
@@ -460,12 +761,19 @@ def _at_least(flag: str, text: str, least: int) -> int:
     return int(text)
 
 
+def _launch_name(text: str) -> str:
+    if not re.fullmatch(r"[0-9A-Za-z_]+\.[0-9]+\.[0-9]+", text):
+        raise ValueError(f"--launch {text!r} is not allowed: JOB.RESTART.RELAUNCH, as the batch script names a step")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``check`` or ``relaunch`` (the module docstring); exit 2 with one line for a bad variable or argument."""
+    """``check``, ``relaunch`` or ``watch`` (the module docstring); exit 2 with one line for a bad variable or
+    argument."""
     parser = argparse.ArgumentParser(prog="python -m txl_dist.world.slurm_nodes")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
-        "check", help=f"validate {MIN_NODES_VAR}, {MAX_RELAUNCHES_VAR} and {RANKS_PER_NODE_VAR}"
+        "check", help=f"validate {MIN_NODES_VAR}, {MAX_RELAUNCHES_VAR}, {SPARE_NODES_VAR} and {RANKS_PER_NODE_VAR}"
     )
     check.add_argument("--nodes", default=None, help="the job's node count")
     relaunch = commands.add_parser("relaunch", help="what to do after a failed training step")
@@ -473,7 +781,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     relaunch.add_argument("--step-nodes", required=True, help="the Slurm host list of the step that ended")
     relaunch.add_argument("--ranks-per-node", required=True)
     relaunch.add_argument("--relaunches", required=True, help="relaunches in this run of the job so far")
+    relaunch.add_argument("--spares", default="-", help="the idle nodes kept to replace a lost one ('-': none)")
+    relaunch.add_argument("--status", default=None, help="the exit status of the step that ended")
+    relaunch.add_argument("--launch", default=None, help=f"the step's {faults.LAUNCH_VAR} (JOB.RESTART.RELAUNCH)")
     relaunch.add_argument("train_args", nargs=argparse.REMAINDER, help="train.py's arguments, after --")
+    watch = commands.add_parser("watch", help="end a step whose ranks named a lost rank without waiting for Slurm")
+    watch.add_argument("--step-pid", required=True, help="the PID of the step's srun")
+    watch.add_argument("--launch", required=True, help=f"the step's {faults.LAUNCH_VAR}")
+    watch.add_argument("train_args", nargs=argparse.REMAINDER, help="train.py's arguments, after --")
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
@@ -483,8 +798,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             read_limits(os.environ, None if args.nodes is None else _at_least("--nodes", args.nodes, 1))
             return 0
+        train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+        if args.command == "watch":
+            pid, launch = _at_least("--step-pid", args.step_pid, 1), _launch_name(args.launch)
+            output_dir = output_dir_of(train_args)
+            if output_dir is not None:
+                watch_step(pid, fault_log(output_dir), launch, say)
+            return 0
         args.ranks_per_node = _at_least("--ranks-per-node", args.ranks_per_node, 1)
         args.relaunches = _at_least("--relaunches", args.relaunches, 0)
+        args.status = None if args.status in (None, "") else _at_least("--status", args.status, 0)
+        args.launch = None if args.launch is None else _launch_name(args.launch)
         decision = relaunch_plan(args, say)
     except ValueError as error:
         print(f"slurm.sbatch: error: {one_line(error)}", file=sys.stderr)
