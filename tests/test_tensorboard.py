@@ -94,10 +94,17 @@ def broken_run(ptb_word_shards, tmp_path_factory) -> dict:
     )
     process = start([sys.executable, TRAIN, *args])
     wait_for_step(output, 3, process, timeout=180)
+    # What TensorBoard held before the folder went (the records up to step 3 are written and flushed by then).
+    shutil.copytree(output / "tensorboard", output.parent / "tensorboard_before_removal")
     shutil.rmtree(output / "tensorboard")
     (output / "tensorboard").write_text("not a folder\n")
     log = finish(process, timeout=180)
-    return {"output": output, "returncode": process.returncode, "log": log}
+    return {
+        "output": output,
+        "returncode": process.returncode,
+        "log": log,
+        "events_before_removal": output.parent / "tensorboard_before_removal",
+    }
 
 
 # ---- a real TensorBoard ------------------------------------------------------------------------------------------
@@ -267,6 +274,18 @@ def test_every_train_record_has_the_model_flops_and_the_log_says_why_mfu_is_null
         assert record["tflops"] == pytest.approx(record["flops_per_token"] * record["tokens_per_s"] / 1e12)
         assert record["mfu"] == pytest.approx(record["tflops"] / BROKEN_RUN_PEAK)
     assert re.search(r"step 30 \| loss .* TFLOPS/rank \| MFU [0-9.]+% \|", broken_run["log"])
+    # The MFU reaches TensorBoard as the scalar train/mfu, equal to the record's (float32), at every step it held.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(broken_run["events_before_removal"]))
+    events.Reload()
+    assert "train/mfu" in events.Tags()["scalars"], events.Tags()["scalars"]
+    mfu = {event.step: event.value for event in events.Scalars("train/mfu")}
+    by_step = records(broken_run["output"])
+    assert {1, 2} <= set(mfu) <= set(by_step), sorted(mfu)
+    for step, value in mfu.items():
+        assert math.isfinite(value) and value > 0, (step, value)
+        assert value == pytest.approx(by_step[step]["mfu"], rel=1e-6), step
     assert (
         f"{BROKEN_RUN_PEAK:g} TFLOPS peak per rank" in broken_run["log"]
         and "MFU is not logged" not in broken_run["log"]
