@@ -456,16 +456,37 @@ def section_oom_snapshot(args: argparse.Namespace) -> dict:
     allocated = len(blocks) * 256
     blocks.clear()
     path = out / "memory_snapshot_rank_0_step_7.pickle"
-    snapshot = pickle.loads(path.read_bytes()) if path.is_file() else {}  # our own file, written just now
+    oom_snapshot_problems(message, path, raise_them=True)
+    snapshot = pickle.loads(path.read_bytes())  # our own file, written just now
     traces = snapshot.get("device_traces", [[]])
     return {
         "message": message,
-        "one_line": "\n" not in message and str(path) in message,
+        "one_line": True,
         "allocated_before_oom_mib": allocated,
-        "snapshot_bytes": path.stat().st_size if path.is_file() else 0,
+        "snapshot_bytes": path.stat().st_size,
         "segments": len(snapshot.get("segments", [])),
         "trace_entries": len(traces[0]) if traces else 0,
     }
+
+
+def oom_snapshot_problems(message: str, path: Path, raise_them: bool = False) -> list[str]:
+    """What the out-of-memory hook got wrong (docs/profiling.md, "Out of device memory"): an error message that is
+    empty, longer than one line or does not name the snapshot; a snapshot file missing or empty. With
+    ``raise_them``, a RuntimeError naming every problem, so the section fails instead of passing on its figures."""
+    problems = []
+    if not message.strip():
+        problems.append("no out-of-memory error message")
+    elif len(message.splitlines()) != 1 or message.endswith(("\n", "\r")):
+        problems.append(f"the error message is more than one line: {message!r}")
+    if message.strip() and str(path) not in message:
+        problems.append(f"the error message does not name the snapshot {path}: {message!r}")
+    if not path.is_file():
+        problems.append(f"no snapshot written at {path}")
+    elif path.stat().st_size == 0:
+        problems.append(f"the snapshot {path} is empty (0 bytes)")
+    if problems and raise_them:
+        raise RuntimeError("oom_snapshot: " + "; ".join(problems))
+    return problems
 
 
 def _synthetic_lm1b_shards(directory: Path, vocab_size: int, tokens: int) -> Path:
