@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -724,3 +725,61 @@ def test_inf_in_mems_is_reset_and_never_saved(ptb_word_shards, tmp_path):
     assert all(torch.isfinite(layer).all() for layer in rank0["mems"] + rank1["mems"])
     assert all((layer[:, 0] == 0).all() and (layer[:, 1] != 0).any() for layer in rank0["mems"])
     assert all((layer != 0).any(dim=(0, 2)).all() for layer in rank1["mems"])
+
+
+def _stop_during_a_background_save(output: Path, process: subprocess.Popen, last_step: int) -> int:
+    """Stops every rank (SIGSTOP) at a moment when a checkpoint folder exists without its COMPLETE.json, which a
+    background save leaves from its copy until every rank's write has ended and the ranks agreed on it (at least
+    one step), then kills them (SIGKILL); returns that checkpoint's step. Saves that complete before the stop
+    lands are let go (SIGCONT) until one does not, at most up to LAST_STEP."""
+    checkpoints = output / "checkpoints"
+    while process.poll() is None:
+        unfinished = sorted(
+            path for path in checkpoints.glob("step*") if path.is_dir() and not (path / "COMPLETE.json").exists()
+        )
+        if unfinished:
+            ranks = rank_processes(process)
+            for rank in ranks:
+                rank.suspend()
+            if not (unfinished[-1] / "COMPLETE.json").exists():
+                for rank in ranks:
+                    rank.kill()
+                return int(unfinished[-1].name.removeprefix("step"))
+            for rank in ranks:
+                rank.resume()
+        logged = records(output)
+        assert not logged or max(logged) <= last_step, "no stop landed during a background save"
+        time.sleep(0.005)
+    pytest.fail(f"the run ended (status {process.returncode}) before a stop landed during a background save")
+
+
+def test_a_kill_during_a_background_save_resumes_from_the_one_before_and_matches_the_uninterrupted_run(
+    reference, ptb_word_shards, tmp_path
+):
+    """checkpoint.background=true: training goes on while a thread writes the checkpoint, and the checkpoint is
+    complete only once every rank's write has ended. A kill -9 of every rank while one is in flight leaves the
+    previous checkpoint the newest verified one; the same command resumes from it (the unfinished folder is
+    removed) and trains on with exactly the losses and data of the uninterrupted run, whose saves were
+    synchronous."""
+    from txl_dist.checkpoints.verify import verify_checkpoint
+
+    output = tmp_path / "background"
+    extra = ("checkpoint.every=5", "checkpoint.background=true")
+    command = launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400", *extra))
+    process = start(command)
+    wait_for_step(output, 8, process)
+    killed_at = _stop_during_a_background_save(output, process, last_step=STEPS - 5)
+    finish(process)
+    assert process.returncode != 0
+    previous = killed_at - 5
+    assert latest(output) == f"step{previous:08d}", latest(output)
+    result = run(torchrun_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={STEPS}", *extra)))
+    assert f"removing {output / 'checkpoints' / f'step{killed_at:08d}'}: an interrupted save" in result.stderr
+    assert f"at step {previous} (exact" in result.stderr, result.stderr[-3000:]
+    assert "writing it in the background" in result.stderr and "complete at step" in result.stderr
+    straight, resumed = records(reference), records(output)
+    for step in range(previous + 1, STEPS + 1):
+        assert resumed[step]["loss"] == straight[step]["loss"], step
+        assert resumed[step]["data_checksum"] == straight[step]["data_checksum"], step
+    assert latest(output) == f"step{STEPS:08d}"
+    assert verify_checkpoint(output / "checkpoints" / latest(output)) == []

@@ -21,6 +21,8 @@ import json
 import logging
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
 from txl_dist.checkpoints import weights_only
+from txl_dist.checkpoints.background import BackgroundWrite, FileJob, host_copy, torch_save_job
 from txl_dist.checkpoints.layout import (
     COMPLETE,
     FILES_KEY,
@@ -45,7 +48,7 @@ from txl_dist.checkpoints.layout import (
     universal_tag,
     unknown_entries,
 )
-from txl_dist.checkpoints.rank_state import RankState, read_rank_states, write_rank_state
+from txl_dist.checkpoints.rank_state import RankState, rank_state_job, read_rank_states, write_rank_state
 from txl_dist.checkpoints.universal import (
     LoadKind,
     ResumePlan,
@@ -65,6 +68,7 @@ from txl_dist.checkpoints.verify import (
     refuse_to_start,
     saved_zero_stages,
 )
+from txl_dist.exit_status import CommandFailure
 from txl_dist.fileio import (
     CHECKSUM_NAME,
     FileChecksum,
@@ -86,12 +90,17 @@ class _RecordingCheckpointEngine:
     def __init__(self, inner: Any):
         self._inner = inner
         self.written: dict[str, FileChecksum] = {}
+        self.deferred: list[FileJob] | None = None
+        """While a background save collects its files: each one's host copy, for `BackgroundWrite`."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def save(self, state_dict: Any, path: str) -> None:
         zip_format = getattr(self._inner, "zipfile_serialization", True)
+        if self.deferred is not None:
+            self.deferred.append(torch_save_job(path, host_copy(state_dict), zip_format))
+            return
         self.written[os.path.abspath(path)] = atomic_write_checksummed(
             path, lambda handle: torch.save(state_dict, handle, _use_new_zipfile_serialization=zip_format)
         )
@@ -107,6 +116,21 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint whose files a thread is writing (checkpoint.background): what its COMPLETE.json will say."""
+
+    tag: str
+    step: int
+    streams_per_rank: int
+    architecture: dict[str, Any]
+    zero_stage: int
+    best_tag: str | None
+    write: BackgroundWrite
+    stall: float
+    """Seconds training waited for this save: the host copy of every file."""
+
+
 class CheckpointManager:
     """The checkpoints of one run's ``directory``, as rank ``rank`` of ``world_size`` takes part in them."""
 
@@ -120,6 +144,8 @@ class CheckpointManager:
         self._saving: str | None = None
         self.last_save_bytes = 0
         """Rank 0: the bytes of the last checkpoint this run wrote, every rank's files together."""
+        self.pending: PendingSave | None = None
+        """The save whose files are being written in the background, until it is complete."""
 
     # ---- finding checkpoints -----------------------------------------------------------------------------------
 
@@ -237,9 +263,13 @@ class CheckpointManager:
         rank_state: RankState,
         architecture: dict[str, Any],
         best_tag: str | None = None,
+        background: bool = False,
     ) -> str:
         """Collective: every rank calls it at the same step. ``architecture`` goes into COMPLETE.json, where a
-        resuming run checks it before building anything."""
+        resuming run checks it before building anything. With ``background``, the files are copied into host
+        memory and written by a thread (`txl_dist.checkpoints.background`): the checkpoint is `pending` until
+        `complete_pending`; a save in flight is finished first (at most one)."""
+        self.finish_pending()
         self.install(engine)
         recorder: _RecordingCheckpointEngine = engine.checkpoint_engine
         tag = tag_for_step(step)
@@ -251,8 +281,95 @@ class CheckpointManager:
             shutil.rmtree(tag_dir)
         dist.barrier()
         recorder.written.clear()
+        began = time.perf_counter()
+        if background:
+            recorder.deferred = []
+            try:
+                engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+            finally:
+                jobs, recorder.deferred = recorder.deferred, None
+            jobs.append(rank_state_job(tag_dir, host_copy(rank_state)))
+            self.pending = PendingSave(
+                tag,
+                step,
+                len(rank_state.stream_ids),
+                architecture,
+                engine.zero_optimization_stage(),
+                best_tag,
+                BackgroundWrite(jobs).start(),
+                stall=time.perf_counter() - began,
+            )
+            return tag
         engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
         written = {**recorder.written, **write_rank_state(tag_dir, rank_state)}
+        self._complete(
+            tag,
+            written,
+            step=step,
+            streams_per_rank=len(rank_state.stream_ids),
+            architecture=architecture,
+            zero_stage=engine.zero_optimization_stage(),
+            best_tag=best_tag,
+        )
+        return tag
+
+    def writing(self) -> tuple[bool, bool]:
+        """This rank's part of a background save: (its thread still writes, its thread failed)."""
+        if self.pending is None:
+            return False, False
+        write = self.pending.write
+        return write.running, not write.running and write.error is not None
+
+    def complete_pending(self) -> PendingSave:
+        """Collective, once every rank's write has ended (`writing` is False everywhere, as the ranks agreed):
+        the pending checkpoint marked COMPLETE, or, when a rank's write failed, that rank's error (the others
+        raise a one-line error that points at it)."""
+        pending = self.pending
+        assert pending is not None
+        pending.write.wait()
+        failures: list[str | None] = [None] * self.world_size
+        mine = None if pending.write.error is None else f"{type(pending.write.error).__name__}"
+        dist.all_gather_object(failures, mine)
+        self.pending = None
+        if pending.write.error is not None:
+            raise pending.write.error
+        failed = [rank for rank, failure in enumerate(failures) if failure is not None]
+        if failed:
+            raise CommandFailure(
+                f"the background write of checkpoint {self.directory / pending.tag} failed on rank {failed[0]}"
+            )
+        self._complete(
+            pending.tag,
+            pending.write.written,
+            step=pending.step,
+            streams_per_rank=pending.streams_per_rank,
+            architecture=pending.architecture,
+            zero_stage=pending.zero_stage,
+            best_tag=pending.best_tag,
+        )
+        return pending
+
+    def finish_pending(self) -> PendingSave | None:
+        """Collective: wait for this rank's background write and complete the pending checkpoint (None when there
+        was none): before another save, and at the end of the run."""
+        if self.pending is None:
+            return None
+        return self.complete_pending()
+
+    def _complete(
+        self,
+        tag: str,
+        written: dict[str, FileChecksum],
+        *,
+        step: int,
+        streams_per_rank: int,
+        architecture: dict[str, Any],
+        zero_stage: int,
+        best_tag: str | None,
+    ) -> None:
+        """Collective, once this rank's files are written (WRITTEN: their checksums by absolute path): rank 0
+        marks the checkpoint complete when every rank's are, then rotates."""
+        tag_dir = self.directory / tag
         mine = {
             Path(path).relative_to(tag_dir.absolute()).as_posix(): checksum
             for path, checksum in written.items()
@@ -272,9 +389,9 @@ class CheckpointManager:
                 tag_dir,
                 files,
                 step=step,
-                streams_per_rank=len(rank_state.stream_ids),
+                streams_per_rank=streams_per_rank,
                 architecture=architecture,
-                zero_stage=engine.zero_optimization_stage(),
+                zero_stage=zero_stage,
             )
         self._saving = None
         self.damaged.discard(tag)
@@ -282,7 +399,6 @@ class CheckpointManager:
         if self.rank == 0:
             self._prune(keep={tag, best_tag} - {None})
         dist.barrier()
-        return tag
 
     def _mark_complete(
         self,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from txl_dist.checkpoints import weights_only
+from txl_dist.checkpoints.background import FileJob, torch_save_job
 from txl_dist.checkpoints.layout import rank_state_path
 from txl_dist.fileio import FileChecksum, atomic_write_checksummed
 
@@ -77,8 +78,7 @@ class RankState:
     rank: int
 
 
-def write_rank_state(tag_dir: Path, rank_state: RankState) -> dict[str, FileChecksum]:
-    """The rank's state file in checkpoint ``tag_dir``; returns its checksum by absolute path."""
+def _rank_state_file(tag_dir: Path, rank_state: RankState) -> tuple[Path, dict[str, Any]]:
     state_path = rank_state_path(tag_dir, rank_state.rank)
     state_path.parent.mkdir(parents=True, exist_ok=True)
     state = {
@@ -88,8 +88,20 @@ def write_rank_state(tag_dir: Path, rank_state: RankState) -> dict[str, FileChec
         "world_size": rank_state.world_size,
         "rank": rank_state.rank,
     }
+    return state_path, state
+
+
+def write_rank_state(tag_dir: Path, rank_state: RankState) -> dict[str, FileChecksum]:
+    """The rank's state file in checkpoint ``tag_dir``; returns its checksum by absolute path."""
+    state_path, state = _rank_state_file(tag_dir, rank_state)
     checksum = atomic_write_checksummed(state_path, lambda handle: torch.save(state, handle))
     return {os.path.abspath(state_path): checksum}
+
+
+def rank_state_job(tag_dir: Path, rank_state: RankState) -> FileJob:
+    """The rank's state file as a job of a background save (RANK_STATE already a host copy)."""
+    state_path, state = _rank_state_file(tag_dir, rank_state)
+    return torch_save_job(str(state_path), state)
 
 
 def read_rank_states(

@@ -318,6 +318,11 @@ class CheckpointConfig:
     verify: bool = True
     """Check every file of a checkpoint against the sizes and CRC-32s of its COMPLETE.json before resuming from it,
     and skip those that fail. false trusts the newest complete checkpoint as it is (the log says so)."""
+    background: bool = False
+    """Write checkpoints while training goes on: each save copies the state into host memory (training waits for
+    that copy only) and a thread writes and checks the files; the checkpoint is complete, and resumable, once
+    every rank's write has ended, a step or more later. At most one write is in flight. Costs host memory for one
+    copy of the rank's state (`txl_dist.checkpoints.background`)."""
 
 
 @config_dataclass

@@ -68,8 +68,9 @@ class TrainState:
             rank=self.rank,
         )
 
-    def save(self, checkpoints: CheckpointManager, engine) -> str:
-        """Collective: a checkpoint of ``engine`` and this state at the current step; returns its tag."""
+    def save(self, checkpoints: CheckpointManager, engine, background: bool = False) -> str:
+        """Collective: a checkpoint of ``engine`` and this state at the current step (written in the background:
+        `CheckpointManager.save`); returns its tag."""
         return checkpoints.save(
             engine,
             self.step,
@@ -77,6 +78,7 @@ class TrainState:
             self.rank_state(),
             architecture=self.facts["architecture"],
             best_tag=tag_for_step(self.best["step"]) if self.best else None,
+            background=background,
         )
 
     def load(self, checkpoints: CheckpointManager, engine, plan: ResumePlan) -> ResumeKind:

@@ -188,20 +188,50 @@ class Trainer:
     # ---- checkpoint --------------------------------------------------------------------------------------------
 
     def save(self) -> str:
+        """Collective: a checkpoint of this step, written now, or with checkpoint.background copied now and
+        written while training goes on (complete a step or more later: `_agree`); the log gives the seconds
+        training waited for it (the stall) and the seconds of the write."""
+        background = self.cfg.checkpoint.background
         started = time.perf_counter()
-        tag = self.state.save(self.checkpoints, self.engine)
+        if background and self.checkpoints.pending is not None:  # at most one write in flight: wait for it
+            self._complete_background_save(self.checkpoints.finish_pending(), waited=True)
+        tag = self.state.save(self.checkpoints, self.engine, background=background)
         seconds = time.perf_counter() - started
+        self._last_save_clock = time.monotonic()
+        if background:
+            self.logger.info(
+                "checkpoint %s: training waited %.2f s (the state copied to host memory); writing it in the background",
+                self.checkpoints.directory / tag,
+                seconds,
+            )
+            return tag
         megabytes = self.checkpoints.last_save_bytes / 1e6
         self.logger.info(
-            "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s)",
+            "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s; training waited for all of it)",
             self.checkpoints.directory / tag,
             seconds,
             megabytes,
             megabytes / max(seconds, 1e-9),
         )
-        self._last_save_clock = time.monotonic()
         self.guard.checkpointed(self.state.step)
         return tag
+
+    def _complete_background_save(self, pending, waited: bool = False) -> None:
+        """A background save's checkpoint is complete: the log line with its stall and write time."""
+        if pending is None:
+            return
+        megabytes = self.checkpoints.last_save_bytes / 1e6
+        self.logger.info(
+            "checkpoint %s complete at step %d: written in the background in %.2f s (%.1f MB), training waited "
+            "%.2f s for it%s",
+            self.checkpoints.directory / pending.tag,
+            self.state.step,
+            pending.write.seconds,
+            megabytes,
+            pending.stall,
+            " (and for the end of this write: the next save had come)" if waited else "",
+        )
+        self.guard.checkpointed(pending.step)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
 
@@ -256,13 +286,18 @@ class Trainer:
 
     def _agree(self) -> tuple[bool, bool]:
         """Collective, after every step: (a stop was requested on any rank, rank 0's clock says a save is due).
-        One all-reduce of the maximum carries both; only rank 0 reads the clock, so the ranks cannot disagree."""
+        One all-reduce of the maximum carries both, and whether any rank's background checkpoint write is still
+        going: when none is, the pending checkpoint is completed here, at the same step on every rank. Only rank 0
+        reads the clock, so the ranks cannot disagree."""
         clock_due = self.rank == 0 and self.cadence.clock_save_due(time.monotonic(), self._last_save_clock)
-        flags = torch.tensor([float(self.guard.requested), float(clock_due)])
+        writing, _ = self.checkpoints.writing()
+        flags = torch.tensor([float(self.guard.requested), float(clock_due), float(writing)])
         if self._flag_group is None:
             flags = flags.to(self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group)
-        stopping, clock_due = flags.tolist()
+        stopping, clock_due, writing = flags.tolist()
+        if self.checkpoints.pending is not None and not writing:
+            self._complete_background_save(self.checkpoints.complete_pending())
         return bool(stopping), bool(clock_due)
 
     def run(self) -> dict[str, Any]:
@@ -280,6 +315,8 @@ class Trainer:
         try:
             with out_of_memory_snapshot(self.run_dir.path, self.rank, self.device, lambda: self.state.step):
                 stopped_by, last_eval = self._train()
+                # The last checkpoint is complete before the run reports its end.
+                self._complete_background_save(self.checkpoints.finish_pending())
         finally:
             self.streams.close()
         elapsed = time.perf_counter() - run_start

@@ -1,0 +1,117 @@
+"""How long training waits for a checkpoint: a synchronous save against a background save
+(checkpoint.background, `txl_dist.checkpoints.background`), for one rank's state of a model the size of a config.
+
+    python benchmarks/checkpoint_stall.py                                  # lm1b_base, 3 repeats, in a temp folder
+    python benchmarks/checkpoint_stall.py --config configs/ptb_small.yaml --repeats 5 --dir /shared/scratch
+
+The state is what one rank of a 1-rank ZeRO-1/2 run in fp32 writes: the model's weights (the model is built on
+the meta device for its shapes, then filled) in one file, and the optimizer's fp32 partition with Adam's two
+moments in another (16 bytes per parameter in all). The synchronous save writes both files as the trainer does
+(`txl_dist.fileio.atomic_write_checksummed`: temporary name, fsync, rename, CRC-32), and training waits for all
+of it. The background save copies both into host memory (`host_copy`) and hands them to a `BackgroundWrite`
+thread: training waits for the copy only (the stall); the thread's write time is printed beside it. The two
+alternate within a repeat so that the machine's noise hits both. The last line is one JSON object of the medians
+and the ratio stall / synchronous save (the goal: at most 0.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from txl_dist.checkpoints.background import BackgroundWrite, host_copy, torch_save_job
+from txl_dist.config import load_config
+from txl_dist.fileio import atomic_write_checksummed
+from txl_dist.model import TransformerXLLM
+
+
+def rank_state(config: str) -> tuple[dict, dict, int]:
+    """(the model's weights, the optimizer's state, the number of parameters) of CONFIG's model, filled."""
+    cfg = load_config([config], [])
+    with torch.device("meta"):
+        model = TransformerXLLM(cfg.model)
+    weights = {name: torch.randn(tensor.shape) for name, tensor in model.state_dict().items()}
+    count = sum(parameter.numel() for parameter in model.parameters())
+    optimizer = {
+        "fp32_flat_groups": [torch.randn(count)],
+        "optimizer_state_dict": {"state": {0: {"exp_avg": torch.randn(count), "exp_avg_sq": torch.rand(count)}}},
+    }
+    return {"module": weights}, optimizer, count
+
+
+def synchronous(folder: Path, files: dict[str, dict]) -> float:
+    began = time.perf_counter()
+    for name, state in files.items():
+        atomic_write_checksummed(folder / name, lambda handle, state=state: torch.save(state, handle))
+    return time.perf_counter() - began
+
+
+def background(folder: Path, files: dict[str, dict]) -> tuple[float, float]:
+    """(the stall, the thread's write time)."""
+    began = time.perf_counter()
+    write = BackgroundWrite([torch_save_job(str(folder / name), host_copy(state)) for name, state in files.items()])
+    write.start()
+    stall = time.perf_counter() - began
+    write.wait()
+    if write.error is not None:
+        raise write.error
+    return stall, write.seconds
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/lm1b_base.yaml")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temp folder)")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="checkpoint_stall.", dir=args.dir))
+    weights, optimizer, count = rank_state(args.config)
+    files = {"mp_rank_00_model_states.pt": weights, "zero_pp_rank_0_mp_rank_00_optim_states.pt": optimizer}
+    gigabytes = 16 * count / 1e9
+    print(f"{args.config}: {count / 1e6:.0f}M parameters, {gigabytes:.2f} GB per save, written to {work}")
+    runs: dict[str, list[float]] = {"sync_s": [], "stall_s": [], "background_write_s": []}
+    try:
+        for repeat in range(args.repeats):
+            for kind in ("sync", "background"):
+                folder = work / f"{kind}{repeat}"
+                folder.mkdir()
+                if kind == "sync":
+                    runs["sync_s"].append(synchronous(folder, files))
+                    print(f"repeat {repeat}: synchronous save {runs['sync_s'][-1]:.2f} s")
+                else:
+                    stall, written = background(folder, files)
+                    runs["stall_s"].append(stall)
+                    runs["background_write_s"].append(written)
+                    print(
+                        f"repeat {repeat}: background save: training waited {stall:.2f} s, thread wrote {written:.2f} s"
+                    )
+                shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    summary = {
+        "config": args.config,
+        "parameters": count,
+        "gigabytes": round(gigabytes, 2),
+        "repeats": args.repeats,
+        **{name: round(value, 3) for name, value in medians.items()},
+        "stall_over_sync": round(medians["stall_s"] / medians["sync_s"], 3),
+    }
+    print(
+        f"median: synchronous {medians['sync_s']:.2f} s; background: training waited {medians['stall_s']:.2f} s "
+        f"({summary['stall_over_sync']:.1%} of the synchronous save); the thread wrote "
+        f"{medians['background_write_s']:.2f} s"
+    )
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
