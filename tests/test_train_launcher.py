@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -783,3 +784,30 @@ def test_a_kill_during_a_background_save_resumes_from_the_one_before_and_matches
         assert resumed[step]["data_checksum"] == straight[step]["data_checksum"], step
     assert latest(output) == f"step{STEPS:08d}"
     assert verify_checkpoint(output / "checkpoints" / latest(output)) == []
+
+
+def test_a_memory_snapshot_bounds_the_work_that_a_killed_rank_costs(reference, ptb_word_shards, tmp_path):
+    """checkpoint.memory_every=3 beside checkpoints every 20 steps: rank 1 is killed (kill -9) some steps after
+    the checkpoint of step 20; the same command writes the newest snapshot that both ranks left in the node's
+    memory back as a checkpoint and resumes from it, so at most 3 steps (and the one in flight) are recomputed,
+    not all since step 20, with exactly the uninterrupted run's losses and data. A clean end removes the
+    snapshots from memory."""
+    output, memory = tmp_path / "snapshots", tmp_path / "memory"
+    extra = ("checkpoint.every=20", "checkpoint.memory_every=3", f"checkpoint.memory_dir={memory}")
+    process = start(launcher_command(TRAIN, args(ptb_word_shards, output, "train.max_steps=400", *extra)))
+    wait_for_step(output, 26, process)
+    rank_processes(process)[1].kill()
+    finish(process)
+    lost_at = max(records(output))
+    assert lost_at < STEPS - 3, lost_at
+    result = run(torchrun_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={STEPS}", *extra)))
+    restored = re.search(r"restored step (\d+) from the memory snapshots of 2 rank\(s\)", result.stderr)
+    assert restored, result.stderr[-3000:]
+    step = int(restored.group(1))
+    assert step % 3 == 0 and 20 < step and lost_at - step <= 3 + 1, (step, lost_at)
+    assert f"resumed from {output / 'checkpoints' / f'step{step:08d}'} at step {step} (exact" in result.stderr
+    straight, resumed = records(reference), records(output)
+    for later in range(step + 1, STEPS + 1):
+        assert resumed[later]["loss"] == straight[later]["loss"], later
+        assert resumed[later]["data_checksum"] == straight[later]["data_checksum"], later
+    assert [path for path in memory.rglob("*")] == []

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -76,6 +77,7 @@ class BackgroundWrite:
         began = time.perf_counter()
         try:
             for job in self.jobs:
+                Path(job.path).parent.mkdir(parents=True, exist_ok=True)
                 checksum = atomic_write_checksummed(job.path, job.write)
                 on_disk = file_checksum(job.path)
                 if on_disk != checksum:

@@ -91,7 +91,9 @@ class _RecordingCheckpointEngine:
         self._inner = inner
         self.written: dict[str, FileChecksum] = {}
         self.deferred: list[FileJob] | None = None
-        """While a background save collects its files: each one's host copy, for `BackgroundWrite`."""
+        """While a background save or a memory snapshot collects its files: each one's state, for a thread or
+        for memory, a host copy of it when `copy_deferred` (a background save: training goes on meanwhile)."""
+        self.copy_deferred = True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -99,7 +101,8 @@ class _RecordingCheckpointEngine:
     def save(self, state_dict: Any, path: str) -> None:
         zip_format = getattr(self._inner, "zipfile_serialization", True)
         if self.deferred is not None:
-            self.deferred.append(torch_save_job(path, host_copy(state_dict), zip_format))
+            state = host_copy(state_dict) if self.copy_deferred else state_dict
+            self.deferred.append(torch_save_job(path, state, zip_format))
             return
         self.written[os.path.abspath(path)] = atomic_write_checksummed(
             path, lambda handle: torch.save(state_dict, handle, _use_new_zipfile_serialization=zip_format)
@@ -313,6 +316,38 @@ class CheckpointManager:
         )
         return tag
 
+    def snapshot_jobs(
+        self, engine, step: int, client_state: dict[str, Any], rank_state: RankState, scratch: Path
+    ) -> tuple[list[FileJob], Path]:
+        """Collective: the files that a checkpoint of STEP would hold for this rank, as jobs that serialise the
+        live state (to run before training goes on), and the folder their paths are relative to. Nothing is
+        written but DeepSpeed's empty folders and recovery scripts in SCRATCH."""
+        self.install(engine)
+        recorder: _RecordingCheckpointEngine = engine.checkpoint_engine
+        tag = tag_for_step(step)
+        scratch.mkdir(parents=True, exist_ok=True)
+        recorder.deferred, recorder.copy_deferred = [], False
+        try:
+            engine.save_checkpoint(str(scratch), tag=tag, client_state=client_state, save_latest=False)
+        finally:
+            jobs, recorder.deferred, recorder.copy_deferred = recorder.deferred, None, True
+        tag_dir = scratch / tag
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        return [*jobs, rank_state_job(tag_dir, rank_state)], tag_dir
+
+    def mark_restored(self, tag_dir: Path, files: dict[str, FileChecksum], manifest: dict[str, Any]) -> None:
+        """Rank 0: a checkpoint written back from memory snapshots (`txl_dist.checkpoints.snapshots.restore`),
+        complete with the checksums of the bytes written and the facts of the snapshot's manifest."""
+        self._mark_complete(
+            tag_dir,
+            files,
+            step=manifest["step"],
+            streams_per_rank=manifest["streams_per_rank"],
+            architecture=manifest["architecture"],
+            zero_stage=manifest["zero_stage"],
+            world_size=manifest["world_size"],
+        )
+
     def writing(self) -> tuple[bool, bool]:
         """This rank's part of a background save: (its thread still writes, its thread failed)."""
         if self.pending is None:
@@ -409,9 +444,10 @@ class CheckpointManager:
         streams_per_rank: int,
         architecture: dict[str, Any],
         zero_stage: int,
+        world_size: int | None = None,
     ) -> None:
         """Rank 0, once every rank has written: COMPLETE.json listing ``files`` (and any file on disk written
-        around the checkpoint engine), then ``latest``."""
+        around the checkpoint engine), then ``latest``. WORLD_SIZE: the ranks that saved it (this run's)."""
         for name in sorted(files_on_disk(tag_dir) - set(files)):
             # Not written through the checkpoint engine (none today): read back to be listed all the same.
             log.info("checksumming %s, written outside DeepSpeed's checkpoint engine", tag_dir / name)
@@ -419,7 +455,7 @@ class CheckpointManager:
         # Rank r owns streams [r * n, (r + 1) * n): a resuming rank opens only the files of its streams.
         marker = {
             "step": step,
-            "world_size": self.world_size,
+            "world_size": self.world_size if world_size is None else world_size,
             "streams_per_rank": streams_per_rank,
             "rank_states": sorted(p.name for p in (tag_dir / RANK_STATES).glob("rank*.pt")),
             "architecture": architecture,

@@ -80,7 +80,6 @@ class RankState:
 
 def _rank_state_file(tag_dir: Path, rank_state: RankState) -> tuple[Path, dict[str, Any]]:
     state_path = rank_state_path(tag_dir, rank_state.rank)
-    state_path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "stream_ids": torch.tensor(rank_state.stream_ids, dtype=torch.long),
         "mems": rank_state.mems,
@@ -94,6 +93,7 @@ def _rank_state_file(tag_dir: Path, rank_state: RankState) -> tuple[Path, dict[s
 def write_rank_state(tag_dir: Path, rank_state: RankState) -> dict[str, FileChecksum]:
     """The rank's state file in checkpoint ``tag_dir``; returns its checksum by absolute path."""
     state_path, state = _rank_state_file(tag_dir, rank_state)
+    state_path.parent.mkdir(parents=True, exist_ok=True)
     checksum = atomic_write_checksummed(state_path, lambda handle: torch.save(state, handle))
     return {os.path.abspath(state_path): checksum}
 

@@ -318,6 +318,14 @@ class CheckpointConfig:
     verify: bool = True
     """Check every file of a checkpoint against the sizes and CRC-32s of its COMPLETE.json before resuming from it,
     and skip those that fail. false trusts the newest complete checkpoint as it is (the log says so)."""
+    memory_every: NonNegative = 0
+    """Every this many optimizer steps, a snapshot of every rank's whole training state in the memory of its node
+    and of the next node (checkpoint.memory_dir), so that a fault costs at most this many steps: a relaunch
+    resumes from the newest snapshot that every rank left somewhere, when it is newer than the newest checkpoint
+    (`txl_dist.checkpoints.snapshots`). Costs node memory for two snapshots of each rank and of its neighbour's.
+    0: none."""
+    memory_dir: str = "/dev/shm"
+    """Where the memory snapshots go on each node: a memory-backed folder local to the node."""
     background: bool = False
     """Write checkpoints while training goes on: each save copies the state into host memory (training waits for
     that copy only) and a thread writes and checks the files; the checkpoint is complete, and resumable, once

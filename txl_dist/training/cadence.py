@@ -27,6 +27,8 @@ class Cadence:
     """0: only at a new best evaluation, on a stop request and at the end."""
     checkpoint_every_seconds: float = 0.0
     """Wall-clock seconds between saves (checkpoint.every_minutes x 60); 0: no clock cadence."""
+    memory_every: int = 0
+    """Steps between memory snapshots (checkpoint.memory_every); 0: none."""
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Cadence:
@@ -37,6 +39,7 @@ class Cadence:
             eval_every=cfg.eval.every,
             checkpoint_every=cfg.checkpoint.every,
             checkpoint_every_seconds=60.0 * (cfg.checkpoint.every_minutes or 0),
+            memory_every=cfg.checkpoint.memory_every,
         )
 
     def stop_before(self, step: int, epoch: int) -> str | None:
@@ -59,6 +62,10 @@ class Cadence:
         """Whether ``checkpoint_every_seconds`` have passed between ``last_save`` and ``now`` (seconds of one
         monotonic clock: the end of the last save, or the start of training)."""
         return bool(self.checkpoint_every_seconds) and now - last_save >= self.checkpoint_every_seconds
+
+    def snapshot_after(self, step: int) -> bool:
+        """A memory snapshot after ``step`` (when no checkpoint is saved there: a checkpoint is newer)."""
+        return bool(self.memory_every) and step % self.memory_every == 0 and step < self.max_steps
 
     def save_after(self, step: int, *, stopping: bool, new_best: bool, clock_due: bool = False) -> bool:
         """``stopping``: the ranks agreed on a stop request; ``new_best``: this step's evaluation is the best;

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import dropout_seed
+from txl_dist.checkpoints.snapshots import Snapshots, restore, run_id
 from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.config import RunConfig
 from txl_dist.data import EvalStreams, TrainStreams
@@ -104,6 +105,14 @@ class Trainer:
                 manifest.tokenizer.fingerprint, [cfg.data.tokenizer, manifest.build.get("tokenizer_directory")]
             )
         dist.barrier()
+        self.snapshots: Snapshots | None = None
+        if cfg.checkpoint.memory_every:
+            # A snapshot newer than the newest checkpoint becomes one, before the resume is chosen.
+            identity = run_id(self.run_dir.path, self.rank)
+            memory_dir = cfg.checkpoint.memory_dir
+            restore(memory_dir, identity, self.checkpoints.directory, self.rank, self.world_size,
+                    self.checkpoints.mark_restored)  # fmt: skip
+            self.snapshots = Snapshots(memory_dir, identity, self.run_dir.path, self.rank, self.world_size)
 
         resume_plan = self.checkpoints.plan_resume(
             resume=cfg.checkpoint.resume,
@@ -216,6 +225,24 @@ class Trainer:
         self.guard.checkpointed(self.state.step)
         return tag
 
+    def _snapshot(self) -> None:
+        """Collective: a memory snapshot of this step (`txl_dist.checkpoints.snapshots`)."""
+        jobs, tag_dir = self.checkpoints.snapshot_jobs(
+            self.engine,
+            self.state.step,
+            self.state.client_state(),
+            self.state.rank_state(),
+            scratch=self.snapshots.root / f".deepspeed-rank{self.rank:05d}",
+        )
+        meta = {
+            "step": self.state.step,
+            "streams_per_rank": len(self.state.streams.rank_stream_ids()),
+            "architecture": self.state.facts["architecture"],
+            "zero_stage": self.engine.zero_optimization_stage(),
+        }
+        stall = self.snapshots.take(jobs, tag_dir, meta)
+        self.logger.info("memory snapshot of step %d: training waited %.2f s", self.state.step, stall)
+
     def _complete_background_save(self, pending, waited: bool = False) -> None:
         """A background save's checkpoint is complete: the log line with its stall and write time."""
         if pending is None:
@@ -317,6 +344,8 @@ class Trainer:
                 stopped_by, last_eval = self._train()
                 # The last checkpoint is complete before the run reports its end.
                 self._complete_background_save(self.checkpoints.finish_pending())
+                if self.snapshots is not None:  # the last checkpoint is newer than any snapshot
+                    self.snapshots.remove()
         finally:
             self.streams.close()
         elapsed = time.perf_counter() - run_start
@@ -380,6 +409,9 @@ class Trainer:
                         with phase("checkpoint"):
                             self.save()
                         last_saved = self.state.step
+                    elif self.snapshots is not None and self.cadence.snapshot_after(self.state.step):
+                        with phase("snapshot"):
+                            self._snapshot()
                 profiler.after_step(self.state.step)
                 if evaluated or last_saved == self.state.step:  # keep evaluation and saving out of tokens/s
                     step_log.restart_clock()
