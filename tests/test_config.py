@@ -518,6 +518,7 @@ def test_deepspeed_config_overlay_merges_but_refuses_batch_and_owned_keys(tmp_pa
         ({"bf16": {"enabled": False}}, "bf16", "precision.dtype"),
         ({"fp16": {"enabled": False}}, "fp16", "precision.dtype"),
         ({"bfloat16": {"enabled": True}}, "bfloat16", "precision.dtype"),
+        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast", "precision.dtype"),
         ({"optimizer": {"params": {"lr": 1}}}, "optimizer", "optim section"),
     ],
 )
@@ -530,6 +531,69 @@ def test_a_deepspeed_config_overlay_may_not_set_what_the_run_config_owns(tmp_pat
     path.write_text(json.dumps(overlay))
     with pytest.raises(ValueError, match=rf"--deepspeed_config {path} sets '{key}', which is not allowed: .*{instead}"):
         ds_dict(cfg, 2, "cpu", str(path))
+
+
+@pytest.mark.parametrize(
+    "section, stage, key, owned",
+    [
+        ({"cpu_offload": True}, 2, "cpu_offload", "offload_optimizer"),
+        ({"cpu_offload": False}, 2, "cpu_offload", "offload_optimizer"),
+        ({"cpu_offload_use_pin_memory": True}, 2, "cpu_offload_use_pin_memory", "offload_optimizer"),
+        ({"prefetch_bucket_size": 7}, 3, "prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+        ({"param_persistence_threshold": 7}, 3, "param_persistence_threshold", "stage3_param_persistence_threshold"),
+        ({"max_live_parameters": 7}, 2, "max_live_parameters", "stage3_max_live_parameters"),
+    ],
+)
+def test_a_deepspeed_config_overlay_may_not_set_an_owned_zero_key_under_deepspeeds_other_name(
+    tmp_path, section, stage, key, owned
+):
+    """DeepSpeed reads `cpu_offload` as offload_optimizer and a stage-3 field by its name or its ``stage3_``
+    alias: each is refused as the owned key itself would be, naming the file, the key and the config key."""
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"zero.stage={stage}"])
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": section}))
+    with pytest.raises(ValueError) as refused:
+        ds_dict(cfg, 2, "cpu", str(path))
+    assert str(refused.value) == (
+        f"--deepspeed_config {path} sets 'zero_optimization.{key}' (DeepSpeed's alias of '{owned}'), which is not "
+        f"allowed: the ZeRO setting is zero.{owned}"
+    )
+
+
+@pytest.mark.parametrize(
+    "section, stage, expected",
+    [
+        ({"overlap_com": True}, 2, "sets 'zero_optimization.overlap_com' to True, which DeepSpeed refuses: no such"),
+        ({"sub_group_size": -1}, 3, "sets 'zero_optimization.sub_group_size' to -1, which DeepSpeed refuses: Input"),
+        (
+            {"offload_param": {"device": "gpu"}},
+            3,
+            "sets 'zero_optimization.offload_param.device' to 'gpu', which DeepSpeed refuses: Input should be",
+        ),
+        ({"compute_grad_norm": False}, 3, ": DeepSpeed refuses the 'zero_optimization' section (the run config's"),
+        ({"cpu_offload_param": True, "offload_param": {"device": "cpu"}}, 3, "Cannot provide deprecated parameter"),
+    ],
+)
+def test_a_zero_section_that_deepspeed_refuses_is_one_line_naming_the_overlay_and_the_key(
+    tmp_path, capsys, section, stage, expected
+):
+    """DeepSpeed's own model of the zero_optimization section checks the merged section when the config is read:
+    a refusal is one line naming the --deepspeed_config file and the key, status 2, not pydantic's lines on
+    every rank once the engine starts."""
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [f"zero.stage={stage}"])
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": section}))
+    with pytest.raises(ValueError) as refused:
+        ds_dict(cfg, 2, "cpu", str(path))
+    message = str(refused.value)
+    assert message.startswith(f"--deepspeed_config {path}") and expected in message and "\n" not in message
+    shards = shard_dir(tmp_path, vocab_size=1000)
+    tiny = str(REPO / "configs" / "tiny_cpu.yaml")
+    argv = ["--config", tiny, f"data.shards={shards}", f"zero.stage={stage}", "--deepspeed_config", str(path)]
+    err = parse_error(capsys, argv)
+    assert len(err.strip().splitlines()) == 1 and expected in err
+    path.write_text(json.dumps({"zero_optimization": {"overlap_comm": True, "cpu_offload_param": False}}))
+    assert ds_dict(cfg, 2, "cpu", str(path))["zero_optimization"]["overlap_comm"] is True  # DeepSpeed takes these
 
 
 def test_a_deepspeed_config_overlay_may_not_replace_the_zero_section(tmp_path):

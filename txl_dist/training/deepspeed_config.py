@@ -3,7 +3,10 @@
 The batch is stated once, as train.global_batch (and optionally train.micro_batch); DeepSpeed's three batch keys
 follow from it and the world size through `TrainConfig.batch_layout`, which is where the arithmetic is checked.
 A user's ``--deepspeed_config`` JSON may add or change other DeepSpeed settings on top, never one that the config
-owns (`owned_overlay_keys`): the ZeRO stage the memory plan and the hparams report is the one the engine runs.
+owns (`owned_overlay_keys`), under none of DeepSpeed's names for it (`zero_key_names`): the ZeRO stage the memory
+plan and the hparams report is the one the engine runs. The merged ZeRO section is checked with DeepSpeed's own
+model when the config is read (`check_zero_section`), so that a setting DeepSpeed refuses is one line naming the
+file and the key.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ CONFIG_KEY_OF = {
     "scheduler": "the learning-rate schedule is the schedule section (schedule.kind, warmup_steps, ...)",
     "amp": "the precision is precision.dtype",
     "bfloat16": "the precision is precision.dtype",
+    "torch_autocast": "the precision is precision.dtype",
 }
 PARTLY_OWNED_SECTION = "zero_optimization"
 """The one section whose keys the config owns one by one: the overlay may add ZeRO settings the config has not."""
@@ -88,6 +92,7 @@ def build_deepspeed_config(
     )
     if overlay_path is not None:
         merge_mappings(config, read_deepspeed_overlay(overlay_path, owned_overlay_keys(train, world_size)))
+        check_zero_section(config[PARTLY_OWNED_SECTION], overlay_path)
     return config
 
 
@@ -179,7 +184,7 @@ def owned_overlay_keys(train: TrainConfig, world_size: int) -> dict[str, str]:
     use instead: every key the builder writes for some config (all ZeRO stages, with and without offload, both
     half precisions, DeepSpeed's optimizer section), less `FIXED_KEYS`, and the names of `CONFIG_KEY_OF` that
     are the trainer's though not in the dict."""
-    written: set[str] = {"scheduler", "amp", "bfloat16"}
+    written: set[str] = {"scheduler", "amp", "bfloat16", "torch_autocast"}
     for stage, offload, dtype in itertools.product((0, 1, 2, 3), ("none", "cpu"), ("bf16", "fp16")):
         built = _built_config(
             train=train,
@@ -218,4 +223,80 @@ def read_deepspeed_overlay(path: str, owned: dict[str, str]) -> dict[str, Any]:
     for key in [*data, *(f"{PARTLY_OWNED_SECTION}.{key}" for key in section)]:
         if key in owned:
             raise ValueError(f"--deepspeed_config {path} sets {key!r}, which is not allowed: {owned[key]}")
+    if section:
+        names = zero_key_names()
+        for key in section:
+            for other in sorted(names.get(key, ())):
+                if f"{PARTLY_OWNED_SECTION}.{other}" in owned:
+                    raise ValueError(
+                        f"--deepspeed_config {path} sets '{PARTLY_OWNED_SECTION}.{key}' (DeepSpeed's alias of "
+                        f"'{other}'), which is not allowed: {owned[f'{PARTLY_OWNED_SECTION}.{other}']}"
+                    )
     return data
+
+
+def zero_key_names() -> dict[str, set[str]]:
+    """Each key of DeepSpeed's ``zero_optimization`` section that has other names, with those names: a field and
+    its alias (``prefetch_bucket_size`` and ``stage3_prefetch_bucket_size``), a deprecated field and the one that
+    replaces it (``cpu_offload`` and ``offload_optimizer``, ``cpu_offload_use_pin_memory`` and both offloads),
+    read from DeepSpeed's own model (`DeepSpeedZeroConfig`), so that an overlay cannot set an owned key under
+    another name."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # imports torch's distributed parts: only here
+
+    names: dict[str, set[str]] = {}
+    for name, field in DeepSpeedZeroConfig.model_fields.items():
+        others = {field.alias} if field.alias else set()
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("deprecated") and isinstance(extra.get("new_param"), str):
+            others |= set(extra["new_param"].split(" or "))
+        for alias in set(others):  # a replacement's own alias: stage3_gather_fp16_... -> gather_16bit_... -> stage3_
+            replacement = DeepSpeedZeroConfig.model_fields.get(alias)
+            if replacement is not None and replacement.alias:
+                others.add(replacement.alias)
+        for key in others:
+            names.setdefault(name, set()).add(key)
+            names.setdefault(key, set()).add(name)
+    return names
+
+
+def check_zero_section(section: dict[str, Any], path: str) -> None:
+    """ValueError naming the ``--deepspeed_config`` file and the key when DeepSpeed's own model of the
+    ``zero_optimization`` section (`DeepSpeedZeroConfig`) refuses the merged section: a misspelt key, a value
+    of the wrong type or range, settings it refuses together. Checked when the config is read, not when the
+    engine starts on every rank."""
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        DeepSpeedZeroConfig(**section)
+    except pydantic.ValidationError as error:
+        problems = error.errors()
+        first = problems[0]
+        message = _one_line(first["msg"])
+        for prefix in ("Value error, ", "Assertion failed, "):  # pydantic's words for a validator's own error
+            message = message.removeprefix(prefix)
+        if first["type"] == "extra_forbidden":
+            message = f"no such ZeRO setting in DeepSpeed {_deepspeed_version()} (or given twice, under two names)"
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        if not first["loc"]:  # a check of the whole section
+            raise ValueError(f"--deepspeed_config {path}: {_REFUSED_SECTION}: {message}{more}") from None
+        key = ".".join(str(part) for part in (PARTLY_OWNED_SECTION, *first["loc"]))
+        raise ValueError(
+            f"--deepspeed_config {path} sets {key!r} to {first['input']!r}, which DeepSpeed refuses: {message}{more}"
+        ) from None
+    except AssertionError as error:  # DeepSpeed checks its deprecated fields with asserts
+        raise ValueError(f"--deepspeed_config {path}: {_REFUSED_SECTION}: {_one_line(str(error))}") from None
+
+
+_REFUSED_SECTION = f"DeepSpeed refuses the {PARTLY_OWNED_SECTION!r} section (the run config's with this file's on top)"
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def _one_line(text: str) -> str:
+    """The first line of a library's message, whatever it holds."""
+    return (text.strip().splitlines() or ["(no message)"])[0]
