@@ -167,6 +167,61 @@ def test_bad_yaml_in_an_override_is_one_line():
     assert "\n" not in str(caught.value) and caught.match(r"^override 'train=\{seed: \[1\}': the value is not valid")
 
 
+@pytest.mark.parametrize(
+    "text, key, anchor, place",
+    [
+        ("checkpoint: &c {every: 2, sub: *c}\n", "checkpoint.sub", "c", "line 1, column 13"),
+        ("train: &t\n  seed: 1\n  more: [1, {back: *t}]\n", "train.more[1].back", "t", "line 1, column 8"),
+        ("eval: &e [1, *e]\n", "eval[1]", "e", "line 1, column 7"),
+        ("model: &m {<<: *m}\n", "model.<<", "m", "line 1, column 8"),
+    ],
+)
+def test_a_yaml_anchor_used_inside_itself_is_one_line_naming_the_file_and_the_key(
+    tmp_path, capsys, text, key, anchor, place
+):
+    """Data that holds itself (an alias inside the node its anchor names) is no config: refused where it is read,
+    naming the file, the key and the anchor, not a RecursionError wherever a reader first walks it."""
+    from txl_dist.training.cli import parse_run_args
+
+    path = write(tmp_path / "run.yaml", text)
+    expected = f"{path}: {key} is an alias of &{anchor} ({place}), which holds it: a config cannot hold itself"
+    with pytest.raises(ValueError) as caught:
+        load_config(path)
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match=rf"^{path}: {re.escape(key)} is an alias .*\(included from .*top.yaml\)$"):
+        load_config(write(tmp_path / "top.yaml", "include: [run.yaml]\n"))
+    with pytest.raises(SystemExit) as exited:
+        parse_run_args(["--config", str(path), "--print-config"], world_size=1, device="cpu")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(expected + " (write the values out)")
+
+
+def test_a_recursive_override_or_yaml_nested_too_deeply_is_one_line():
+    with pytest.raises(ValueError, match=r"^override 'train.seed=&a \[\*a\]': in the value, \[0\] is an alias of &a"):
+        load_config(TINY, ["train.seed=&a [*a]"])
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(
+        ValueError, match=r"^override 'train.seed=\[\[\[.*the value is not valid YAML: nested too deeply"
+    ):
+        load_config(TINY, [f"train.seed={deep}"])
+
+
+def test_aliases_of_aliases_that_write_out_to_millions_of_values_are_refused_at_once(tmp_path):
+    """A "billion laughs": a few lines whose aliases every reader (a copy, an error message) would write out to
+    9^12 values; refused where the file is read, naming the file and the key, without expanding it."""
+    items = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 12)]
+    path = write(tmp_path / "laughs.yaml", "train:\n  seed: [" + ", ".join(items) + "]\n")
+    with pytest.raises(ValueError, match=rf"^{path}: train.seed\[6\] \(line 2, column \d+\) holds more than 1,000,000"):
+        load_config(path)
+
+
+def test_a_config_file_nested_too_deeply_for_pyyaml_is_one_line(tmp_path):
+    path = write(tmp_path / "deep.yaml", "train: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}: not valid YAML: nested too deeply"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("as_include", [False, True])
 def test_a_binary_config_file_is_named(tmp_path, as_include):
     binary = write(tmp_path / "weights.yaml", bytes(range(128, 256)) * 4)

@@ -4,7 +4,9 @@ set: includes (resolved relative to the including file, cycles refused), mapping
 Each layer (a file, an override) is checked as it is read, so that no later layer can hide its mistakes: a section
 must be a mapping of keys, or empty (``train:`` with every key commented out reads as null, and means that the
 layer changes nothing in that section); YAML's merge keys (``<<: *anchor``) are read as YAML defines them, and a
-key written twice in one mapping is refused. Errors are one line naming the file (or the override) and the key."""
+key written twice in one mapping, an anchor used inside its own value (data that holds itself), aliases of aliases
+that write out to millions of values, and nesting too deep for PyYAML are refused. Errors are one line naming the
+file (or the override) and the key."""
 
 from __future__ import annotations
 
@@ -56,6 +58,55 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._flattened: set[int] = set()
         """The mapping nodes whose merge keys are resolved (by id: the nodes live as long as the loader)."""
+        self._anchor_names: dict[int, str] = {}
+        """The anchor (``&name``) of each anchored node, by id, for `RecursiveYAML`'s message."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        anchor = None if isinstance(event, yaml.AliasEvent) else event.anchor
+        node = super().compose_node(parent, index)
+        if anchor is not None:
+            self._anchor_names[id(node)] = anchor
+        return node
+
+    def construct_document(self, node):
+        """The document's data, once its nodes are known to form a tree of a config's size: an alias inside the
+        anchored node that it names (``&c {sub: *c}``, ``&m {<<: *m}``) would make the data hold itself, which no
+        config means and whose every reader would recurse without end; aliases of aliases (a "billion laughs")
+        are a few lines that every reader (a copy, an error message's repr) would expand to billions of values."""
+        self._refuse_recursion(node, [], set(), {})
+        return super().construct_document(node)
+
+    def _refuse_recursion(self, node: yaml.Node, path: list[str], holders: set[int], sizes: dict[int, int]) -> int:
+        """How many values ``node`` (at key ``path``) holds with its aliases written out; RecursiveYAML when it
+        or a node within it is one of ``holders``, the nodes that hold it, or when it holds more than
+        `MAX_VALUES`. ``sizes``: the nodes walked already (each node is walked once, however many aliases name
+        it), with their counts."""
+        if id(node) in holders:
+            raise RecursiveYAML(".".join(path) or "the top level", self._anchor_names.get(id(node)), node.start_mark)
+        if isinstance(node, yaml.ScalarNode):
+            return 1
+        if id(node) in sizes:
+            return sizes[id(node)]
+        holders.add(id(node))
+        size = 1
+        if isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                where = [*path[:-1], f"{path[-1]}[{index}]"] if path else [f"[{index}]"]
+                size += self._refuse_recursion(item, where, holders, sizes)
+        else:
+            for key_node, value_node in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    key = "<<"
+                else:
+                    key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                    size += self._refuse_recursion(key_node, [*path, key], holders, sizes)
+                size += self._refuse_recursion(value_node, [*path, key], holders, sizes)
+        if size > MAX_VALUES:
+            raise TooLargeYAML(".".join(path) or "the top level", node.start_mark)
+        holders.discard(id(node))
+        sizes[id(node)] = size
+        return size
 
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
         """``node``'s pairs with its merge keys resolved (each node once: an anchor merged twice is flattened
@@ -98,6 +149,33 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
+MAX_VALUES = 1_000_000
+"""The most values (mappings, lists, scalars) a config file may hold with its aliases written out; a real config
+holds a few hundred."""
+
+
+class TooLargeYAML(yaml.YAMLError):
+    """A YAML document whose aliases of aliases write out to more than `MAX_VALUES` values."""
+
+    def __init__(self, key: str, mark) -> None:
+        super().__init__(
+            f"{key} (line {mark.line + 1}, column {mark.column + 1}) holds more than {MAX_VALUES:,} values with its "
+            "aliases written out (aliases of aliases), which no config does"
+        )
+
+
+class RecursiveYAML(yaml.YAMLError):
+    """A YAML document whose data would hold itself: an anchor's alias inside the anchored node."""
+
+    def __init__(self, key: str, anchor: str | None, mark) -> None:
+        self.key, self.anchor, self.mark = key, anchor, mark
+        name = f"&{self.anchor}" if self.anchor else "the node"
+        super().__init__(
+            f"{self.key} is an alias of {name} (line {self.mark.line + 1}, column {self.mark.column + 1}), which "
+            "holds it: a config cannot hold itself (write the values out)"
+        )
+
+
 class _MergeKey:
     def __repr__(self) -> str:
         return "'<<' (a merge key)"
@@ -106,8 +184,12 @@ class _MergeKey:
 _MERGE_KEY = _MergeKey()
 
 
-def _describe_yaml_error(error: yaml.YAMLError) -> str:
+def _describe_yaml_error(error: yaml.YAMLError | RecursionError) -> str:
     """One line (PyYAML's messages take four, and name no file: the text was read first)."""
+    if isinstance(error, RecursionError):  # PyYAML's composer and constructor recurse once per level
+        return "nested too deeply (thousands of levels of [ or {)"
+    if isinstance(error, (RecursiveYAML, TooLargeYAML)):
+        return str(error)
     if isinstance(error, yaml.MarkedYAMLError):
         mark = error.problem_mark or error.context_mark
         problem = error.problem or error.context or "malformed"
@@ -139,7 +221,9 @@ def _read_yaml(path: Path, shown: str, including: tuple[Path, ...]) -> Any:
         ) from None
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as error:
+    except (RecursiveYAML, TooLargeYAML) as error:
+        raise ValueError(f"{shown}: {_describe_yaml_error(error)}{parent}") from None
+    except (yaml.YAMLError, RecursionError) as error:
         raise ValueError(f"{shown}: not valid YAML{parent}: {_describe_yaml_error(error)}") from None
 
 
@@ -197,7 +281,9 @@ def _parse_override(text: str) -> dict[str, Any]:
         raise ValueError(f"override {text!r} is not section.key=value (e.g. train.max_steps=100)")
     try:
         value = yaml.load(raw_value, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as error:
+    except (RecursiveYAML, TooLargeYAML) as error:
+        raise ValueError(f"override {text!r}: in the value, {error}") from None
+    except (yaml.YAMLError, RecursionError) as error:
         raise ValueError(f"override {text!r}: the value is not valid YAML: {_describe_yaml_error(error)}") from None
     return {parts[0]: value} if len(parts) == 1 else {parts[0]: {parts[1]: value}}
 
