@@ -112,7 +112,9 @@ def test_a_failure_that_comes_back_at_the_same_step_ends_the_job_in_one_line():
         "PID 9) died without reporting an error): not retrying it again, the job ends; the same command resumes "
         "from the newest checkpoint once the cause is fixed"
     ]
-    assert run_decide(with_(case, previous_failure=58))[0] == "relaunch 4 n1,n2,n3,n4 -"
+    assert run_decide(with_(case, previous_failure=59))[0] == "relaunch 4 n1,n2,n3,n4 -"
+    # The rank that reports a death may stand one step past the dead rank: still the same fault.
+    assert run_decide(with_(case, previous_failure=60))[0] == "end"
     # Without a record of the ranks, the step reached (the log and the checkpoints) tells.
     assert run_decide(with_(case, failures=[], previous_failure=63))[0] == "end"
 
@@ -669,6 +671,22 @@ def test_a_python_that_does_not_run_stops_the_job_naming_txl_python(tmp_path):
         "slurm.sbatch: error: TXL_PYTHON='/no/such/python' is not allowed: a Python command that runs here "
         "(default python)\n",
     )
+    assert fake_slurm.calls(folder, "srun") == []
+
+
+@pytest.mark.parametrize(
+    "python, said",
+    [("/bin/false", "nothing, and failed"), ("/usr/bin/python3", "ModuleNotFoundError: No module named")],
+    ids=["false", "python-without-the-project"],
+)
+def test_a_python_that_cannot_import_the_project_stops_the_job_naming_txl_python(tmp_path, python, said):
+    """The campaign's neighbours: /bin/false exited 2 without a word; a system Python without the project's
+    packages printed a traceback and never named the variable."""
+    status, log, folder = sbatch(tmp_path, environ={"TXL_PYTHON": python})
+    assert status == 2 and log.count("\n") == 1, log
+    assert log.startswith(
+        f"slurm.sbatch: error: TXL_PYTHON='{python}' is not allowed: a Python that imports txl_dist (it said: {said}"
+    ), log
     assert fake_slurm.calls(folder, "srun") == []
 
 

@@ -1,4 +1,5 @@
-"""A real two-node Slurm cluster on one machine, for the tests of the launch paths (issue 23).
+"""A real Slurm cluster on one machine, for the tests of the launch paths (issue 23): two nodes in the default
+partition, and a third that only the spare partition adds (a job that keeps a spare node: TXL_SPARE_NODES).
 
 Each node is a network namespace with its own address on a private subnet that exists only inside this machine,
 connected by a veth pair to a bridge in the root namespace, plus a UTS namespace (its hostname), a mount namespace
@@ -71,10 +72,15 @@ REQUIRED_COMMANDS = (
 
 SUBNET = ipaddress.ip_network("10.231.87.0/24")
 CONTROLLER_ADDRESS = "10.231.87.1"
-NODE_NAMES = ("txlnode1", "txlnode2")
+NODE_NAMES = ("txlnode1", "txlnode2", "txlnode3")
+TRAINING_NODES = 2
+"""The nodes of the default partition (`Cluster.nodes`): where every job goes unless it names another partition.
+The third node is only in `SPARE_PARTITION`, for the jobs that keep a spare node (TXL_SPARE_NODES)."""
 NODE_CPUS = 2
 NODE_MEMORY_MB = 4000
 PARTITION = "txl"
+SPARE_PARTITION = "txlspare"
+"""A partition of all three nodes (`Cluster.all_nodes`): two that train and one kept as a spare."""
 BRIDGE = "txlbr0"
 SLURMCTLD_PORT = 16817
 SLURMD_PORT = 16818
@@ -272,8 +278,11 @@ class Cluster:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = Path(state_dir).resolve()
-        self.nodes: tuple[str, ...] = NODE_NAMES
+        self.all_nodes: tuple[str, ...] = NODE_NAMES
+        self.nodes: tuple[str, ...] = NODE_NAMES[:TRAINING_NODES]
+        """The nodes of the default partition; `all_nodes` adds the third, in `spare_partition` only."""
         self.partition = PARTITION
+        self.spare_partition = SPARE_PARTITION
         self.controller_address = CONTROLLER_ADDRESS
         self.etc_dir = self.state_dir / "etc"
         self.log_dir = self.state_dir / "log"
@@ -327,9 +336,9 @@ class Cluster:
                 cluster._make_network()
                 cluster._start_munge(timeout)
                 cluster._start_slurmctld(timeout)
-                for node in cluster.nodes:
+                for node in cluster.all_nodes:
                     cluster._start_node(node)
-                for node in cluster.nodes:
+                for node in cluster.all_nodes:
                     cluster._wait_node_up(node, since=0.0, timeout=timeout)
             except BaseException as error:
                 if isinstance(error, ClusterError):
@@ -407,12 +416,12 @@ class Cluster:
 
     def _teardown(self) -> None:
         """Kills the recorded processes (nodes first), removes namespaces, veths, bridge and cgroup leftovers."""
-        order = [f"node-{node}" for node in self.nodes] + ["slurmctld", "munged"]
+        order = [f"node-{node}" for node in self.all_nodes] + ["slurmctld", "munged"]
         for name in order:
             self._kill_recorded(name)
         for pid_file in sorted(self.pid_dir.glob("*.pid")) if self.pid_dir.is_dir() else []:
             self._kill_recorded(pid_file.stem)
-        for node in self.nodes:
+        for node in self.all_nodes:
             _run(["ip", "link", "del", host_veth(node)], check=False)
             _run(["ip", "netns", "del", namespace_name(node)], check=False)
         _run(["ip", "link", "del", BRIDGE], check=False)
@@ -456,7 +465,7 @@ class Cluster:
             cgroups = _own_cgroups_v1()
         for mount_point, relative in cgroups.items():
             base = Path(mount_point + (relative if relative != "/" else ""))
-            for node in self.nodes:
+            for node in self.all_nodes:
                 top = base / f"slurm_{node}"
                 if not top.is_dir():
                     continue
@@ -502,7 +511,7 @@ class Cluster:
         # Fresh controller state each start: no jobs or node states from an earlier run.
         shutil.rmtree(self.state_dir / "ctld")
         (self.state_dir / "ctld").mkdir()
-        for node in self.nodes:
+        for node in self.all_nodes:
             shutil.rmtree(self.state_dir / "spool" / node, ignore_errors=True)
             (self.state_dir / "spool" / node).mkdir()
             (self.state_dir / "nodes" / node).mkdir(parents=True, exist_ok=True)
@@ -516,7 +525,7 @@ class Cluster:
         os.chmod(key, 0o600)
 
         hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{CONTROLLER_ADDRESS}\ttxlctl"]
-        hosts += [f"{node_address(node)}\t{node}" for node in self.nodes]
+        hosts += [f"{node_address(node)}\t{node}" for node in self.all_nodes]
         (self.etc_dir / "hosts").write_text("\n".join(hosts) + "\n")
         (self.etc_dir / "slurm.conf").write_text(self._slurm_conf())
         (self.etc_dir / "cgroup.conf").write_text(
@@ -535,7 +544,7 @@ class Cluster:
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "txl-cluster", "-f", str(client_key)])
         (self.ssh_dir / "authorized_keys").write_text(Path(f"{client_key}.pub").read_text())
         known_hosts = []
-        for node in self.nodes:
+        for node in self.all_nodes:
             node_dir = self.state_dir / "nodes" / node
             host_key = node_dir / "ssh_host_ed25519_key"
             if not host_key.exists():
@@ -566,7 +575,7 @@ class Cluster:
         wrapper = self.bin_dir / "ssh"
         wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("ssh") or "/usr/bin/ssh"} -F {self.ssh_config} "$@"\n')
         os.chmod(wrapper, 0o755)
-        host_blocks = "".join(f"Host {node}\n    HostName {node_address(node)}\n" for node in self.nodes)
+        host_blocks = "".join(f"Host {node}\n    HostName {node_address(node)}\n" for node in self.all_nodes)
         self.ssh_config.write_text(
             host_blocks + "Host *\n"
             "    User root\n"
@@ -581,14 +590,14 @@ class Cluster:
             "    LogLevel ERROR\n"
         )
 
-    def _slurm_conf(self) -> str:
+    def _slurm_conf(self, slurmd_timeout: int = SLURMD_TIMEOUT_S) -> str:
         """The cluster's slurm.conf."""
         state = self.state_dir
         node_lines = "".join(
             f"NodeName={node} NodeAddr={node_address(node)} NodeHostname={node} CPUs={NODE_CPUS} Boards=1 "
             f"SocketsPerBoard=1 CoresPerSocket={NODE_CPUS} ThreadsPerCore=1 RealMemory={NODE_MEMORY_MB} "
             "State=UNKNOWN\n"
-            for node in self.nodes
+            for node in self.all_nodes
         )
         controller = socket.gethostname().split(".")[0]
         return (
@@ -628,7 +637,7 @@ class Cluster:
             "ReturnToService=2\n"
             "KillWait=10\n"
             "MinJobAge=60\n"
-            f"SlurmdTimeout={SLURMD_TIMEOUT_S}\n"
+            f"SlurmdTimeout={slurmd_timeout}\n"
             "SlurmctldTimeout=30\n"
             "InactiveLimit=0\n"
             "MessageTimeout=10\n"
@@ -639,6 +648,7 @@ class Cluster:
             f"JobCompLoc={self.jobcomp_log}\n"
             + node_lines
             + f"PartitionName={PARTITION} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP\n"
+            + f"PartitionName={SPARE_PARTITION} Nodes={','.join(self.all_nodes)} MaxTime=INFINITE State=UP\n"
         )
 
     # ------------------------------------------------------------------ processes
@@ -648,7 +658,7 @@ class Cluster:
         _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
         _run(["ip", "addr", "add", f"{CONTROLLER_ADDRESS}/{SUBNET.prefixlen}", "dev", BRIDGE])
         _run(["ip", "link", "set", BRIDGE, "up"])
-        for node in self.nodes:
+        for node in self.all_nodes:
             netns = namespace_name(node)
             _run(["ip", "netns", "add", netns])
             _run(["ip", "link", "add", host_veth(node), "type", "veth", "peer", "name", "eth0", "netns", netns])
@@ -854,8 +864,8 @@ class Cluster:
 
     def address(self, node: str) -> str:
         """The node's address on the test subnet."""
-        if node not in self.nodes:
-            raise KeyError(f"no node {node!r} in the test cluster (nodes: {', '.join(self.nodes)})")
+        if node not in self.all_nodes:
+            raise KeyError(f"no node {node!r} in the test cluster (nodes: {', '.join(self.all_nodes)})")
         return node_address(node)
 
     def _node_argv(self, node: str, argv: Sequence[str], cwd: str | os.PathLike | None) -> list[str]:
@@ -1002,6 +1012,19 @@ class Cluster:
                 )
             time.sleep(0.5)
 
+    @contextlib.contextmanager
+    def slurmd_timeout(self, seconds: int):
+        """Within the block, slurmctld marks a silent node DOWN only after SECONDS (``SlurmdTimeout``; Slurm's
+        default is 300, the cluster's own 20 keeps the other tests quick): slurm.conf rewritten and ``scontrol
+        reconfigure``d, and put back after the block."""
+        self.slurm_conf.write_text(self._slurm_conf(slurmd_timeout=seconds))
+        self.scontrol("reconfigure")
+        try:
+            yield
+        finally:
+            self.slurm_conf.write_text(self._slurm_conf())
+            self.scontrol("reconfigure", check=False)
+
     def kill_node(self, node: str) -> None:
         """Kills every process of NODE at once (slurmd, sshd, job steps and their ranks): SIGKILL to its PID 1.
 
@@ -1132,7 +1155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster = Cluster.start(state_dir)
             print(
                 f"cluster up in {cluster.start_seconds:.1f} s: nodes "
-                + ", ".join(f"{node} {cluster.address(node)}" for node in cluster.nodes)
+                + ", ".join(f"{node} {cluster.address(node)}" for node in cluster.all_nodes)
             )
             print(
                 f"export SLURM_CONF={cluster.slurm_conf} PDSH_RCMD_TYPE=ssh "

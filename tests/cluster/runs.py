@@ -61,7 +61,10 @@ def assert_same_run(output: Path, reference_run: Path, steps: int, tolerance: fl
     assert sorted(got) == list(range(1, steps + 1)), f"{output}: logged steps {sorted(got)[:5]}...{sorted(got)[-5:]}"
     for step in range(1, steps + 1):
         assert got[step]["data_checksum"] == expected[step]["data_checksum"], (output, step)
-        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=tolerance), (output, step)
+        expected_loss = (
+            expected[step]["loss"] if tolerance == 0 else pytest.approx(expected[step]["loss"], rel=tolerance)
+        )
+        assert got[step]["loss"] == expected_loss, (output, step, got[step]["loss"], expected[step]["loss"])
 
 
 # The time limit's signal when a test names none: 10 s before the end. The script's own lead (300 s) would reach a
@@ -77,13 +80,14 @@ def sbatch_job(
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     memory: tuple[str, ...] = ("--mem=1500",),
+    nodes: int = 2,
 ) -> int:
     """The run of STEPS steps submitted as `sbatch OPTIONS launchers/slurm.sbatch ...`; MEMORY is the job's memory
-    request (none: the cluster's DefMemPerCPU)."""
+    request (none: the cluster's DefMemPerCPU); NODES the job's node count (3: name the spare partition)."""
     signal = () if any(option.startswith("--signal") for option in options) else (TIME_LIMIT_SIGNAL,)
     return cluster.sbatch(
         [
-            "--nodes=2",
+            f"--nodes={nodes}",
             "--ntasks-per-node=1",
             "--cpus-per-task=1",
             *memory,
@@ -96,6 +100,17 @@ def sbatch_job(
         env={**CPU, **(env or {})},
         cwd=REPO,
     )
+
+
+def assert_identical_run(output: Path, reference_run: Path, steps: int) -> None:
+    """Every step 1..STEPS logged with the reference's data checksum and exactly its loss: the same world size
+    sums the same gradients in the same order."""
+    assert_same_run(output, reference_run, steps, tolerance=0.0)
+
+
+def train_step_calls(out: str) -> int:
+    """How many training steps the batch script started (its start line, then one line per relaunch)."""
+    return 1 + out.count("relaunching on")
 
 
 def job_output(directory: Path) -> str:

@@ -93,6 +93,10 @@ STEP_END_GRACE_S = 10.0
 """`watch`: after the ranks named a rank dead or stalled, how long srun may take to end by itself before the batch
 script stops waiting for it (the ranks on healthy nodes end within a few seconds of the report; srun itself waits
 for a dead node until Slurm marks it DOWN, SlurmdTimeout: 300 s by default)."""
+SAME_STEP_SLACK = 1
+"""Steps by which two failures may differ and still be "the same step": the ranks that name a dead one may stand one
+step apart (each waits in the next step's all-reduce), so a fault that kills a rank at step S is recorded at S or
+S + 1 by whichever rank reports it."""
 REFUSED_INPUT_STATUS = 2
 """The exit status of a rank that refused its input (txl_dist.exit_status.USAGE_ERROR): never retried."""
 
@@ -501,7 +505,8 @@ def retry_on_the_same_nodes(
         say(f"a rank refused its input ({what}): a relaunch would be refused the same way, so the job ends")
         return "end"
     step = failed_at(situation, progress)
-    if step is not None and situation.previous_failure == step:
+    previous = situation.previous_failure
+    if step is not None and previous is not None and abs(step - previous) <= SAME_STEP_SLACK:
         say(
             f"the failure came back at step {step} after a relaunch ({what}): not retrying it again, the job ends; "
             f"the same command resumes from the newest checkpoint once the cause is fixed"
