@@ -179,16 +179,23 @@ def shards_of(kind: str, work: Path) -> Path:
     return shards
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--tensor-peaks", action="store_true", help="also profile every tensor allocation")
     parser.add_argument("--work-dir", type=Path, help="where to keep shards and runs (default: a temporary folder)")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args()
+    # A probe passes the trainer's command line (and the deepspeed launcher's --local_rank) on; the benchmark
+    # itself refuses a flag it does not know, before minutes of runs.
+    args, rest = parser.parse_known_args(argv)
     if args.probe:
         probe(args.probe, [a for a in rest if not a.startswith("--local_rank")])
         return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    if unknown:
+        parser.error(f"--cases: no case {unknown[0]!r}; the cases: {', '.join(CASES)}")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="plan_check."))
     results = {}
     for index, name in enumerate(args.cases.split(",")):

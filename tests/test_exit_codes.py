@@ -121,6 +121,31 @@ def test_an_unknown_flag_exits_2(target, capsys):
     assert "Traceback" not in "\n".join(lines)
 
 
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--bogus", "--cases", "no_such_case"], "unrecognized arguments: --bogus"),
+        (["--cases", "no_such_case,tiny_zero2"], "--cases: no case 'no_such_case'; the cases: tiny_zero2, "),
+    ],
+)
+def test_a_benchmark_refuses_an_unknown_flag_or_case_before_it_runs_anything(args, named, tmp_path):
+    """benchmarks/plan_check.py passes unknown flags on to the trainer only as a probe (--probe); as the
+    benchmark, an unknown flag or case is argparse's refusal (status 2), not minutes of runs that ignore it.
+    (The unknown case keeps the test short on a script that would ignore the flag.)"""
+    work = tmp_path / "work"
+    completed = subprocess.run(
+        [sys.executable, "benchmarks/plan_check.py", *args, "--work-dir", str(work)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = completed.stderr.strip().splitlines()
+    assert completed.returncode == exit_status.USAGE_ERROR, (completed.returncode, lines)
+    assert lines[-1] == f"plan_check.py: error: {named}" or lines[-1].startswith(f"plan_check.py: error: {named}")
+    assert not work.exists()  # nothing built
+
+
 def test_the_op_build_command_prints_its_help_without_building(capsys):
     """``python -m txl_dist.world.process_group --help`` is help and exit 0, not the build of DeepSpeed's op."""
     saved = sys.argv
