@@ -16,7 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import deepspeed
+import pydantic
 import torch
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from txl_dist.config import OptimConfig, PrecisionConfig, TrainConfig, ZeroConfig, merge_mappings
 from txl_dist.config.sections import bucket_elements
@@ -241,8 +244,6 @@ def zero_key_names() -> dict[str, set[str]]:
     replaces it (``cpu_offload`` and ``offload_optimizer``, ``cpu_offload_use_pin_memory`` and both offloads),
     read from DeepSpeed's own model (`DeepSpeedZeroConfig`), so that an overlay cannot set an owned key under
     another name."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # imports torch's distributed parts: only here
-
     names: dict[str, set[str]] = {}
     for name, field in DeepSpeedZeroConfig.model_fields.items():
         others = {field.alias} if field.alias else set()
@@ -264,9 +265,6 @@ def check_zero_section(section: dict[str, Any], path: str) -> None:
     ``zero_optimization`` section (`DeepSpeedZeroConfig`) refuses the merged section: a misspelt key, a value
     of the wrong type or range, settings it refuses together. Checked when the config is read, not when the
     engine starts on every rank."""
-    import pydantic
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
     try:
         DeepSpeedZeroConfig(**section)
     except pydantic.ValidationError as error:
@@ -276,7 +274,7 @@ def check_zero_section(section: dict[str, Any], path: str) -> None:
         for prefix in ("Value error, ", "Assertion failed, "):  # pydantic's words for a validator's own error
             message = message.removeprefix(prefix)
         if first["type"] == "extra_forbidden":
-            message = f"no such ZeRO setting in DeepSpeed {_deepspeed_version()} (or given twice, under two names)"
+            message = f"no such ZeRO setting in DeepSpeed {deepspeed.__version__} (or given twice, under two names)"
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         if not first["loc"]:  # a check of the whole section
             raise ValueError(f"--deepspeed_config {path}: {_REFUSED_SECTION}: {message}{more}") from None
@@ -289,12 +287,6 @@ def check_zero_section(section: dict[str, Any], path: str) -> None:
 
 
 _REFUSED_SECTION = f"DeepSpeed refuses the {PARTLY_OWNED_SECTION!r} section (the run config's with this file's on top)"
-
-
-def _deepspeed_version() -> str:
-    import deepspeed
-
-    return deepspeed.__version__
 
 
 def _one_line(text: str) -> str:
