@@ -209,6 +209,50 @@ def test_a_command_that_reads_an_export_given_a_training_folder_gives_the_export
     assert not [p for p in tmp_path.iterdir() if p.name != "run"]
 
 
+def test_a_command_that_reads_an_export_given_a_folder_of_something_else_says_what_it_is(
+    ptb_export, small_shards, ptb_word_tokenizer, tmp_path, caplog
+):
+    """generate.py (verified or not), evaluate.py and convert.py export-to-hf given shards, a tokenizer, an
+    export's own tokenizer folder, the transformers folders convert.py writes, or a folder of nothing: one line
+    saying what the folder is and what to give instead, status 2; never the warning about an export without
+    checksums.json, nor "config.json: missing"."""
+    hf, hub, empty = tmp_path / "hf", tmp_path / "hub", tmp_path / "empty"
+    in_process("launchers/convert.py", "export-to-hf", str(ptb_export), str(hf))
+    in_process("launchers/convert.py", "export-to-hub", str(ptb_export), str(hub))
+    empty.mkdir()
+    give_an_export = "give an export folder, which python launchers/convert.py zero-to-export RUN_DIR EXPORT_DIR writes"
+    transformers = "not a txl_dist export folder: give the export folder it was converted from, or load it with "
+    transformers += "transformers"
+    folders = {
+        small_shards: f"a shards folder (manifest.json), not an export folder (no config.json): {give_an_export}",
+        ptb_word_tokenizer: f"a tokenizer folder (tokenizer.json), not an export folder (no config.json): "
+        f"{give_an_export}",
+        ptb_export / "tokenizer": f"the tokenizer folder of the export {ptb_export}, not an export folder: give "
+        f"{ptb_export}",
+        empty: f"not an export folder (no config.json): {give_an_export}",
+        hf: "a folder for Hugging Face transformers (config.json's model_type is 'transfo-xl'; convert.py "
+        f"export-to-hf writes those), {transformers}",
+        hub: f"a folder for Hugging Face transformers (convert.py export-to-hub writes for transformers 5), "
+        f"{transformers}",
+    }
+    commands = {
+        "generate.py": ("launchers/generate.py", "{path}", "--prompt", "the"),
+        "generate.py --no-verify": ("launchers/generate.py", "{path}", "--prompt", "the", "--no-verify"),
+        "convert.py export-to-hf": ("launchers/convert.py", "export-to-hf", "{path}", str(tmp_path / "out")),
+    }
+    for name, command in commands.items():
+        for path, what in folders.items():
+            caplog.clear()
+            result = in_process(*[part.format(path=path) for part in command], check=False)
+            assert result.returncode == 2 and result.stderr.splitlines() == [
+                f"{name.split(' --')[0]}: error: {path}: {what}"
+            ], (name, path, result.stderr)
+            assert "checksums.json" not in caplog.text, (name, path, caplog.text)
+    result = in_process("launchers/evaluate.py", str(hf), check=False)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == f"evaluate.py: error: {hf}: {folders[hf]}"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [

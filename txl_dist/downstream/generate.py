@@ -12,7 +12,7 @@ import sys
 import torch
 
 from txl_dist.exit_status import describe_error, exit_status, print_error
-from txl_dist.export import load_pretrained
+from txl_dist.export import load_pretrained, require_export_folder
 from txl_dist.inference import TokenSampler, iter_generate, score
 
 
@@ -20,18 +20,19 @@ def generate_or_score(args: argparse.Namespace) -> int:
     """Continue ``args.prompt`` or score ``args.score`` with the export ``args.export``; the exit status: 0, 2 for a
     refused input, 1 for an OSError of the surroundings (each printed as one line)."""
     overrides = {"mem_len": args.mem_len} if args.mem_len is not None else {}
-    if args.no_verify:
-        print(
-            f"generate.py: warning: --no-verify: {args.export} is read without checking its files against "
-            f"checksums.json",
-            file=sys.stderr,
-        )
     try:
         if args.num_samples < 1:
             raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
         _require_device(args.device)
         # the sampling settings checked before the prompt is echoed, so that a refusal is a line of its own
         TokenSampler(torch.device("cpu"), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        require_export_folder(args.export)  # a folder of something else is named, with no word of checksums
+        if args.no_verify:
+            print(
+                f"generate.py: warning: --no-verify: {args.export} is read without checking its files against "
+                f"checksums.json",
+                file=sys.stderr,
+            )
         model, tokenizer = load_pretrained(args.export, device=args.device, verify=not args.no_verify, **overrides)
         if tokenizer is None:
             raise ValueError(f"{args.export} has no tokenizer: text cannot be encoded (see convert.py --tokenizer)")

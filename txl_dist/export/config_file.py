@@ -19,9 +19,12 @@ from typing import Any
 
 from txl_dist.checkpoints.layout import COMPLETE, LATEST
 from txl_dist.config.model import MODEL_FIELD_ROLES
+from txl_dist.data.format import MANIFEST_NAME
+from txl_dist.export.weights import WEIGHTS_FILE
 from txl_dist.fileio import read_json
 from txl_dist.model import ModelConfig
 from txl_dist.run_layout import CHECKPOINTS, METRICS
+from txl_dist.tokenizer.base import BYTE_VOCAB, CHAR_VOCAB, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB
 
 FORMAT = "txl_dist.export"
 VERSION = 1
@@ -87,21 +90,69 @@ def _training_folder_kind(folder: Path) -> str | None:
     return None
 
 
+EXPORT_COMMAND = "python launchers/convert.py zero-to-export RUN_DIR EXPORT_DIR"
+"""The command that writes an export folder from a training run (its folder, checkpoints folder or checkpoint)."""
+TOKENIZER_FILES = (TOKENIZER_JSON, WORD_VOCAB, SENTENCEPIECE_MODEL, BYTE_VOCAB, CHAR_VOCAB)
+"""The files that make a folder a tokenizer's (data_tools/train_tokenizer.py writes them)."""
+EXPORT_FILES = (WEIGHTS_FILE, "checksums.json", "training.json")
+"""An export's files besides config.json (`txl_dist.export.checksums.CHECKSUMS_FILE`, `folder.TRAINING_FILE`,
+which import this module): a folder with one of them is an export that lost its config.json."""
+HUB_MODEL_TYPE = "txl_dist_transformer_xl"
+"""The model_type of the config.json that ``convert.py export-to-hub`` writes."""
+
+
+def _not_an_export(folder: Path) -> str | None:
+    """The one line saying what ``folder`` (a folder) is when it is not an export folder, and what to give
+    instead; None when it may be one (a config.json that is not a transformers folder's: its reader judges it)."""
+    if not (folder / CONFIG_FILE).exists():
+        if any((folder / name).exists() for name in EXPORT_FILES):  # an export that lost it: its reader says so
+            return None
+        kind = _training_folder_kind(folder)
+        if kind is not None:
+            return (
+                f"{folder}: {kind}, not an export folder (no {CONFIG_FILE}); export it first: python "
+                f"launchers/convert.py zero-to-export {folder} EXPORT_DIR"
+            )
+        if (folder / MANIFEST_NAME).is_file():
+            kind = f"a shards folder ({MANIFEST_NAME})"
+        elif (folder.parent / CONFIG_FILE).is_file() and any((folder / name).is_file() for name in TOKENIZER_FILES):
+            export = folder.parent
+            return f"{folder}: the tokenizer folder of the export {export}, not an export folder: give {export}"
+        else:
+            found = next((name for name in TOKENIZER_FILES if (folder / name).is_file()), None)
+            kind = f"a tokenizer folder ({found})" if found else None
+        what = f"{kind}, not an export folder" if kind else "not an export folder"
+        return f"{folder}: {what} (no {CONFIG_FILE}): give an export folder, which {EXPORT_COMMAND} writes"
+    try:
+        model_type = read_json(folder / CONFIG_FILE, expect_object=True).get("model_type")
+    except (OSError, ValueError):  # its reader says what is wrong with it
+        return None
+    if model_type is None:
+        return None
+    if model_type == HUB_MODEL_TYPE:
+        written = "convert.py export-to-hub writes for transformers 5"
+    else:
+        written = f"config.json's model_type is {model_type!r}; convert.py export-to-hf writes those"
+    return (
+        f"{folder}: a folder for Hugging Face transformers ({written}), not a txl_dist export folder: give the "
+        "export folder it was converted from, or load it with transformers"
+    )
+
+
 def require_export_folder(export_dir: str | os.PathLike) -> None:
     """FileNotFoundError or ValueError, in one line, for a path that is no export folder: missing, a file, or a
-    folder of training (its run, checkpoints or one checkpoint), for which the message gives the command that
-    exports it. A folder without config.json that is none of those is left to the reader of config.json."""
+    folder of something else, named: a training run (its run, checkpoints or one checkpoint, for which the
+    message gives the command that exports it), shards, a tokenizer (an export's own: the export is named), a
+    transformers folder of export-to-hf or export-to-hub, or a folder without config.json. Called before the
+    checksums are verified, so that such a folder is never warned about as an export without checksums.json."""
     export_dir = Path(export_dir)
     if not export_dir.exists():
         raise FileNotFoundError(f"{export_dir}: no such export folder")
     if not export_dir.is_dir():
         raise ValueError(f"{export_dir}: a file, not an export folder (launchers/convert.py zero-to-export writes one)")
-    kind = None if (export_dir / CONFIG_FILE).exists() else _training_folder_kind(export_dir)
-    if kind is not None:
-        raise ValueError(
-            f"{export_dir}: {kind}, not an export folder (no {CONFIG_FILE}); export it first: python "
-            f"launchers/convert.py zero-to-export {export_dir} EXPORT_DIR"
-        )
+    problem = _not_an_export(export_dir)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def read_config_file(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any] | None]:
