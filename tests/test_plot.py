@@ -157,3 +157,75 @@ def test_the_label_shows_the_settings_a_start_record_gives(tmp_path):
     start = {"step": 0, "kind": "start", "hparams": {**HPARAMS, "precision.dtype": 16, "optim.lr": True}}
     run = plot.read_run(write_run(tmp_path / "run", [start, _train(1, 5.0)]))
     assert run.label() == f"{tmp_path / 'run'}: 2 layers x d_model 64, mem_len 32, batch 8, 16, ZeRO-2, 2 ranks"
+
+
+ISSUE_38_RECORDS = [
+    {"kind": "train", "step": step, "loss": 5 + step / 10, "ppl": 200.0, "lr": 0.001, "wall_time": 100 + step}
+    for step in (1, 2, 3)
+]
+"""The records of issue 38's report: no tokens (nor step_time_s, tokens_per_s)."""
+
+
+@pytest.mark.parametrize(
+    ("records", "warnings_", "notes"),
+    [
+        (ISSUE_38_RECORDS, ["the panels against tokens seen are empty: no tokens logged"], {"no tokens logged"}),
+        (
+            [{key: v for key, v in _train(s, 5.0).items() if key != "wall_time"} for s in (1, 2)],
+            [],  # the logged step times make the time axis
+            set(),
+        ),
+        (
+            [{key: v for key, v in _train(s, 5.0).items() if key not in ("wall_time", "step_time_s")} for s in (1, 2)],
+            ["the panels against training time are empty: no wall_time or step_time_s logged"],
+            {"no wall_time or step_time_s logged"},
+        ),
+        (
+            [{key: v for key, v in _train(s, 5.0).items() if key != "loss"} for s in (1, 2)],
+            [f"the loss panel against {axis} is empty: no loss logged" for axis in plot.AXES.values()],
+            {"no loss logged"},
+        ),
+        (
+            [{key: v for key, v in _train(s, 5.0).items() if key != "ppl"} for s in (1, 2)],
+            [f"the ppl panel against {axis} is empty: no ppl logged" for axis in plot.AXES.values()],
+            {"no ppl logged"},
+        ),
+        (
+            [{"kind": "train", "step": s} for s in (1, 2)],
+            [
+                "the loss panel against optimizer step is empty: no loss logged",
+                "the ppl panel against optimizer step is empty: no ppl logged",
+                "the panels against tokens seen are empty: no tokens logged",
+                "the panels against training time are empty: no wall_time or step_time_s logged",
+            ],
+            {"no loss logged", "no ppl logged", "no tokens logged", "no wall_time or step_time_s logged"},
+        ),
+    ],
+    ids=["no tokens (issue 38)", "no wall_time", "no time at all", "no loss", "no ppl", "step only"],
+)
+def test_a_field_missing_in_every_record_leaves_its_panels_empty_with_a_note(records, warnings_, notes, tmp_path):
+    """A value or an x axis that no record logged (tokens, the time, the loss, the perplexity) once ended in
+    matplotlib's IndexError (markevery on a line with no point): the other panels are drawn, each empty panel
+    says why in the picture, and the command warns once per empty axis or panel."""
+    run = write_run(tmp_path / "run", records)
+    out = tmp_path / "curves.png"
+    completed = subprocess.run(
+        [sys.executable, "-m", "txl_dist.plot", str(run), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0 and out.is_file(), completed.stderr
+    assert completed.stderr.splitlines() == [f"plot: warning: {line}" for line in warnings_]
+    figure = plot.figure_of([plot.read_run(run)], list(plot.AXES))
+    shown = {text.get_text() for panel in figure.axes for text in panel.texts}
+    assert shown - {"no tokens_per_s logged"} == notes
+
+
+def test_a_run_without_tokens_beside_one_with_them_draws_both_without_a_warning(tmp_path, capsys):
+    with_tokens = write_run(tmp_path / "a", [_train(s, 5.0) for s in (1, 2, 3)])
+    without = write_run(tmp_path / "b", ISSUE_38_RECORDS)
+    out = tmp_path / "curves.png"
+    assert plot.main([str(with_tokens), str(without), "--out", str(out), "--x", "tokens"]) == 0
+    assert capsys.readouterr().err == "" and out.is_file()

@@ -10,7 +10,9 @@ rank on the right axis), against optimizer steps, tokens seen and training time 
 counts the time of each start of a run (from its "start" record to its last record) and leaves out the time between
 an interruption and its resume. Each run has a colour, line style and marker of its own (up to 280 runs, a sweep),
 and the legend below the panels names each run and its settings. A malformed record (a step that is not a whole
-number >= 0, a value that is not a number, ...) is left out with one warning per file naming its first line.
+number >= 0, a value that is not a number, ...) is left out with one warning per file naming its first line; a
+panel with nothing to draw (a value or an x axis that no record logged: tokens, the time, the loss) stays empty
+with a note saying what is missing, and a warning names it.
 Needs matplotlib (``pip install 'txl_dist[plot]'``); errors are one line and exit status 2.
 """
 
@@ -166,6 +168,8 @@ def _number(value) -> float:
 def _training_time(records: list[dict], train: dict[int, dict]) -> dict[int, float]:
     """Seconds of training up to each step: the time within each start, without the gaps between starts."""
     if not all(math.isfinite(_number(r.get("wall_time"))) for r in records):  # older runs: the logged step times
+        if not any(math.isfinite(_number(r.get("step_time_s"))) for r in train.values()):
+            return {}  # no time logged at all: the time axis has no values
         elapsed, previous, seconds = {}, 0, 0.0
         for step in sorted(train):
             step_time = _number(train[step].get("step_time_s"))
@@ -204,7 +208,9 @@ def read_run(directory: str | Path) -> Run:
         )
         raise PlotError(f"{directory / METRICS}: no training step logged yet{left_out}")
     character_level = all("bpc" in r for r in train.values())
-    last = train[max(train)]
+    # From the last training record that logged its tokens (none: the tokens axis has no values)
+    counted = [r for r in train.values() if math.isfinite(_number(r.get("tokens")))]
+    last = max(counted, key=lambda r: r["step"]) if counted else {"step": 1}
     tokens_per_step = _number(last.get("tokens")) / max(last["step"], 1)
     steps = sorted(set(train) | set(evals))
     elapsed = _training_time(records, train)
@@ -276,6 +282,12 @@ def figure_of(runs: Sequence[Run], axes: Sequence[str]):
         throughput_panel(
             grid[2][column], runs, [run.x[axis] for run in runs], per_unit if axis == "time" else 1, styles
         )
+        for row, metric in enumerate(("loss", second, "tokens_per_s")):
+            gap = panel_gap(runs, axis, metric)
+            if gap is not None:  # the panel stays, empty, and says why
+                grid[row][column].text(
+                    0.5, 0.5, gap, transform=grid[row][column].transAxes, ha="center", va="center", color="gray"
+                )
         grid[2][column].set_xlabel(f"{AXES[axis]} ({unit})" if axis == "time" else AXES[axis])
         for row, metric in enumerate(("loss", second)):
             grid[row][column].set_ylabel({"loss": "loss (nats/token)", "ppl": "perplexity", "bpc": "bits/char"}[metric])
@@ -297,7 +309,51 @@ def _draw_curves(plot, run: Run, style: dict, axis: str, metric: str, scale: flo
         (run.train, {**style, "linewidth": 1.2, "markevery": 0.1, "markerfacecolor": "none", "markersize": 5}),
         (run.eval, {**style, "linestyle": "none", "markersize": 5}),
     ):
-        plot.plot([run.x[axis][s] / scale for s in curve.steps], curve.values[metric], **look)
+        x = [run.x[axis][s] / scale for s in curve.steps]
+        if _has_point(x, curve.values[metric]):  # matplotlib's markevery fails on a line of no point
+            plot.plot(x, curve.values[metric], **look)
+
+
+AXIS_FIELDS = {"step": "step", "tokens": "tokens", "time": "wall_time or step_time_s"}
+"""The fields of the training records that each x axis is made of."""
+
+
+def _has_point(xs: Sequence[float], ys: Sequence[float]) -> bool:
+    """Whether the line of ``xs`` against ``ys`` has a point to draw (both finite somewhere)."""
+    return any(math.isfinite(x) and math.isfinite(y) for x, y in zip(xs, ys))
+
+
+def panel_gap(runs: Sequence[Run], axis: str, metric: str) -> str | None:
+    """Why the panel of ``metric`` against ``axis`` has nothing to draw (no run logged the one or the other, or
+    no step logged both), as the note the panel shows; None when some run has a point there."""
+    curves = [(run, curve) for run in runs for curve in (run.train, run.eval) if curve.steps]
+    xs = [[run.x[axis][s] for s in curve.steps] for run, curve in curves]
+    ys = [curve.values[metric] for _, curve in curves]
+    if any(_has_point(x, y) for x, y in zip(xs, ys)):
+        return None
+    if not any(math.isfinite(v) for x in xs for v in x):
+        return f"no {AXIS_FIELDS[axis]} logged"
+    if not any(math.isfinite(v) for y in ys for v in y):
+        return f"no {metric} logged"
+    return f"no step logged both {AXIS_FIELDS[axis]} and {metric}"
+
+
+def empty_panels(runs: Sequence[Run], axes: Sequence[str]) -> list[str]:
+    """One line for each x axis that no run logged, and for each loss or ppl/bpc panel with nothing to draw
+    (`panel_gap`), for the command's warnings. The throughput row's note is in the picture only: runs logged
+    before those figures existed have none."""
+    second = "bpc" if all(run.character_level for run in runs) else "ppl"
+    lines = []
+    for axis in axes:
+        if not any(math.isfinite(v) for run in runs for v in run.x[axis].values()):
+            lines.append(f"the panels against {AXES[axis]} are empty: no {AXIS_FIELDS[axis]} logged")
+            continue
+        lines += [
+            f"the {metric} panel against {AXES[axis]} is empty: {gap}"
+            for metric in ("loss", second)
+            if (gap := panel_gap(runs, axis, metric)) is not None
+        ]
+    return lines
 
 
 def _legend_below(figure, handles: list, labels: list[str]) -> None:
@@ -339,7 +395,7 @@ def throughput_panel(
         at = [x[s] / per_unit for s in run.train.steps]
         second = [100 * v for v in run.train.values["mfu"]] if use_mfu else run.train.values["tflops"]
         for axis, values, line in ((plot, run.train.values["tokens_per_s"], "-"), (right, second, ":")):
-            if any(math.isfinite(v) for v in values):  # a run logged before these figures has none
+            if _has_point(at, values):  # a run logged before these figures has none
                 axis.plot(at, values, linewidth=1.2, linestyle=line, markersize=4, **look)
     plot.set_ylabel("tokens/s (solid)")
     right.set_ylabel("MFU % (dotted)" if use_mfu else "model TFLOPS per rank (dotted)")
@@ -370,9 +426,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not out.parent.is_dir():
             raise PlotError(f"--out {out}: no such directory {out.parent}")
         runs = [read_run(run) for run in args.runs]
-        for warning in filter(None, (run.skipped_warning() for run in runs)):
+        axes = list(AXES) if args.x == "all" else [args.x]
+        for warning in [*filter(None, (run.skipped_warning() for run in runs)), *empty_panels(runs, axes)]:
             print(f"plot: warning: {warning}", file=sys.stderr)
-        picture = draw(runs, list(AXES) if args.x == "all" else [args.x])
+        picture = draw(runs, axes)
         atomic_write(out, lambda handle: handle.write(picture))
     except PlotError as error:
         print(f"plot: error: {error}", file=sys.stderr)
