@@ -523,6 +523,27 @@ def test_an_immutable_run_folder_is_a_failure_with_one_line(small_shards, tmp_pa
     )
 
 
+@pytest.mark.parametrize("folder", ["checkpoints", "tensorboard"])
+def test_an_immutable_folder_the_run_writes_later_is_refused_at_the_start(small_shards, tmp_path, capsys, folder):
+    """The audit's neighbour: a resumed run whose checkpoints/ refused writes trained until its first save, then
+    ended with DeepSpeed's misleading 'no such file or directory' (permission denied swallowed)."""
+    import subprocess
+
+    run = tmp_path / "run"
+    (run / folder).mkdir(parents=True)
+    if subprocess.run(["chattr", "+i", str(run / folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            _parse_run(f"data.shards={small_shards}", f"train.output_dir={run}")
+    finally:
+        subprocess.run(["chattr", "-i", str(run / folder)], check=True)
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"launchers/train.py: error: train.output_dir='{run}': cannot write in {run / folder}: operation not permitted"
+    )
+
+
 def test_a_memory_plan_over_the_device_is_refused_before_the_run_starts(small_shards, tmp_path):
     from txl_dist.plan import MiB, plan_memory
     from txl_dist.training.cli import require_memory_fits

@@ -30,7 +30,7 @@ from txl_dist.fileio import dangling_link, describe_os_error
 from txl_dist.plan.counts import GiB
 from txl_dist.plan.memory import largest_micro_batch, plan_memory
 from txl_dist.plan.report import device_memory_of, plan_comment
-from txl_dist.run_layout import checkpoints_dir
+from txl_dist.run_layout import CHECKPOINTS, PROFILE, TENSORBOARD, checkpoints_dir
 from txl_dist.tokenizer import load_tokenizer
 from txl_dist.training.arguments import build_arg_parser
 from txl_dist.training.deepspeed_config import build_deepspeed_config
@@ -184,13 +184,16 @@ def _require_writable_directory(output_dir: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"train.output_dir={str(output_dir)!r}: {existing} is a file, not a directory")
-    try:
-        handle, probe = tempfile.mkstemp(prefix=".txl_dist-write-probe.", dir=existing)
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as error:
-        message = f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, existing)}"
-        raise (ValueError if os_error_status(error) == USAGE_ERROR else CommandFailure)(message) from None
+    # The folders the run writes into later (its checkpoints hours from now) are probed too, where they exist.
+    written_later = [output_dir / name for name in (CHECKPOINTS, TENSORBOARD, PROFILE)]
+    for folder in [existing, *(path for path in written_later if path.is_dir())]:
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".txl_dist-write-probe.", dir=folder)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as error:
+            message = f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, folder)}"
+            raise (ValueError if os_error_status(error) == USAGE_ERROR else CommandFailure)(message) from None
 
 
 def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:
