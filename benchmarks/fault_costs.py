@@ -43,20 +43,6 @@ STEPS = 100
 FAULT_AT = 60
 
 
-def _rank_pid(cluster: Cluster, job: int, node: str) -> int:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for pid in cluster.job_pids(job, node):
-            try:
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"launchers/train.py" in command and not command[0].endswith(b"srun"):
-                return pid
-        time.sleep(0.2)
-    raise RuntimeError(f"no training rank of job {job} on {node}")
-
-
 def run_scenario(cluster: Cluster, shared: Path, scenario: str) -> dict:
     directory = fresh(shared, scenario.replace("+", "-"))
     spare = "spare" in scenario
@@ -77,7 +63,7 @@ def run_scenario(cluster: Cluster, shared: Path, scenario: str) -> dict:
     lost_at = max(records(directory / "run"))
     began = time.monotonic()
     if scenario.startswith("rank"):
-        os.kill(_rank_pid(cluster, job, lost), signal.SIGKILL)
+        os.kill(cluster.rank_pid(job, lost), signal.SIGKILL)
     else:
         cluster.kill_node(lost)
         cluster.disconnect_node(lost)

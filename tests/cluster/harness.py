@@ -1100,6 +1100,21 @@ class Cluster:
                 continue
         return sorted(pids)
 
+    def rank_pid(self, job_id: int, node: str, timeout: float = 30.0) -> int:
+        """The root-namespace pid of JOB_ID's training rank on NODE (its ``launchers/train.py`` process, not the
+        srun or slurmstepd beside it); ClusterError when none appears within TIMEOUT."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pid in self.job_pids(job_id, node):
+                try:
+                    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"launchers/train.py" in command and not command[0].endswith(b"srun"):
+                    return pid
+            time.sleep(0.2)
+        raise ClusterError(f"no training rank of job {job_id} on {node} within {timeout:.0f} s")
+
     def logs(self) -> list[Path]:
         """The log files of the cluster: slurmctld, every slurmd, munged, sshd, node PID 1s."""
         return sorted(self.log_dir.glob("*.log")) + sorted(self.log_dir.glob("*.stdout"))

@@ -48,21 +48,6 @@ def _assert_restored_from_memory(out: str, lost_at: int, held_on: str) -> None:
     assert re.search(rf"resumed from \S+step{step:08d} at step {step} \(exact", out), out[-3000:]
 
 
-def _rank_process(cluster, job: int, node: str) -> int:
-    """The root-namespace PID of the training rank of JOB on NODE (its `python -u launchers/train.py`)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for pid in cluster.job_pids(job, node):
-            try:
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"launchers/train.py" in command and not command[0].endswith(b"srun"):
-                return pid
-        time.sleep(0.2)
-    pytest.fail(f"no training rank of job {job} on {node}")
-
-
 def _back_past(directory: Path, lost_at: int, began: float, timeout: float = 240) -> float:
     """Seconds from BEGAN (the fault) until the resumed run logged a step past LOST_AT (metrics.jsonl is rewound to
     the checkpoint on resume, so a logged LOST_AT + 1 after a 'resumed from' line is new work)."""
@@ -88,7 +73,7 @@ def test_a_rank_killed_on_a_healthy_node_is_relaunched_on_the_same_nodes(slurm_c
     running_at_step(slurm_cluster, job, directory, 60)
     lost_at = max(records(directory / "run"))
     began = time.monotonic()
-    os.kill(_rank_process(slurm_cluster, job, slurm_cluster.nodes[1]), signal.SIGKILL)
+    os.kill(slurm_cluster.rank_pid(job, slurm_cluster.nodes[1]), signal.SIGKILL)
     print(f"rank killed at step {lost_at}: back past it after {_back_past(directory, lost_at, began):.0f} s")
     assert slurm_cluster.wait_job(job, timeout=180) == "COMPLETED", job_output(directory)[-3000:]
     out = job_output(directory)
