@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from txl_dist.checkpoints import weights_only
-from txl_dist.checkpoints.background import BackgroundWrite, FileJob, host_copy, torch_save_job
+from txl_dist.checkpoints.background import BackgroundWrite, FileJob, HostBuffers, host_copy, torch_save_job
 from txl_dist.fileio import file_checksum
 
 
@@ -52,3 +52,19 @@ def test_a_write_that_fails_is_an_error_naming_the_file_and_leaves_no_part_of_it
     assert list(tmp_path.iterdir()) == []  # neither the failed file nor its temporary, nor the files after it
     with pytest.raises(OSError, match="No space left on device"):
         raise write.error
+
+
+def test_the_next_save_copies_into_the_buffers_of_the_last_one():
+    """A background save after the first one copies into the host tensors it kept (no fresh memory to allocate
+    and zero), and still holds the state as it is at that save."""
+    buffers = HostBuffers()
+    weights = torch.arange(4, dtype=torch.float32)
+    first = host_copy({"module": {"w": weights}, "step": 1}, buffers, ("model.pt",))
+    weights.add_(1.0)
+    second = host_copy({"module": {"w": weights}, "step": 2}, buffers, ("model.pt",))
+    assert second["module"]["w"] is first["module"]["w"]  # the same buffer, refilled
+    assert torch.equal(second["module"]["w"], torch.arange(1, 5, dtype=torch.float32)) and second["step"] == 2
+    other = host_copy({"module": {"w": weights}}, buffers, ("optim.pt",))
+    assert other["module"]["w"] is not first["module"]["w"]  # another file, another buffer
+    grown = host_copy({"module": {"w": torch.zeros(8)}}, buffers, ("model.pt",))
+    assert grown["module"]["w"].shape == (8,)  # a new shape gets a new buffer

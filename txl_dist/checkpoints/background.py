@@ -31,21 +31,43 @@ import torch
 from txl_dist.fileio import FileChecksum, atomic_write_checksummed, file_checksum, with_path
 
 
-def host_copy(value: Any) -> Any:
-    """VALUE with every tensor in it copied to host memory (a new storage each, detached), containers rebuilt, and
-    anything else deep-copied: what a file will hold, fixed at this moment."""
+def host_copy(value: Any, buffers: HostBuffers | None = None, key: tuple = ()) -> Any:
+    """VALUE with every tensor in it copied to host memory (detached, a storage of its own each: into BUFFERS'
+    tensor for its KEY when one is kept), containers rebuilt, and anything else deep-copied: what a file will
+    hold, fixed at this moment."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        if buffers is None:
+            return value.detach().to("cpu", copy=True)
+        return buffers.copy(key, value.detach())
     if isinstance(value, dict):
         copied = type(value)() if type(value) is not dict else {}
-        for key, item in value.items():
-            copied[key] = host_copy(item)
+        for name, item in value.items():
+            copied[name] = host_copy(item, buffers, (*key, name))
         return copied
     if isinstance(value, list):
-        return [host_copy(item) for item in value]
+        return [host_copy(item, buffers, (*key, index)) for index, item in enumerate(value)]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(host_copy(item) for item in value)
+        return tuple(host_copy(item, buffers, (*key, index)) for index, item in enumerate(value))
     return copy.deepcopy(value)
+
+
+class HostBuffers:
+    """The host tensors of the last background save, reused by the next one: a save then costs training one
+    memory copy, not the allocation of fresh memory as well (the kernel zeroes every new page first, which on a
+    CPU took longer than the copy itself: benchmarks/checkpoint_stall.py). Reusing them is safe because a save
+    waits for the previous write before it copies (at most one in flight); they hold one copy of the rank's
+    state for the rest of the run."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, key: tuple, source: torch.Tensor) -> torch.Tensor:
+        buffer = self._tensors.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            self._tensors[key] = buffer
+        buffer.copy_(source)
+        return buffer
 
 
 @dataclass

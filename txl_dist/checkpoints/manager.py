@@ -31,7 +31,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
 from txl_dist.checkpoints import weights_only
-from txl_dist.checkpoints.background import BackgroundWrite, FileJob, host_copy, torch_save_job
+from txl_dist.checkpoints.background import BackgroundWrite, FileJob, HostBuffers, host_copy, torch_save_job
 from txl_dist.checkpoints.layout import (
     COMPLETE,
     FILES_KEY,
@@ -94,6 +94,8 @@ class _RecordingCheckpointEngine:
         """While a background save or a memory snapshot collects its files: each one's state, for a thread or
         for memory, a host copy of it when `copy_deferred` (a background save: training goes on meanwhile)."""
         self.copy_deferred = True
+        self.buffers = HostBuffers()
+        """The host copies of the background saves, reused from one save to the next."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -101,7 +103,8 @@ class _RecordingCheckpointEngine:
     def save(self, state_dict: Any, path: str) -> None:
         zip_format = getattr(self._inner, "zipfile_serialization", True)
         if self.deferred is not None:
-            state = host_copy(state_dict) if self.copy_deferred else state_dict
+            name = Path(path).name
+            state = host_copy(state_dict, self.buffers, (name,)) if self.copy_deferred else state_dict
             self.deferred.append(torch_save_job(path, state, zip_format))
             return
         self.written[os.path.abspath(path)] = atomic_write_checksummed(
@@ -291,7 +294,7 @@ class CheckpointManager:
                 engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
             finally:
                 jobs, recorder.deferred = recorder.deferred, None
-            jobs.append(rank_state_job(tag_dir, host_copy(rank_state)))
+            jobs.append(rank_state_job(tag_dir, host_copy(rank_state, recorder.buffers, ("rank_state",))))
             self.pending = PendingSave(
                 tag,
                 step,
