@@ -57,6 +57,17 @@ def _overlaps(a, b) -> bool:
     return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
 
 
+def run_plot(run: Path, out: Path) -> subprocess.CompletedProcess:
+    """`python -m txl_dist.plot RUN --out OUT`, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "txl_dist.plot", str(run), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize("count", [12, 40])
 def test_a_sweep_gives_every_run_a_look_of_its_own_and_a_legend_beside_the_panels(count, tmp_path):
     """Runs 0 and 10 once looked the same (one line style, ten colours), and 30 runs put the legend over all six
@@ -129,13 +140,7 @@ def test_a_malformed_record_is_left_out_with_one_warning_naming_the_file_and_its
     assert result.train.steps == [1, 2, 3, 5] and math.isnan(result.train.values["loss"][-1])
     assert [line for line, _ in result.skipped] == [3, 4] and all(problem in p for _, p in result.skipped)
     out = tmp_path / "curves.png"
-    completed = subprocess.run(
-        [sys.executable, "-m", "txl_dist.plot", str(run), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_plot(run, out)
     assert completed.returncode == 0 and out.is_file(), completed.stderr
     assert completed.stderr.splitlines() == [
         f"plot: warning: {run / 'metrics.jsonl'}: 2 malformed record(s) left out of the plot, the first on line 3 "
@@ -209,13 +214,7 @@ def test_a_field_missing_in_every_record_leaves_its_panels_empty_with_a_note(rec
     says why in the picture, and the command warns once per empty axis or panel."""
     run = write_run(tmp_path / "run", records)
     out = tmp_path / "curves.png"
-    completed = subprocess.run(
-        [sys.executable, "-m", "txl_dist.plot", str(run), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_plot(run, out)
     assert completed.returncode == 0 and out.is_file(), completed.stderr
     assert completed.stderr.splitlines() == [f"plot: warning: {line}" for line in warnings_]
     figure = plot.figure_of([plot.read_run(run)], list(plot.AXES))
