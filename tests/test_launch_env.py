@@ -333,6 +333,12 @@ def test_deepspeed_env_refuses_to_forward_a_variable_named_by_also_that_is_not_s
     result = run_launch_env("--write-deepspeed-env", "--path", str(path), *also, FOOBAR="x", MY_SET="1", MY_EMPTY="2")
     assert result.returncode == 0 and result.stdout == f"{path}: FOOBAR, MY_SET, MY_EMPTY\n", result
     assert path.read_text() == "NCCL_IB_HCA=mlx5\nFOOBAR=x\nMY_SET=1\nMY_EMPTY=2\n"
+    # --also with no KEY after it named nothing and wrote the file as if it had not been given (audit, issue 38).
+    result = run_launch_env("--write-deepspeed-env", "--path", str(path), "--also")
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].endswith(
+        "error: --also names no variable: give the KEYs to forward, e.g. --also WANDB_API_KEY HF_HOME"
+    ), result
+    assert path.read_text() == "NCCL_IB_HCA=mlx5\nFOOBAR=x\nMY_SET=1\nMY_EMPTY=2\n"
 
 
 @pytest.fixture

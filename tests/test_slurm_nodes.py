@@ -471,8 +471,12 @@ def test_a_run_the_planner_cannot_read_gets_the_safe_verdict(tmp_path, requeue, 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--ranks-per-node", "0"], "--ranks-per-node '0' is not allowed: a whole number of at least 1"),
-        (["--ranks-per-node", "two"], "--ranks-per-node 'two' is not allowed: a whole number of at least 1"),
+        (["--ranks-per-node", "0"], "--ranks-per-node '0' is not allowed: a whole number from 1 to 4096"),
+        (["--ranks-per-node", "two"], "--ranks-per-node 'two' is not allowed: a whole number from 1 to 4096"),
+        (
+            ["--ranks-per-node", "99999999999999999999"],
+            "--ranks-per-node '99999999999999999999' is not allowed: a whole number from 1 to 4096",
+        ),
         (["--relaunches", "-2"], "--relaunches '-2' is not allowed: a whole number of at least 0"),
         (["--relaunches", "1.0"], "--relaunches '1.0' is not allowed: a whole number of at least 0"),
         (["--step-nodes", "n1,n1,n2"], "--step-nodes 'n1,n1,n2' names n1 more than once"),

@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--hostfile checks a hostfile and --write-deepspeed-env writes .deepspeed_env: give one")
     if writing_only and not args.write_deepspeed_env:
         parser.error(f"--{writing_only[0]} applies to --write-deepspeed-env only")
+    if args.also == []:
+        parser.error("--also names no variable: give the KEYs to forward, e.g. --also WANDB_API_KEY HF_HOME")
     try:
         if args.hostfile:
             hosts = launch_formats.read_hostfile(args.hostfile)

@@ -760,9 +760,10 @@ def watch_step(
     return False
 
 
-def _at_least(flag: str, text: str, least: int) -> int:
-    if not re.fullmatch(r"\s*[0-9]+\s*", text) or int(text) < least:
-        raise ValueError(f"{flag} {text!r} is not allowed: a whole number of at least {least}")
+def _at_least(flag: str, text: str, least: int, most: int | None = None) -> int:
+    if not re.fullmatch(r"\s*[0-9]+\s*", text) or int(text) < least or (most is not None and int(text) > most):
+        allowed = f"from {least} to {most}" if most is not None else f"of at least {least}"
+        raise ValueError(f"{flag} {text!r} is not allowed: a whole number {allowed}")
     return int(text)
 
 
@@ -810,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if output_dir is not None:
                 watch_step(pid, fault_log(output_dir), launch, say)
             return 0
-        args.ranks_per_node = _at_least("--ranks-per-node", args.ranks_per_node, 1)
+        args.ranks_per_node = _at_least("--ranks-per-node", args.ranks_per_node, 1, MOST_RANKS_PER_NODE)
         args.relaunches = _at_least("--relaunches", args.relaunches, 0)
         args.status = None if args.status in (None, "") else _at_least("--status", args.status, 0)
         args.launch = None if args.launch is None else _launch_name(args.launch)
