@@ -216,7 +216,7 @@ class Trainer:
             return tag
         megabytes = self.checkpoints.last_save_bytes / 1e6
         self.logger.info(
-            "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s; training waited for all of it)",
+            "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s), training waiting for all of it",
             self.checkpoints.directory / tag,
             seconds,
             megabytes,
