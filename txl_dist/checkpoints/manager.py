@@ -339,7 +339,7 @@ class CheckpointManager:
         return [*jobs, rank_state_job(tag_dir, rank_state)], tag_dir
 
     def mark_restored(self, tag_dir: Path, files: dict[str, FileChecksum], manifest: dict[str, Any]) -> None:
-        """Rank 0: a checkpoint written back from memory snapshots (`txl_dist.checkpoints.snapshots.restore`),
+        """Rank 0: a checkpoint written back from memory snapshots (`txl_dist.checkpoints.snapshots.Snapshots.restore`),
         complete with the checksums of the bytes written and the facts of the snapshot's manifest."""
         self._mark_complete(
             tag_dir,

@@ -273,76 +273,72 @@ class Snapshots:
             except OSError:
                 log.warning("%s is not empty after the run's snapshots were removed: left as it is", self.root)
 
-
-def restore(
-    memory_dir: str | os.PathLike, identity: str, checkpoints_dir: Path, rank: int, world_size: int, mark_complete
-) -> int | None:
-    """Collective, before the resume is planned: the newest snapshot of this run that every rank of its world
-    left somewhere in the nodes' memory, newer than the newest complete checkpoint, written into CHECKPOINTS_DIR
-    as a checkpoint and marked complete (MARK_COMPLETE(tag_dir, files, manifest): rank 0); its step, or None."""
-    root = Path(memory_dir) / f"txl_dist-{identity}"
-    hosts: list[str] = [""] * world_size
-    dist.all_gather_object(hosts, socket.gethostname())
-    lister = hosts.index(hosts[rank]) == rank
-    offers = verified_snapshots(root, identity) if lister and root.is_dir() else {}
-    gathered: list[dict] = [{} for _ in range(world_size)]
-    dist.all_gather_object(gathered, offers)
-    tags = complete_tags(checkpoints_dir)
-    on_disk = step_of_tag(tags[-1]) if tags else -1
-    holders: dict[tuple[int, int], int] = {}
-    manifests: dict[tuple[int, int], dict] = {}
-    for holder, offered in enumerate(gathered):
-        for key, manifest in offered.items():
-            holders.setdefault(key, holder)
-            manifests.setdefault(key, manifest)
-    chosen = None
-    for step in sorted({step for _, step in manifests}, reverse=True):
-        if step <= on_disk:
-            break
-        worlds = {manifests[key]["world_size"] for key in manifests if key[1] == step}
-        if len(worlds) == 1 and all((r, step) in manifests for r in range(next(iter(worlds)))):
-            chosen = step
-            break
-    if chosen is None:
-        if rank == 0 and manifests:
-            newest = max(step for _, step in manifests)
-            why = "not newer than the newest checkpoint" if newest <= on_disk else "not every rank's part is left"
-            log.info("memory snapshots of this run up to step %d found, none usable (%s)", newest, why)
-        return None
-    tag_dir = checkpoints_dir / tag_for_step(chosen)
-    mine = {}
-    snapshot_world = manifests[(0, chosen)]["world_size"]
-    if rank == 0:
-        tag_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    for origin in range(snapshot_world):
-        if holders[(origin, chosen)] != rank:
-            continue
-        folder = root / f"rank{origin:05d}" / tag_for_step(chosen)
-        for name in manifests[(origin, chosen)]["files"]:
-            target = tag_dir / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = (folder / name).read_bytes()
-            mine[name] = atomic_write_checksummed(target, lambda handle, data=data: handle.write(data))
-    gathered_files: list[dict[str, FileChecksum]] | None = [{} for _ in range(world_size)] if rank == 0 else None
-    dist.gather_object(mine, gathered_files, dst=0)
-    if rank == 0:
-        files: dict[str, FileChecksum] = {}
-        for rank_files in gathered_files:
-            files.update(rank_files)
-        expected = {name for key, manifest in manifests.items() if key[1] == chosen for name in manifest["files"]}
-        if set(files) != expected:
-            raise RuntimeError(f"{tag_dir}: the memory snapshot's files were not all written back")
-        mark_complete(tag_dir, files, manifests[(0, chosen)])
-        sources = sorted({hosts[holders[(origin, chosen)]] for origin in range(snapshot_world)})
-        log.info(
-            "restored step %d from the memory snapshots of %d rank(s) (held on %s) into %s; the newest checkpoint "
-            "on disk was %s",
-            chosen,
-            snapshot_world,
-            ", ".join(sources),
-            tag_dir,
-            f"step {on_disk}" if on_disk >= 0 else "none",
-        )
-    dist.barrier()
-    return chosen
+    def restore(self, checkpoints_dir: Path, mark_complete) -> int | None:
+        """Collective, before the resume is planned: the newest snapshot of this run that every rank of its world
+        left somewhere in the nodes' memory, newer than the newest complete checkpoint, written into CHECKPOINTS_DIR
+        as a checkpoint and marked complete (MARK_COMPLETE(tag_dir, files, manifest): rank 0); its step, or None."""
+        root, identity, hosts = self.root, self.identity, self.hosts
+        rank, world_size = self.rank, self.world_size
+        lister = hosts.index(hosts[rank]) == rank
+        offers = verified_snapshots(root, identity) if lister and root.is_dir() else {}
+        gathered: list[dict] = [{} for _ in range(world_size)]
+        dist.all_gather_object(gathered, offers)
+        tags = complete_tags(checkpoints_dir)
+        on_disk = step_of_tag(tags[-1]) if tags else -1
+        holders: dict[tuple[int, int], int] = {}
+        manifests: dict[tuple[int, int], dict] = {}
+        for holder, offered in enumerate(gathered):
+            for key, manifest in offered.items():
+                holders.setdefault(key, holder)
+                manifests.setdefault(key, manifest)
+        chosen = None
+        for step in sorted({step for _, step in manifests}, reverse=True):
+            if step <= on_disk:
+                break
+            worlds = {manifests[key]["world_size"] for key in manifests if key[1] == step}
+            if len(worlds) == 1 and all((r, step) in manifests for r in range(next(iter(worlds)))):
+                chosen = step
+                break
+        if chosen is None:
+            if rank == 0 and manifests:
+                newest = max(step for _, step in manifests)
+                why = "not newer than the newest checkpoint" if newest <= on_disk else "not every rank's part is left"
+                log.info("memory snapshots of this run up to step %d found, none usable (%s)", newest, why)
+            return None
+        tag_dir = checkpoints_dir / tag_for_step(chosen)
+        mine = {}
+        snapshot_world = manifests[(0, chosen)]["world_size"]
+        if rank == 0:
+            tag_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        for origin in range(snapshot_world):
+            if holders[(origin, chosen)] != rank:
+                continue
+            folder = root / f"rank{origin:05d}" / tag_for_step(chosen)
+            for name in manifests[(origin, chosen)]["files"]:
+                target = tag_dir / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                data = (folder / name).read_bytes()
+                mine[name] = atomic_write_checksummed(target, lambda handle, data=data: handle.write(data))
+        gathered_files: list[dict[str, FileChecksum]] | None = [{} for _ in range(world_size)] if rank == 0 else None
+        dist.gather_object(mine, gathered_files, dst=0)
+        if rank == 0:
+            files: dict[str, FileChecksum] = {}
+            for rank_files in gathered_files:
+                files.update(rank_files)
+            expected = {name for key, manifest in manifests.items() if key[1] == chosen for name in manifest["files"]}
+            if set(files) != expected:
+                raise RuntimeError(f"{tag_dir}: the memory snapshot's files were not all written back")
+            mark_complete(tag_dir, files, manifests[(0, chosen)])
+            sources = sorted({hosts[holders[(origin, chosen)]] for origin in range(snapshot_world)})
+            log.info(
+                "restored step %d from the memory snapshots of %d rank(s) (held on %s) into %s; the newest checkpoint "
+                "on disk was %s",
+                chosen,
+                snapshot_world,
+                ", ".join(sources),
+                tag_dir,
+                f"step {on_disk}" if on_disk >= 0 else "none",
+            )
+        dist.barrier()
+        return chosen

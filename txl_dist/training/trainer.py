@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import dropout_seed
-from txl_dist.checkpoints.snapshots import Snapshots, restore, run_id
+from txl_dist.checkpoints.snapshots import Snapshots, run_id
 from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.config import RunConfig
 from txl_dist.data import EvalStreams, TrainStreams
@@ -110,9 +110,8 @@ class Trainer:
             # A snapshot newer than the newest checkpoint becomes one, before the resume is chosen.
             identity = run_id(self.run_dir.path, self.rank)
             memory_dir = cfg.checkpoint.memory_dir
-            restore(memory_dir, identity, self.checkpoints.directory, self.rank, self.world_size,
-                    self.checkpoints.mark_restored)  # fmt: skip
             self.snapshots = Snapshots(memory_dir, identity, self.run_dir.path, self.rank, self.world_size)
+            self.snapshots.restore(self.checkpoints.directory, self.checkpoints.mark_restored)
 
         resume_plan = self.checkpoints.plan_resume(
             resume=cfg.checkpoint.resume,
