@@ -40,10 +40,10 @@ $(HF_STAMP):
 	touch $@
 
 # DeepSpeed compiles its shared-memory communication op on first use (30-70 s); build it once here, into this
-# environment's own cache ($(VENV)/torch_extensions, with its own ninja: txl_dist.world.process_group), so that no
+# environment's own cache ($(VENV)/torch_extensions, with its own ninja: txl_dist.rendezvous.process_group), so that no
 # launch compiles, whatever PATH a node gives its ranks.
 warm: venv
-	$(CPU_ENV) $(BIN)/python -m txl_dist.world.process_group
+	$(CPU_ENV) $(BIN)/python -m txl_dist.rendezvous.process_group
 
 # ruff, pinned in the test extra, configured in pyproject.toml: lint errors and unformatted files both fail.
 lint: venv
@@ -80,12 +80,12 @@ cluster-packages:
 # The main job on an embedded corpus: the Penn Treebank of the `treebank` package -> a word tokenizer and shards
 # -> a small Transformer-XL trained on 2 CPU ranks through the deepspeed launcher -> its curves (demo/curves.png)
 # -> test perplexity, an export folder and a generated sample -> a folder for current transformers, sampled there
-# with the README's three lines.
+# with the three lines of docs/transformers.md (Loading a folder).
 # Rerunning resumes (or finds the run finished); `make clean-demo` starts over.
 DEMO ?= demo
 DEMO_TRAIN ?=
 # bf16 where the CPU multiplies bf16 natively (AMX or AVX512-BF16): the same perplexity as fp32 at every step,
-# 1.6x the tokens/s (README, "What the demo gives"); elsewhere bf16 is emulated and slower, so fp32.
+# more tokens/s (docs/demo.md, What it gives: the measured ratio); elsewhere bf16 is emulated and slower, so fp32.
 DEMO_PRECISION ?= $(shell grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo fp32)
 define HUB_SNIPPET
 from transformers import AutoModelForCausalLM, AutoTokenizer

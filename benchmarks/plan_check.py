@@ -82,7 +82,7 @@ def probe(out: str, argv: list[str]) -> None:
     its resident memory before the model is built and its peak resident memory."""
     from torch.profiler import ProfilerActivity, profile
 
-    from txl_dist.training.cli import parse_run_args
+    from txl_dist.training.startup import parse_run_args
 
     cfg, args = parse_run_args(argv)
     rank = int(os.environ.get("RANK", "0"))

@@ -35,8 +35,8 @@ COMMANDS = (
     ("synthetic_charlm", "-m data_tools.synthetic_charlm"),
     ("plan", "-m txl_dist.plan"),
     ("plot", "-m txl_dist.plot"),
-    ("launch_env", "-m txl_dist.world.launch_env"),
-    ("slurm_nodes", "-m txl_dist.world.slurm_nodes"),
+    ("launch_env", "-m txl_dist.rendezvous.launch_env"),
+    ("slurm_nodes", "-m txl_dist.supervision.slurm_nodes"),
 )
 
 HEAVY = ("torch", "deepspeed")

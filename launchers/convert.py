@@ -35,7 +35,7 @@ import sys
 
 from txl_dist.exit_status import USAGE_ERROR, os_error_status, print_error, run_command
 from txl_dist.fileio import check_output_path, describe_os_error
-from txl_dist.world.interrupts import one_line_on_stop
+from txl_dist.supervision.interrupts import one_line_on_stop
 
 
 def _add_command(

@@ -27,8 +27,8 @@ import argparse
 import sys
 
 from txl_dist.exit_status import run_command
-from txl_dist.world.interrupts import one_line_on_stop, stop_this_process
-from txl_dist.world.launcher_watch import watching_launcher
+from txl_dist.supervision.interrupts import one_line_on_stop, stop_this_process
+from txl_dist.supervision.launcher_watch import watching_launcher
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from txl_dist.exit_status import run_command
-from txl_dist.world.interrupts import one_line_on_stop
+from txl_dist.supervision.interrupts import one_line_on_stop
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -40,9 +40,7 @@ PATH_MARKERS: dict[str, str] = {
     "tests/test_profiling.py::test_the_profiled_steps_are_marked_in_the_metrics_and_the_log": "launcher",
     "tests/test_hub_export.py": "hf",
     "tests/test_charlm.py::test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses": "hf",
-    "tests/test_bad_input_downstream.py::test_every_id_and_every_short_sequence_decodes_as_txl_dist_decodes": "hf",
-    "tests/test_bad_input_downstream.py::test_short_texts_give_txl_dist_ids": "hf",
-    "tests/test_bad_input_downstream.py::test_the_char_folder_refuses_text_outside_its_alphabet_as_txl_dist": "hf",
+    "tests/bad_input/test_hub_tokenizers.py": "hf",
 }
 """Test path (a folder ending in /, a file, or file::test) -> the tier marker every test under it gets."""
 

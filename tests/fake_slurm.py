@@ -1,4 +1,4 @@
-"""Fake `scontrol`, `srun` and `scancel` on PATH, for the quick tests of txl_dist.world.slurm_nodes and
+"""Fake `scontrol`, `srun` and `scancel` on PATH, for the quick tests of txl_dist.supervision.slurm_nodes and
 launchers/slurm.sbatch (the real Slurm: tests/cluster/).
 
 Each answers from the files of one folder, as Slurm would for one job: ``job`` (the ``scontrol show job -o``

@@ -24,25 +24,21 @@ LAYERS: list[tuple[str, ...]] = [
         "txl_dist.fileio",
         "txl_dist.exit_status",
         "txl_dist.word_scan",
-        "txl_dist.run_layout",
         "txl_dist.lazy_names",
-        "txl_dist.checkpoints.layout",
+        "txl_dist.run_paths",
+        "txl_dist.checkpoint_paths",
+        "txl_dist.config",
+        "txl_dist.deepspeed_internals",
     ),
-    ("txl_dist.config",),
-    ("txl_dist.model",),
-    ("txl_dist.evaluation", "txl_dist.inference"),
-    ("txl_dist.tokenizer",),
-    ("txl_dist.data",),
-    ("txl_dist.world",),
-    ("txl_dist.plan",),
-    ("txl_dist.checkpoints",),
-    ("txl_dist.training",),
-    ("txl_dist.export",),
-    ("txl_dist.convert",),
-    ("txl_dist.plot", "txl_dist.downstream", "txl_dist"),
+    ("txl_dist.model", "txl_dist.tokenizer", "txl_dist.data"),
+    ("txl_dist.evaluation", "txl_dist.inference", "txl_dist.rendezvous"),
+    ("txl_dist.supervision", "txl_dist.checkpoints", "txl_dist.plan"),
+    ("txl_dist.training", "txl_dist.export"),
+    ("txl_dist.convert", "txl_dist"),
+    ("txl_dist.downstream", "txl_dist.plot"),
 ]
-"""Lowest first: docs/architecture.md, Layers. ``txl_dist`` is the package's own API (its __init__);
-``txl_dist.checkpoints.layout`` is paths only, so it sits in the bottom layer below the rest of its package."""
+"""Lowest first: docs/architecture.md, Layers. Layer N is LAYERS[N - 1]. ``txl_dist`` is the package's own API
+(its __init__). Each folder of txl_dist lies in one layer, whole."""
 
 
 def module_name(path: Path) -> str:
@@ -296,3 +292,31 @@ def test_a_commands_help_imports_neither_torch_nor_deepspeed(command):
     the help path fails here. `benchmarks/startup.py` runs the same probe over the same commands and times it."""
     _, report = help_run(sys.executable, command, dict(os.environ))
     assert report == {"status": 0, "imported": []}, f"{command} --help: {report}"
+
+
+PACKAGES = sorted(name for name, path in MODULES.items() if name.count(".") == 1 and path.name == "__init__.py")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_package_states_the_layer_the_table_gives_it(package):
+    """Each package's docstring names its layer ("Layer N"), the one LAYERS and docs/architecture.md give it."""
+    path = MODULES[package]
+    text = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    stated = {int(number) for number in re.findall(r"\bLayer (\d+)\b", text)}
+    assert stated, f"{path.relative_to(ROOT)}: its docstring names no layer ('Layer N: ...')"
+    assert stated == {layer_of(package) + 1}, (
+        f"{path.relative_to(ROOT)} says Layer {sorted(stated)}; tests/test_architecture.py LAYERS puts {package} in "
+        f"layer {layer_of(package) + 1}"
+    )
+
+
+def test_the_documented_layers_are_the_layers_the_graph_is_checked_against():
+    """docs/architecture.md (Layers): its table names each layer's modules as LAYERS does, row for row."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", section, re.MULTILINE)
+    documented = {int(number): set(re.findall(r"`([a-z_.]+)`", names)) for number, names in rows}
+    expected = {
+        number: {name.removeprefix("txl_dist.") for name in names} for number, names in enumerate(LAYERS, start=1)
+    }
+    assert documented == expected

@@ -28,9 +28,9 @@ from txl_dist.config import (
 from txl_dist.config.model import PRESETS, ModelConfig
 from txl_dist.config.sections import bucket_elements
 from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, write_manifest
-from txl_dist.training.cli import parse_run_args
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.schedule import build_lr_scheduler, learning_rate
+from txl_dist.training.startup import parse_run_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -322,21 +322,21 @@ def test_bad_yaml_files_are_named(tmp_path):
 
 def test_grad_accum_arithmetic_error_names_the_three_numbers():
     train = TrainConfig(global_batch=24, micro_batch=4)
-    assert train.batch_layout(3) == (4, 2, 3)
+    assert train.batch_split(3) == (4, 2, 3)
     with pytest.raises(
         ValueError,
         match=r"train.global_batch=24 with train.micro_batch=4 cannot be split over 4 ranks .*: the world sizes "
         r"that can hold it are 1, 2, 3, 6;",
     ):
-        train.batch_layout(4)
+        train.batch_split(4)
     with pytest.raises(
         ValueError, match=r"train.global_batch=24 with train.micro_batch null .* cannot be split over 5 ranks"
     ):
-        TrainConfig(global_batch=24).batch_layout(5)
-    assert TrainConfig(global_batch=24).batch_layout(6) == (4, 1, 6)
+        TrainConfig(global_batch=24).batch_split(5)
+    assert TrainConfig(global_batch=24).batch_split(6) == (4, 1, 6)
     for micro_batch, why in ((30, "is larger than the global batch 24"), (5, "does not divide the global batch 24")):
         with pytest.raises(ValueError) as refused:
-            TrainConfig(global_batch=24).batch_layout(2, micro_batch)
+            TrainConfig(global_batch=24).batch_split(2, micro_batch)
         assert str(refused.value).endswith(
             f"no world size can hold it: the micro-batch {micro_batch} {why}; the micro-batches that divide it: "
             "1, 2, 3, 4, 6, 8, 12, 24"

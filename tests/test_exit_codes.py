@@ -90,7 +90,7 @@ def test_every_command_refuses_a_bad_input_with_one_line_and_status_2(
             manifest,
         ),
         ("txl_dist.plot", [missing, "--out", str(tmp_path / "x.png")], missing),
-        ("txl_dist.world.launch_env", ["--hostfile", missing], missing),
+        ("txl_dist.rendezvous.launch_env", ["--hostfile", missing], missing),
     ]
     for target, args, named in cases:
         _refused(target, args, named, capsys)
@@ -111,8 +111,8 @@ def test_every_command_refuses_a_bad_input_with_one_line_and_status_2(
         "data_tools.synthetic_charlm",
         "txl_dist.plan",
         "txl_dist.plot",
-        "txl_dist.world.launch_env",
-        "txl_dist.world.process_group",
+        "txl_dist.rendezvous.launch_env",
+        "txl_dist.rendezvous.process_group",
     ],
 )
 def test_an_unknown_flag_exits_2(target, capsys):
@@ -147,18 +147,18 @@ def test_a_benchmark_refuses_an_unknown_flag_or_case_before_it_runs_anything(arg
 
 
 def test_the_op_build_command_prints_its_help_without_building(capsys):
-    """``python -m txl_dist.world.process_group --help`` is help and exit 0, not the build of DeepSpeed's op."""
+    """``python -m txl_dist.rendezvous.process_group --help`` is help and exit 0, not the build of DeepSpeed's op."""
     saved = sys.argv
-    sys.argv = ["txl_dist.world.process_group", "--help"]
+    sys.argv = ["txl_dist.rendezvous.process_group", "--help"]
     try:
         with warnings.catch_warnings(), pytest.raises(SystemExit) as exited:
             warnings.simplefilter("ignore", RuntimeWarning)
-            runpy.run_module("txl_dist.world.process_group", run_name="__main__", alter_sys=True)
+            runpy.run_module("txl_dist.rendezvous.process_group", run_name="__main__", alter_sys=True)
     finally:
         sys.argv = saved
     out = capsys.readouterr().out
     assert exited.value.code == 0
-    assert out.startswith("usage: python -m txl_dist.world.process_group") and " op: " not in out, out
+    assert out.startswith("usage: python -m txl_dist.rendezvous.process_group") and " op: " not in out, out
 
 
 def _refuses_writes(folder: Path) -> bool:

@@ -1,8 +1,8 @@
-"""Which launcher started a rank (txl_dist.world.launch_env): the variables of torchrun/deepspeed, srun, mpirun and a
-plain process, read into one world; `.deepspeed_env` for pdsh, mpirun and srun (read back by DeepSpeed's own
+"""Which launcher started a rank (txl_dist.rendezvous.launch_env): the variables of torchrun/deepspeed, srun, mpirun and
+a plain process, read into one world; `.deepspeed_env` for pdsh, mpirun and srun (read back by DeepSpeed's own
 runner code, and by a real bash for pdsh's command) and hostfiles as DeepSpeed's runner needs them. The launches
 themselves run for real in tests/cluster/ and tests/test_liveness.py; bad launch environments are in
-tests/test_bad_input_launch.py."""
+tests/bad_input/test_launch.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.launcher import REPO
-from txl_dist.world import launch_env, launch_formats
-from txl_dist.world.launch_env import LaunchError, expand_hostlist, resolve
+from txl_dist.rendezvous import launch_env, launch_formats
+from txl_dist.rendezvous.launch_env import LaunchError, expand_hostlist, resolve
 
 
 def test_slurm_host_lists_expand_in_order():
@@ -168,10 +168,11 @@ PYTHON = sys.executable
 
 
 def run_launch_env(*args: str, **environ: str) -> subprocess.CompletedProcess:
-    """``python -m txl_dist.world.launch_env`` in an environment of its own (no variable of this session's launcher)."""
+    """``python -m txl_dist.rendezvous.launch_env`` in an environment of its own (no variable of this session's
+    launcher)."""
     base = {key: os.environ[key] for key in ("PATH", "HOME", "LANG") if key in os.environ}
     return subprocess.run(
-        [PYTHON, "-m", "txl_dist.world.launch_env", *args],
+        [PYTHON, "-m", "txl_dist.rendezvous.launch_env", *args],
         cwd=REPO,
         env={**base, "PYTHONPATH": str(REPO), **environ},
         capture_output=True,
@@ -358,7 +359,7 @@ def test_deepspeed_env_in_a_folder_that_refuses_writes_is_a_failure_of_the_surro
     path = immutable_folder / ".deepspeed_env"
     result = run_launch_env("--write-deepspeed-env", "--path", str(path), OMP_NUM_THREADS="1")
     assert (result.returncode, result.stdout) == (1, ""), result
-    assert result.stderr == f"txl_dist.world.launch_env: error: {path}: operation not permitted\n"
+    assert result.stderr == f"txl_dist.rendezvous.launch_env: error: {path}: operation not permitted\n"
     assert os.listdir(immutable_folder) == []
     result = run_launch_env(
         "--write-deepspeed-env", "--path", str(immutable_folder / "nope" / "x"), OMP_NUM_THREADS="1"

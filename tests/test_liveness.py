@@ -78,7 +78,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_the_job_ends_non_z
     line_logged = [line for line in out.splitlines() if "has made no progress for" in line][0]
     stalled_for = int(line_logged.split("has made no progress for ")[1].split(" s")[0])
     assert 6 <= stalled_for <= 20 and took < 80, (stalled_for, took)
-    # The same, as a record for what decides the next step (the Slurm batch script: txl_dist.world.faults).
+    # The same, as a record for what decides the next step (the Slurm batch script: txl_dist.supervision.faults).
     recorded = [json.loads(line) for line in (output / "faults.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["rank"], r["host"], r["reporter"]) for r in recorded] == [
         ("stalled", 1, os.uname().nodename, 0)
@@ -124,13 +124,16 @@ def test_ranks_that_disagree_on_their_environment_stop_before_training(ptb_word_
 
 
 def _op_build_dir() -> Path:
-    from txl_dist.world import process_group as world
+    from txl_dist.rendezvous import process_group
 
-    return world._build_directory(world.prepare_extension_cache(dict(os.environ)), world.SHM_OP_NAME)
+    return process_group._build_directory(
+        process_group.prepare_extension_cache(dict(os.environ)), process_group.SHM_OP_NAME
+    )
 
 
 _LOAD_OP = (
-    "from txl_dist.world import process_group as world; print('loaded', world.load_shm_op() is not None, flush=True)"
+    "from txl_dist.rendezvous import process_group; "
+    "print('loaded', process_group.load_shm_op() is not None, flush=True)"
 )
 
 
@@ -175,18 +178,19 @@ def test_a_launch_after_a_build_killed_midway_does_not_wait_forever(tmp_path):
 
 def test_a_build_in_progress_is_waited_for_not_removed(tmp_path):
     """The lock file of a build that is running (its builder holds our build lock) is not stale."""
-    from txl_dist.world import process_group as world
+    from txl_dist.rendezvous import process_group
 
-    cache = world.prepare_extension_cache(dict(os.environ))
+    cache = process_group.prepare_extension_cache(dict(os.environ))
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
             (
-                "import sys, time; from pathlib import Path; from txl_dist.world import process_group as world\n"
+                "import sys, time; from pathlib import Path; from txl_dist.rendezvous import process_group\n"
                 f"cache = Path({str(cache)!r})\n"
-                "with world.build_lock(cache):\n"
-                "    lock = world._build_directory(cache, world.SHM_OP_NAME) / 'lock'; lock.write_text('')\n"
+                "with process_group.build_lock(cache):\n"
+                "    lock = process_group._build_directory(cache, process_group.SHM_OP_NAME) / 'lock'\n"
+                "    lock.write_text('')\n"
                 "    print('holding', flush=True); time.sleep(4); lock.unlink()\n"
             ),
         ],
@@ -204,6 +208,6 @@ def test_a_build_in_progress_is_waited_for_not_removed(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-        (world._build_directory(cache, world.SHM_OP_NAME) / "lock").unlink(missing_ok=True)
+        (process_group._build_directory(cache, process_group.SHM_OP_NAME) / "lock").unlink(missing_ok=True)
     assert result.returncode == 0 and "loaded True" in result.stdout, result.stderr[-3000:]
     assert "removing" not in result.stderr and waited >= 2.0, (waited, result.stderr[-2000:])

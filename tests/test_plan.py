@@ -205,7 +205,7 @@ def test_command_line_plans_lm1b_large_without_deepspeed():
 
 
 def test_print_config_shows_the_plan_as_comments(capsys):
-    from txl_dist.training.cli import parse_run_args
+    from txl_dist.training.startup import parse_run_args
 
     with pytest.raises(SystemExit):
         parse_run_args(

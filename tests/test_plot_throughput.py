@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from txl_dist import plot
-from txl_dist.run_layout import METRICS
+from txl_dist.run_paths import METRICS
 
 STEPS = (10, 20, 30)
 

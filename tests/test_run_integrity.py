@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from txl_dist import fileio
+from txl_dist.checkpoint_paths import COMPLETE
 from txl_dist.checkpoints import weights_only
-from txl_dist.checkpoints.layout import COMPLETE
 from txl_dist.checkpoints.verify import preflight, verify_checkpoint
-from txl_dist.world.lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
+from txl_dist.supervision.lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -302,7 +302,7 @@ def test_a_lock_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, cap
 
 
 def test_non_finite_mems_are_reset_per_stream_and_counted():
-    from txl_dist.training.stream_memory import finite_mems as _finite_mems
+    from txl_dist.training.train_state import finite_mems as _finite_mems
 
     mems = [torch.randn(4, 3, 5) for _ in range(3)]
     mems[1][2, 1, 3] = float("inf")
@@ -517,7 +517,7 @@ def test_decoding_a_damaged_shard_is_one_line(ptb_word_shards, ptb_word_tokenize
 
 _RANK = """
 import os, sys, time
-from txl_dist.world.guard import RunGuard
+from txl_dist.supervision.guard import RunGuard
 guard = RunGuard(install_signals=False)
 print("ready", flush=True)
 deadline = time.monotonic() + 30
@@ -649,7 +649,7 @@ def test_a_full_disk_during_the_universal_conversion_fails_with_one_line_and_lea
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_anything_starts(ptb_word_shards, tmp_path, capsys):
-    from txl_dist.training.cli import parse_run_args
+    from txl_dist.training.startup import parse_run_args
 
     (tmp_path / "run").write_text("not a directory")
     with pytest.raises(SystemExit) as stopped:

@@ -1,5 +1,5 @@
-"""txl_dist.world.slurm_nodes: what launchers/slurm.sbatch does after a failed training step, from Slurm's view of the
-job's nodes and the run's own progress (its reading of a real Slurm is tested on the two-node cluster:
+"""txl_dist.supervision.slurm_nodes: what launchers/slurm.sbatch does after a failed training step, from Slurm's view of
+the job's nodes and the run's own progress (its reading of a real Slurm is tested on the two-node cluster:
 tests/cluster/test_cluster.py)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from tests import fake_slurm
 from tests.launcher import REPO
-from txl_dist.world import slurm_nodes
-from txl_dist.world.slurm_nodes import Limits, Situation, decide
+from txl_dist.supervision import run_progress, slurm_nodes, slurm_view
+from txl_dist.supervision.relaunch import Limits, Situation, decide, read_limits
 
 NODES = ["n1", "n2", "n3", "n4"]
 DEFAULTS = Limits()
@@ -37,9 +37,9 @@ def healthy(*down: str) -> dict[str, str]:
     return {node: ("DOWN+NOT_RESPONDING" if node in down else "ALLOCATED") for node in NODES}
 
 
-def run_decide(case: Situation, limits=DEFAULTS, holds=lambda world: True, progress=(63, 50)):
+def run_decide(case: Situation, limits=DEFAULTS, fits=lambda world: True, progress=(63, 50)):
     said: list[str] = []
-    return decide(case, limits, holds, progress, said.append), said
+    return decide(case, limits, fits, progress, said.append), said
 
 
 def test_a_node_removed_from_the_job_is_lost_and_the_step_goes_on_without_it():
@@ -65,7 +65,7 @@ def test_a_node_still_in_the_job_but_unusable_is_lost(state):
 
 
 def fault(kind: str, rank: int, host: str | None, step: int | None = 61, message: str = "", **more) -> dict:
-    """A rank's record in the fault log, as txl_dist.world.guard writes it."""
+    """A rank's record in the fault log, as txl_dist.supervision.guard writes it."""
     text = message or f"train.py: error: rank {rank} ({host}) {kind}"
     return {"kind": kind, "rank": rank, "host": host, "step": step, "message": text, "world_size": 4, **more}
 
@@ -129,7 +129,7 @@ def test_a_rank_named_stalled_leaves_its_node_out_whatever_slurm_says():
     """Slurm still calls n2 ALLOCATED (it would mark it DOWN after SlurmdTimeout, 300 s by default): the ranks'
     word is enough to leave it out at once."""
     stalled = fault("stalled", 1, "n2", message="train.py: error: rank 1 (n2, PID 7) has made no progress for 20 s")
-    named = slurm_nodes.named_by_the_ranks([stalled], NODES, 1, answers=lambda node: pytest.fail("no probe"))
+    named = slurm_view.named_by_the_ranks([stalled], NODES, 1, answers=lambda node: pytest.fail("no probe"))
     assert named == {"n2": "named by the ranks: rank 1 (n2) at step 61: " + stalled["message"]}
     decision, said = run_decide(with_(situation(healthy()), failures=[stalled], named=named))
     assert decision == "relaunch 3 n1,n3,n4 -"
@@ -144,17 +144,17 @@ def test_a_dead_rank_costs_its_node_only_when_slurm_cannot_run_a_step_there():
         asked.append(node)
         return None if node == "n3" else "no answer"
 
-    assert slurm_nodes.named_by_the_ranks([died], NODES, 1, answers) == {} and asked == ["n3"]
-    named = slurm_nodes.named_by_the_ranks([died], NODES, 1, lambda node: "srun failed (exit 1): refused")
+    assert slurm_view.named_by_the_ranks([died], NODES, 1, answers) == {} and asked == ["n3"]
+    named = slurm_view.named_by_the_ranks([died], NODES, 1, lambda node: "srun failed (exit 1): refused")
     assert named == {"n3": "named by the ranks and no step runs there: srun failed (exit 1): refused"}
 
 
 def test_a_rank_whose_host_is_unknown_is_placed_by_slurms_block_distribution():
     """The rank that died was rank 0, whose identity went with the rendezvous store: rank 5 of 8 ranks on 4 nodes
     runs on the third."""
-    assert slurm_nodes.node_of({"rank": 5, "host": None, "world_size": 8}, NODES, 2) == "n3"
-    assert slurm_nodes.node_of({"rank": 5, "host": None, "world_size": 6}, NODES, 2) is None  # another world
-    assert slurm_nodes.node_of({"rank": 0, "host": "elsewhere", "world_size": 3}, NODES, 1) is None
+    assert slurm_view.node_of({"rank": 5, "host": None, "world_size": 8}, NODES, 2) == "n3"
+    assert slurm_view.node_of({"rank": 5, "host": None, "world_size": 6}, NODES, 2) is None  # another world
+    assert slurm_view.node_of({"rank": 0, "host": "elsewhere", "world_size": 3}, NODES, 1) is None
 
 
 def spares_case(states: dict[str, str], spares=("n5", "n6"), job_nodes=None) -> Situation:
@@ -200,18 +200,18 @@ def test_past_the_bound_the_job_ends():
 
 def test_the_world_is_the_largest_that_holds_the_global_batch(tmp_path):
     """configs/tiny_cpu.yaml: global batch 8, micro-batch 2; 3 nodes of 1 rank cannot hold it, 2 can."""
-    holds = slurm_nodes.batch_holds(["--config", "configs/tiny_cpu.yaml", f"train.output_dir={tmp_path}"], 4)
-    assert [holds(world) for world in (4, 3, 2, 1)] == [True, False, True, True]
-    decision, said = run_decide(situation(healthy("n2")), holds=holds)
+    fits = run_progress.global_batch_fits(["--config", "configs/tiny_cpu.yaml", f"train.output_dir={tmp_path}"], 4)
+    assert [fits(world) for world in (4, 3, 2, 1)] == [True, False, True, True]
+    decision, said = run_decide(situation(healthy("n2")), fits=fits)
     assert decision == "relaunch 2 n1,n3 -"
     assert "3 node(s) would not hold the global batch; using 2 of the 3 left" in said
-    decision, said = run_decide(situation(healthy("n2")), Limits(min_nodes=3), holds=holds)
+    decision, said = run_decide(situation(healthy("n2")), Limits(min_nodes=3), fits=fits)
     assert decision == "end" and said[-1].startswith("the global batch does not split over 3 rank(s)"), said
 
 
 def test_the_batch_host_stays_in_the_step_as_rank_0():
     case = Situation(NODES, NODES, healthy("n1"), "n3", 1, 0, False)
-    decision, _ = run_decide(case, holds=lambda world: world != 3)
+    decision, _ = run_decide(case, fits=lambda world: world != 3)
     assert decision == "relaunch 2 n3,n2 -"
 
 
@@ -246,13 +246,13 @@ def test_bad_limits_are_refused_in_one_line_at_the_start_of_the_job(environ, mes
 
 
 def test_limits_default_to_a_floor_of_one_node_and_three_relaunches():
-    assert slurm_nodes.read_limits({}, 2) == Limits(1, 3, 0)
-    assert slurm_nodes.read_limits({"TXL_SPARE_NODES": " 1 "}, 3) == Limits(1, 3, 1)
-    assert slurm_nodes.read_limits({"TXL_MIN_NODES": "2", "TXL_MAX_RELAUNCHES": "0"}, 2) == Limits(2, 0)
+    assert read_limits({}, 2) == Limits(1, 3, 0)
+    assert read_limits({"TXL_SPARE_NODES": " 1 "}, 3) == Limits(1, 3, 1)
+    assert read_limits({"TXL_MIN_NODES": "2", "TXL_MAX_RELAUNCHES": "0"}, 2) == Limits(2, 0)
 
 
 def test_progress_is_the_newest_logged_step_and_the_newest_complete_checkpoint(tmp_path):
-    assert slurm_nodes.run_progress(tmp_path) == (None, None)
+    assert run_progress.run_progress(tmp_path) == (None, None)
     lines = [json.dumps({"kind": "train", "step": step}) for step in (61, 62)]
     lines.append(json.dumps({"kind": "eval", "step": 70}))
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "train", "st')  # a line cut short
@@ -262,7 +262,7 @@ def test_progress_is_the_newest_logged_step_and_the_newest_complete_checkpoint(t
         if complete:
             (folder / "COMPLETE.json").write_text("{}")
     (tmp_path / "checkpoints" / "step00000050_universal").mkdir()
-    assert slurm_nodes.run_progress(tmp_path) == (62, 50)
+    assert run_progress.run_progress(tmp_path) == (62, 50)
 
 
 def test_the_output_directory_is_read_as_the_ranks_read_it(tmp_path):
@@ -270,9 +270,9 @@ def test_the_output_directory_is_read_as_the_ranks_read_it(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("train:\n  output_dir: runs/a\n")
     args = ["--config", str(config), "--deepspeed_config", "x.json", "log.every=1"]
-    assert slurm_nodes.output_dir_of(args) == Path("runs/a")
-    assert slurm_nodes.output_dir_of([*args, "train.output_dir=/shared/b"]) == Path("/shared/b")
-    assert slurm_nodes.output_dir_of(["log.every=1"]) is None
+    assert run_progress.output_dir_of(args) == Path("runs/a")
+    assert run_progress.output_dir_of([*args, "train.output_dir=/shared/b"]) == Path("/shared/b")
+    assert run_progress.output_dir_of(["log.every=1"]) is None
 
 
 # ---- the run's log and checkpoints ------------------------------------------------------------------------------
@@ -307,14 +307,14 @@ def test_a_damaged_log_line_is_skipped_with_a_warning_naming_the_file_and_line(t
     for lines, number in (([good[0], damaged, good[1]], 2), ([*good, damaged.rstrip(b"\n")], 3)):
         metrics.write_bytes(b"".join(lines))
         said: list[str] = []
-        assert slurm_nodes.run_progress(tmp_path, said.append) == (12, None)
+        assert run_progress.run_progress(tmp_path, said.append) == (12, None)
         assert said == [f"warning: {metrics}: skipped 1 unreadable line(s) (line {number}: {why})"], said
 
 
 def test_many_damaged_lines_are_one_warning_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("[1]\n" * 5 + '{"kind": "train", "step": 4}\n')
     said: list[str] = []
-    assert slurm_nodes.run_progress(tmp_path, said.append) == (4, None)
+    assert run_progress.run_progress(tmp_path, said.append) == (4, None)
     assert said == [
         f"warning: {tmp_path / 'metrics.jsonl'}: skipped 5 unreadable line(s) (line 1: a JSON list, not a record; "
         "line 2: a JSON list, not a record; line 3: a JSON list, not a record and 2 more)"
@@ -329,8 +329,8 @@ def test_the_step_reached_is_the_newest_of_the_log_and_the_checkpoints(tmp_path,
             "".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in logged)
         )
     _checkpoint(tmp_path, 20)
-    assert slurm_nodes.run_progress(tmp_path) == (20, 20)
-    decision, said = run_decide(situation(healthy("n4")), progress=slurm_nodes.run_progress(tmp_path))
+    assert run_progress.run_progress(tmp_path) == (20, 20)
+    decision, said = run_decide(situation(healthy("n4")), progress=run_progress.run_progress(tmp_path))
     assert decision == "relaunch 3 n1,n2,n3 -"
     assert said[0].endswith("at step 20; newest checkpoint: checkpoint step 20"), said
     assert said[-1].endswith("resuming from checkpoint step 20, 0 step(s) recomputed"), said
@@ -357,7 +357,7 @@ def test_the_step_reached_is_the_newest_of_the_log_and_the_checkpoints(tmp_path,
     ],
 )
 def test_the_states_slurm_documents_as_usable_keep_a_node(state):
-    assert slurm_nodes.usable(state)
+    assert slurm_view.usable(state)
     decision, said = run_decide(situation({**healthy(), "n2": state}))
     assert decision == "relaunch 4 n1,n2,n3,n4 -" and "on the same nodes" in said[-1], said
 
@@ -382,7 +382,7 @@ def test_the_states_slurm_documents_as_usable_keep_a_node(state):
     ],
 )
 def test_every_other_state_is_unusable_and_named(state, named):
-    assert not slurm_nodes.usable(state)
+    assert not slurm_view.usable(state)
     decision, said = run_decide(situation({**healthy(), "n2": state}))
     assert decision == "relaunch 3 n1,n3,n4 -", said
     assert said[0].startswith(f"lost n2 ({named}) at step 63"), said
@@ -403,13 +403,14 @@ def test_a_node_slurm_no_longer_knows_is_named_so():
     ],
 )
 def test_free_text_fields_of_a_record_cannot_pose_as_its_keys(line):
-    record = slurm_nodes.parse_record(line)
+    record = slurm_view.parse_record(line)
     assert (record["NodeList"], record["BatchHost"], record["Requeue"]) == ("n1", "n1", "1"), record
-    node = slurm_nodes.parse_record("NodeName=n2 Arch=x86_64 State=DOWN+NOT_RESPONDING Reason=was State=IDLE [root]")
+    node = slurm_view.parse_record("NodeName=n2 Arch=x86_64 State=DOWN+NOT_RESPONDING Reason=was State=IDLE [root]")
     assert node["State"] == "DOWN+NOT_RESPONDING"
 
 
-# ---- python -m txl_dist.world.slurm_nodes relaunch, against fake scontrol ---------------------------------------
+# ---- python -m txl_dist.supervision.slurm_nodes relaunch, against fake scontrol
+# ---------------------------------------
 
 
 def relaunch(tmp_path, job, nodes, *args, train_args=None, environ=None):
@@ -422,7 +423,7 @@ def relaunch(tmp_path, job, nodes, *args, train_args=None, environ=None):
     (folder / "job").write_text(job + "\n")
     (folder / "nodes").write_text("".join(f"NodeName={node} State={state}\n" for node, state in nodes.items()))
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "txl_dist.world.slurm_nodes", "relaunch", "--job", "7"]
+    command = [sys.executable, "-m", "txl_dist.supervision.slurm_nodes", "relaunch", "--job", "7"]
     if not any(arg.startswith("--step-nodes") for arg in args):
         command += ["--step-nodes", "n[1-2]"]
     for flag, value in (("--ranks-per-node", "1"), ("--relaunches", "0")):
@@ -502,7 +503,7 @@ _SIGNAL_SCRIPT = 'kill -{signal} "$(cat {folder}/script_pid)"; sleep 0.5\n'
 def sbatch(tmp_path, job=JOB, nodes=LOST_N2, srun_status=(1, 0), environ=None, planner=None, hooks=None):
     """`bash launchers/slurm.sbatch` as Slurm starts it for job 7 on n[1-2] (one rank each), the fakes on PATH:
     (status, log, the fakes' folder). PLANNER, when given, is the body of a TXL_PYTHON wrapper that runs in place
-    of `python -m txl_dist.world.slurm_nodes relaunch ...` (the real one is `"$PY" "$@"`); HOOKS: fake -> bash."""
+    of `python -m txl_dist.supervision.slurm_nodes relaunch ...` (the real one is `"$PY" "$@"`); HOOKS: fake -> bash."""
     folder = tmp_path / "slurm"
     env = fake_slurm.install(folder)
     for name in [name for name in env if name.startswith("TXL_")]:
@@ -723,7 +724,7 @@ HEALTHY = {"n1": "MIXED", "n2": "MIXED"}
 
 
 def _record_hook(run: Path, kind: str, rank: int, host: str, step: int, then: str = "") -> dict:
-    """A fake srun hook that writes what the ranks of the failing step record (txl_dist.world.guard), under the
+    """A fake srun hook that writes what the ranks of the failing step record (txl_dist.supervision.guard), under the
     step's TXL_LAUNCH, then runs THEN."""
     record = (
         f'{{{{"kind": "{kind}", "rank": {rank}, "host": "{host}", "step": {step}, "world_size": 2, '

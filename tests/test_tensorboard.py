@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from tests.launcher import finish, in_process, records, run, start, torchrun_command, wait_for_step
-from txl_dist.training import run_info
+from txl_dist.training import step_log
 
 pytestmark = pytest.mark.launcher
 
@@ -188,9 +188,9 @@ def test_every_scalar_once_per_step_after_a_kill_and_a_resume(resumed_run, serve
 
 def test_the_text_tab_has_one_entry_per_start(resumed_run, served):
     server, run_name = served
-    assert set(server.get("/data/plugin/text/tags")[run_name]) == set(run_info.TEXT_TAGS)
+    assert set(server.get("/data/plugin/text/tags")[run_name]) == set(step_log.TEXT_TAGS)
     resume_step = resumed_run["resume_step"]
-    entries = {tag: server.get("/data/plugin/text/text", run=run_name, tag=tag) for tag in run_info.TEXT_TAGS}
+    entries = {tag: server.get("/data/plugin/text/text", run=run_name, tag=tag) for tag in step_log.TEXT_TAGS}
     for tag, texts in entries.items():
         assert [entry["step"] for entry in texts] == [0, resume_step], tag
     first, second = (entry["text"] for entry in entries["run/config"])
@@ -373,7 +373,7 @@ def test_a_metrics_file_removed_or_a_tensorboard_path_taken_warns_once(tmp_path,
     tensorboard/ a file from the start. One warning each; the sinks that work go on."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from txl_dist.training.run_logger import RunLogger
+    from txl_dist.training.run_log import RunLogger
 
     caplog.set_level(logging.WARNING, logger="txl_dist.training")
     (tmp_path / "blocked").mkdir()

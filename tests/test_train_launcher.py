@@ -344,11 +344,12 @@ def _refused_in_process(argv: list[str], capsys, monkeypatch) -> str:
     import torch.distributed as dist
 
     from launchers import train
+    from txl_dist.training import startup
 
-    def started() -> None:  # were the arguments accepted, a run would start in this process
+    def started(*_) -> None:  # were the arguments accepted, a run would start in this process
         pytest.fail(f"launchers/train.py accepted {argv}")
 
-    monkeypatch.setattr(train, "_launch_environment", started)
+    monkeypatch.setattr(startup, "apply_launch", started)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as exited:
         train.main(argv)
@@ -394,7 +395,7 @@ def test_another_architecture_a_fresh_start_and_another_tokenizer_are_refused_be
     damaged = tmp_path / "damaged_marker"
     shutil.copytree(first_half, damaged)
     (damaged / "checkpoints" / "step00000020" / "COMPLETE.json").write_text("{")
-    from txl_dist.training.cli import parse_run_args
+    from txl_dist.training.startup import parse_run_args
 
     parse_run_args(args(ptb_word_shards, damaged, "model.d_inner=48"), world_size=2, device="cpu")
 
@@ -495,7 +496,7 @@ def test_a_shard_damaged_where_only_rank_1_reads_stops_every_rank_with_one_messa
     assert shm_buffers_left(command) == []
     _one_error(tail(result, 300), "train.py: error on rank 1 (")
     assert "train-000005.tar" in tail(result, 300)
-    # Recorded as a refusal of the input, which the Slurm batch script never retries (txl_dist.world.faults).
+    # Recorded as a refusal of the input, which the Slurm batch script never retries (txl_dist.supervision.faults).
     recorded = [json.loads(line) for line in (tmp_path / "damaged_shard" / "faults.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["rank"]) for r in recorded] == [("refused", 1)] and "train-000005.tar" in recorded[0][
         "message"

@@ -158,14 +158,14 @@ def _train_config(*overrides: str):
 def test_a_world_that_cannot_hold_the_global_batch_is_refused_naming_those_that_can(overrides, world_size, holding):
     train = _train_config(*overrides)
     with pytest.raises(ValueError) as refused:
-        train.batch_layout(world_size)
+        train.batch_split(world_size)
     message = str(refused.value)
     assert "\n" not in message
     assert f"train.global_batch={train.global_batch} with train.micro_batch" in message
     assert f"cannot be split over {world_size} ranks" in message
     assert f"the world sizes that can hold it are {holding};" in message
     for size in map(int, holding.split(", ")):
-        layout = train.batch_layout(size)
+        layout = train.batch_split(size)
         assert layout.micro_batch * layout.grad_accum * size == train.global_batch
 
 

@@ -13,7 +13,7 @@ Every command's ``__main__`` block is ``sys.exit(run_command(main, "PROG"))`` (l
   problems in the shards, ``python -m txl_dist.plan`` found that the layout does not fit ``--device-memory``. A
   status of its own, so that a job script tells "the shards are damaged" from "the check could not run".
 - `INTERRUPTED` (130, 128 + SIGINT) after Ctrl-C, 128 + the signal after SIGTERM or SIGHUP where a command turns
-  those into an interrupt (`txl_dist.world.interrupts`): one line.
+  those into an interrupt (`txl_dist.supervision.interrupts`): one line.
 
 What `run_command` does with an exception that ``main`` lets out:
 
@@ -68,6 +68,11 @@ INPUT_ERRNOS = frozenset({errno.ELOOP, errno.ENAMETOOLONG})
 
 class CommandFailure(RuntimeError):
     """A runtime failure whose message says all a user needs (no traceback): printed as one line, status 1."""
+
+
+class ReportedByRankZero(Exception):
+    """A failure every rank found alike before the failure channel existed (`txl_dist.supervision.guard`); rank 0 prints
+    it, the others end with status 1 without a word."""
 
 
 class StdoutClosed(BaseException):

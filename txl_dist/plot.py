@@ -29,7 +29,7 @@ from pathlib import Path
 
 from txl_dist.exit_status import USAGE_ERROR, os_error_status, run_command
 from txl_dist.fileio import atomic_write, describe_os_error
-from txl_dist.run_layout import METRICS
+from txl_dist.run_paths import METRICS
 
 AXES = {"step": "optimizer step", "tokens": "tokens seen", "time": "training time"}
 THROUGHPUT = ("tokens_per_s", "mfu", "tflops")

@@ -15,16 +15,18 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from txl_dist.training.cli import parse_run_args
-from txl_dist.training.trainer import Trainer
+from txl_dist.supervision.guard import RunGuard
+from txl_dist.training import startup
+from txl_dist.training.arguments import build_arg_parser
 
 
 def main() -> None:
     # The launcher puts --local_rank=N first; LOCAL_RANK in the environment says the same.
     out, *argv = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
-    cfg, args = parse_run_args(argv)
+    parser = build_arg_parser()
+    run = startup.resolve(parser, parser.parse_intermixed_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    trainer = Trainer(cfg, deepspeed_overlay=args.deepspeed_config)
+    trainer = startup.start(run, RunGuard())
     trainer.run()
     module = trainer.engine.module
     partitions = {
@@ -40,7 +42,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(live, out)
     dist.barrier()
-    # As txl_dist.training.cli.train does: a process group left to interpreter shutdown aborted rank 1 at exit once
+    # As txl_dist.training.startup.train does: a process group left to interpreter shutdown aborted rank 1 at exit once
     # ("terminate called without an active exception") after a finished run.
     dist.destroy_process_group()
 

@@ -3,6 +3,5 @@ choosing and pruning them (`manager`), verifying them (`verify`), converting bet
 through DeepSpeed's universal format (`universal`), the per-rank stream state (`rank_state`) and reading weights
 without unpickling code (`weights_only`).
 
-Layer: may import txl_dist.fileio, txl_dist.config and txl_dist.world, nothing above (docs/architecture.md).
-`layout` alone is paths only and lies in the bottom layer, so that `world` (Slurm verdicts) and the run folder
-can name a checkpoint's files without importing the rest of this package."""
+Layer 4 (docs/architecture.md, Layers): may import layers 1-4; today the bottom layer (fileio, exit_status,
+checkpoint_paths, where a checkpoint's files lie) and `txl_dist.rendezvous.ranks`."""

@@ -1,6 +1,6 @@
 """Saving, choosing, pruning and converting training checkpoints: the operations every rank takes part in.
 
-What a checkpoint holds and where (`txl_dist.checkpoints.layout`) and how its files are verified
+What a checkpoint holds and where (`txl_dist.checkpoint_paths`) and how its files are verified
 (`txl_dist.checkpoints.verify`) are apart; this module writes and reads them under a process group.
 
 Every file is written under a temporary name, synced and renamed (DeepSpeed's too: its checkpoint engine is
@@ -16,7 +16,6 @@ and always the newest verified one, so a damaged checkpoint never pushes the las
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -28,11 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint import ds_to_universal
 
-from txl_dist.checkpoints import weights_only
-from txl_dist.checkpoints.background import BackgroundWrite, FileJob, HostBuffers, host_copy, torch_save_job
-from txl_dist.checkpoints.layout import (
+from txl_dist.checkpoint_paths import (
     COMPLETE,
     FILES_KEY,
     LATEST,
@@ -48,6 +44,8 @@ from txl_dist.checkpoints.layout import (
     universal_tag,
     unknown_entries,
 )
+from txl_dist.checkpoints import weights_only
+from txl_dist.checkpoints.background import BackgroundWrite, FileJob, HostBuffers, host_copy, torch_save_job
 from txl_dist.checkpoints.rank_state import RankState, rank_state_job, read_rank_states, write_rank_state
 from txl_dist.checkpoints.universal import (
     LoadKind,
@@ -68,6 +66,7 @@ from txl_dist.checkpoints.verify import (
     refuse_to_start,
     saved_zero_stages,
 )
+from txl_dist.deepspeed_internals import CheckpointEngineWrapper, convert_to_universal
 from txl_dist.exit_status import CommandFailure
 from txl_dist.fileio import (
     CHECKSUM_NAME,
@@ -78,17 +77,17 @@ from txl_dist.fileio import (
     make_temporary_directory,
     with_path,
 )
-from txl_dist.world.ranks import broadcast
+from txl_dist.rendezvous.ranks import broadcast
 
 log = logging.getLogger("txl_dist.training")
 
 
-class _RecordingCheckpointEngine:
+class _RecordingCheckpointEngine(CheckpointEngineWrapper):
     """DeepSpeed's checkpoint engine, but every file is written atomically (temporary name, fsync, rename) with
     its size and CRC-32 recorded as the bytes pass, and read weights-only (`txl_dist.checkpoints.weights_only`)."""
 
     def __init__(self, inner: Any):
-        self._inner = inner
+        super().__init__(inner)
         self.written: dict[str, FileChecksum] = {}
         self.deferred: list[FileJob] | None = None
         """While a background save or a memory snapshot collects its files: each one's state, for a thread or
@@ -97,11 +96,8 @@ class _RecordingCheckpointEngine:
         self.buffers = HostBuffers()
         """The host copies of the background saves, reused from one save to the next."""
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
     def save(self, state_dict: Any, path: str) -> None:
-        zip_format = getattr(self._inner, "zipfile_serialization", True)
+        zip_format = self.zipfile_serialization
         if self.deferred is not None:
             name = Path(path).name
             state = host_copy(state_dict, self.buffers, (name,)) if self.copy_deferred else state_dict
@@ -256,10 +252,10 @@ class CheckpointManager:
 
     # ---- saving ------------------------------------------------------------------------------------------------
 
-    def install(self, engine) -> None:
-        """Route DeepSpeed's checkpoint files through `_RecordingCheckpointEngine` (call once, after initialize)."""
-        if not isinstance(engine.checkpoint_engine, _RecordingCheckpointEngine):
-            engine.checkpoint_engine = _RecordingCheckpointEngine(engine.checkpoint_engine)
+    def install(self, engine) -> _RecordingCheckpointEngine:
+        """Route DeepSpeed's checkpoint files through `_RecordingCheckpointEngine` (after initialize; once is
+        enough, again is harmless); returns it."""
+        return _RecordingCheckpointEngine.install(engine)
 
     def save(
         self,
@@ -276,8 +272,7 @@ class CheckpointManager:
         memory and written by a thread (`txl_dist.checkpoints.background`): the checkpoint is `pending` until
         `complete_pending`; a save in flight is finished first (at most one)."""
         self.finish_pending()
-        self.install(engine)
-        recorder: _RecordingCheckpointEngine = engine.checkpoint_engine
+        recorder = self.install(engine)
         tag = tag_for_step(step)
         tag_dir = self.directory / tag
         self._saving = tag
@@ -325,8 +320,7 @@ class CheckpointManager:
         """Collective: the files that a checkpoint of STEP would hold for this rank, as jobs that serialise the
         live state (to run before training goes on), and the folder their paths are relative to. Nothing is
         written but DeepSpeed's empty folders and recovery scripts in SCRATCH."""
-        self.install(engine)
-        recorder: _RecordingCheckpointEngine = engine.checkpoint_engine
+        recorder = self.install(engine)
         tag = tag_for_step(step)
         scratch.mkdir(parents=True, exist_ok=True)
         recorder.deferred, recorder.copy_deferred = [], False
@@ -555,17 +549,7 @@ class CheckpointManager:
             plan.world_size,
         )
         with weights_only.deepspeed_loads_weights_only():
-            ds_to_universal.main(
-                argparse.Namespace(
-                    input_folder=str(source),
-                    output_folder=str(target),
-                    num_extract_workers=1,
-                    num_merge_workers=1,
-                    keep_temp_folder=False,
-                    strict=True,
-                    inject_missing_state=True,
-                )
-            )
+            convert_to_universal(source, target, workers=1)
         if plan.load is LoadKind.CONVERTED:
             complete_universal(target)
 

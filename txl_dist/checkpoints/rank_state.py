@@ -1,7 +1,7 @@
 """A checkpoint's per-rank state: the memory of every stream a rank owned, by stream id, and its RNG states.
 
 Rank r of a run with n streams per rank owns streams [r * n, (r + 1) * n) and writes
-``txl_rank_states/rank{r:05d}.pt`` (`txl_dist.checkpoints.layout.rank_state_path`); a resuming rank opens
+``txl_rank_states/rank{r:05d}.pt`` (`txl_dist.checkpoint_paths.rank_state_path`); a resuming rank opens
 only the files of the streams it now owns, and its own file's RNG states when the number of ranks is the same.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from txl_dist.checkpoint_paths import rank_state_path
 from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.background import FileJob, torch_save_job
-from txl_dist.checkpoints.layout import rank_state_path
 from txl_dist.fileio import FileChecksum, atomic_write_checksummed
 
 

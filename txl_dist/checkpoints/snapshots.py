@@ -40,10 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from txl_dist.checkpoint_paths import complete_tags, step_of_tag, tag_for_step
 from txl_dist.checkpoints.background import FileJob
-from txl_dist.checkpoints.layout import complete_tags, step_of_tag, tag_for_step
 from txl_dist.fileio import FileChecksum, atomic_write_checksummed, atomic_write_text, make_temporary_directory
-from txl_dist.world.ranks import broadcast
+from txl_dist.rendezvous.ranks import broadcast
 
 log = logging.getLogger("txl_dist.training")
 

@@ -34,8 +34,8 @@ from typing import Any
 import deepspeed
 import torch
 
+from txl_dist.checkpoint_paths import model_state_files
 from txl_dist.checkpoints import weights_only
-from txl_dist.checkpoints.layout import model_state_files
 from txl_dist.fileio import with_path
 
 PARAM = "param"

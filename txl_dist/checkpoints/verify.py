@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from txl_dist.checkpoints.layout import COMPLETE, FILES_KEY, complete_tags, files_on_disk, step_of_tag
+from txl_dist.checkpoint_paths import COMPLETE, FILES_KEY, complete_tags, files_on_disk, step_of_tag
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, file_checksum, read_json
 
 

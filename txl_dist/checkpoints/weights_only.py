@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import os
 import pickle
 import re
@@ -22,32 +21,22 @@ from typing import Any
 
 import torch
 
+from txl_dist import deepspeed_internals
+
 
 class UnsafeCheckpointError(ValueError):
     """A checkpoint file that would need more than the weights-only unpickler and its allow-list."""
 
 
-ALLOWED_CLASSES = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaleConfig",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaleProfile",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-"""The DeepSpeed classes found in its checkpoint files (ZeRO 0-3, fp32/bf16/fp16, universal checkpoints): loss
-scalers (fp16 state), the ZeRO stage enum, and the fragment addresses of ZeRO 1/2 partitions. Named, and resolved
-when the first file is read: importing this module imports no DeepSpeed (evaluating or converting an export folder
-never needs it)."""
+ALLOWED_CLASSES = deepspeed_internals.CHECKPOINT_CLASSES
+"""The DeepSpeed classes found in its checkpoint files (`txl_dist.deepspeed_internals.CHECKPOINT_CLASSES`). Named,
+and resolved when the first file is read: importing this module imports no DeepSpeed (evaluating or converting an
+export folder never needs it)."""
 
 
 def allowed_classes() -> list[type]:
     """`ALLOWED_CLASSES`, the classes themselves."""
-    classes = []
-    for name in ALLOWED_CLASSES:
-        module, _, attribute = name.rpartition(".")
-        classes.append(getattr(importlib.import_module(module), attribute))
-    return classes
+    return deepspeed_internals.checkpoint_classes()
 
 
 @functools.cache

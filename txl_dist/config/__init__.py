@@ -29,8 +29,8 @@ shards' manifest at run time (`with_manifest_vocab`), so config files normally l
 The sections are declared in `txl_dist.config.sections` (the model's in `txl_dist.config.model`), the files and
 overrides read by `txl_dist.config.files`.
 
-Layer: may import the bottom layer (docs/architecture.md, Layers); today it imports nothing of txl_dist outside
-itself: nothing of the data, the model or torch, so that every command loads a config at once.
+Layer 1 (docs/architecture.md, Layers): may import layer 1; today it imports nothing of txl_dist outside itself:
+nothing of the data, the model or torch, so that every command loads a config at once.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from txl_dist.config.fields import ConfigError, UnknownKeyError, config_dataclas
 from txl_dist.config.files import COMMAND_LINE, key_paths, merge_mappings, read_layers
 from txl_dist.config.model import N_TOKEN_FROM_MANIFEST, PRESETS, ModelConfig, same_length_problem
 from txl_dist.config.sections import (
-    BatchLayout,
+    BatchSplit,
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -67,7 +67,7 @@ __all__ = [
     "COMMAND_LINE",
     "PRESET_KEY",
     "SECTIONS",
-    "BatchLayout",
+    "BatchSplit",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",

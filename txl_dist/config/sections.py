@@ -51,7 +51,7 @@ class DataConfig:
     so that ids are read with the vocabulary they were written with."""
 
 
-class BatchLayout(typing.NamedTuple):
+class BatchSplit(typing.NamedTuple):
     """How one optimizer step's global batch is spread: global_batch = micro_batch * grad_accum * world_size."""
 
     micro_batch: int
@@ -104,7 +104,7 @@ class TrainConfig:
             )
         return self
 
-    def holds(self, world_size: int, micro_batch: int | None = None) -> bool:
+    def splits_over(self, world_size: int, micro_batch: int | None = None) -> bool:
         """Whether ``world_size`` ranks of ``micro_batch`` streams per pass (default train.micro_batch; null: one)
         split the global batch into whole accumulation steps."""
         per_rank = (self.micro_batch if micro_batch is None else micro_batch) or 1
@@ -119,7 +119,7 @@ class TrainConfig:
             why = f"the micro-batch {micro_batch} does not divide the global batch {self.global_batch}"
         return f"{why}; the micro-batches that divide it: {divisors}"
 
-    def batch_layout(self, world_size: int, micro_batch: int | None = None) -> BatchLayout:
+    def batch_split(self, world_size: int, micro_batch: int | None = None) -> BatchSplit:
         """Micro-batch and gradient accumulation for ``world_size`` ranks; ValueError naming the three numbers
         when the global batch does not split evenly. ``micro_batch`` (the memory planner's candidates) replaces
         train.micro_batch. The one place of these rules: the trainer, DeepSpeed's config and the planner use it."""
@@ -129,7 +129,9 @@ class TrainConfig:
         per_rank = micro_batch or 1
         per_pass = per_rank * world_size
         if self.global_batch % per_pass:
-            holding = [str(size) for size in range(1, self.global_batch // per_rank + 1) if self.holds(size, per_rank)]
+            holding = [
+                str(size) for size in range(1, self.global_batch // per_rank + 1) if self.splits_over(size, per_rank)
+            ]
             given = f"train.micro_batch={micro_batch}" if micro_batch else "train.micro_batch null (no accumulation)"
             which = (
                 f"the world sizes that can hold it are {', '.join(holding)}; the global batch stays as it is (it fixes "
@@ -142,8 +144,8 @@ class TrainConfig:
                 f"(global_batch / (micro_batch x world_size) accumulation steps must be whole): {which}"
             )
         if micro_batch is None:
-            return BatchLayout(self.global_batch // world_size, 1, world_size)
-        return BatchLayout(micro_batch, self.global_batch // per_pass, world_size)
+            return BatchSplit(self.global_batch // world_size, 1, world_size)
+        return BatchSplit(micro_batch, self.global_batch // per_pass, world_size)
 
 
 @config_dataclass

@@ -2,5 +2,5 @@
 
 `cli` holds the subcommands of launchers/convert.py.
 
-Layer: may import every package below it (docs/architecture.md, Layers); today checkpoints, export, model,
-tokenizer, data, config and the bottom layer, nothing of training. Never downstream or the launchers."""
+Layer 6 (docs/architecture.md, Layers): may import layers 1-6; today checkpoints, export, model, tokenizer, data,
+config and the bottom layer, nothing of training. Never downstream or the launchers."""

@@ -1,7 +1,8 @@
 """A txl_dist tokenizer as a `tokenizers` fast tokenizer (tokenizer.json + tokenizer_config.json for transformers).
 
-The file is written as JSON by this module, so converting needs neither `tokenizers` nor `transformers` (nor
-protobuf: the SentencePiece model is read by `txl_dist.convert.sentencepiece_model`). It encodes the ids of
+The file is written as JSON by this module, so converting needs neither `tokenizers` nor `transformers` (the
+SentencePiece model is read by `txl_dist.convert.sentencepiece_model`, through sentencepiece's own protobuf
+module). It encodes the ids of
 `txl_dist.tokenizer`, end-of-sentence handling included:
 
     tokenizer(text).input_ids == [eod_id] + ids of the lines of text joined by eos_id

@@ -1,95 +1,84 @@
-"""A SentencePiece model file read without protobuf: the pieces, their scores and types, and the normaliser settings.
+"""A SentencePiece model file read through the protobuf module SentencePiece ships (`sentencepiece_model_pb2`): the
+pieces, their scores and types, and the normaliser settings.
 
-The file is a ModelProto (field numbers of sentencepiece_model.proto), read with the small wire-format reader
-below, so that converting a tokenizer needs neither `sentencepiece` nor `protobuf`.
+Protobuf parses what it can and keeps the rest aside: an empty file is an empty ModelProto, a string that is not
+UTF-8 comes back as bytes, and an enum value outside its type (a piece type, the model type) or a field of the wrong
+wire type lands among the message's unknown fields while the field reads its default. So the fields the conversion
+reads are checked here, and such a file is refused as a ValueError naming it.
 """
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-"""The piece types of ModelProto.SentencePiece.Type."""
-_MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+from sentencepiece import sentencepiece_model_pb2
+
+_Piece = sentencepiece_model_pb2.ModelProto.SentencePiece
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = (
+    _Piece.NORMAL,
+    _Piece.UNKNOWN,
+    _Piece.CONTROL,
+    _Piece.USER_DEFINED,
+    _Piece.UNUSED,
+    _Piece.BYTE,
+)
+"""The piece types of ModelProto.SentencePiece.Type (1 to 6)."""
+_MODEL_TYPES = {value: name.lower() for name, value in sentencepiece_model_pb2.TrainerSpec.ModelType.items()}
+
+_READ = {
+    "ModelProto": ("pieces", "trainer_spec", "normalizer_spec"),
+    "SentencePiece": ("piece", "score", "type"),
+    "TrainerSpec": ("model_type", "byte_fallback", "treat_whitespace_as_suffix", "unk_surface"),
+    "NormalizerSpec": ("precompiled_charsmap", "add_dummy_prefix", "remove_extra_whitespaces", "escape_whitespaces"),
+}
+"""The fields the conversion reads, by message type."""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ValueError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(data: bytes) -> list[tuple[int, int, Any]]:
-    """(field number, wire type, value) of a protobuf message: ints for varints and fixed32 as raw bytes, bytes for
-    length-delimited fields."""
-    out, pos = [], 0
-    while pos < len(data):
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(data, pos)
-        elif wire == 1:
-            value, pos = data[pos : pos + 8], pos + 8
-        elif wire == 2:
-            length, pos = _varint(data, pos)
-            value, pos = data[pos : pos + length], pos + length
-        elif wire == 5:
-            value, pos = data[pos : pos + 4], pos + 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-        if pos > len(data):
-            raise ValueError("truncated field")
-        out.append((number, wire, value))
-    return out
-
-
-def _piece(message: bytes) -> dict[str, Any]:
-    piece = {"piece": "", "score": 0.0, "type": NORMAL}
-    for field, wire, item in _fields(message):
-        if field == 1:
-            piece["piece"] = item.decode("utf-8")
-        elif field == 2 and wire == 5:
-            piece["score"] = struct.unpack("<f", item)[0]
-        elif field == 3:
-            piece["type"] = item
-    return piece
+def _check(message: Message, where: str) -> None:
+    """ValueError when a field of MESSAGE that the conversion reads went to the unknown fields (an enum value
+    outside its type, or the wrong wire type) or holds a string that is not UTF-8."""
+    fields = message.DESCRIPTOR.fields_by_name
+    numbers = {fields[name].number: fields[name] for name in _READ[message.DESCRIPTOR.name]}
+    for unknown in UnknownFieldSet(message):
+        field = numbers.get(unknown.field_number)
+        if field is None:
+            continue
+        if field.enum_type is not None and unknown.wire_type == 0:
+            raise ValueError(f"{where}{field.name} is {unknown.data}, no value of {field.enum_type.full_name}")
+        raise ValueError(f"{where}{field.name} has the wrong wire type ({unknown.wire_type})")
+    for field in numbers.values():
+        if field.type == field.TYPE_STRING and not isinstance(getattr(message, field.name), str):
+            raise ValueError(f"{where}{field.name} is not UTF-8")
 
 
 def read_sentencepiece_model(path: Path) -> dict[str, Any]:
     """The parts of a SentencePiece model the conversion needs: pieces (piece, score, type), model type, byte
     fallback, whitespace options, the precompiled character map and the unknown surface. ValueError naming the
     file when it cannot be read."""
+    model = sentencepiece_model_pb2.ModelProto()
     try:
-        pieces = []
-        trainer: dict[int, Any] = {}
-        normalizer: dict[int, Any] = {}
-        for number, _, value in _fields(path.read_bytes()):
-            if number == 1:
-                pieces.append(_piece(value))
-            elif number == 2:
-                trainer = {field: item for field, _, item in _fields(value)}
-            elif number == 3:
-                normalizer = {field: item for field, _, item in _fields(value)}
-    except (ValueError, UnicodeDecodeError) as error:
+        model.ParseFromString(path.read_bytes())
+        _check(model, "")
+        if not model.pieces:
+            raise ValueError("no pieces")
+        for i, piece in enumerate(model.pieces):
+            _check(piece, f"piece {i}: ")
+        _check(model.trainer_spec, "trainer_spec.")
+        _check(model.normalizer_spec, "normalizer_spec.")
+    except (DecodeError, ValueError) as error:  # UnicodeDecodeError (pure-Python protobuf) is a ValueError
         raise ValueError(f"{path}: not a readable SentencePiece model ({error})") from error
-    surface = trainer.get(44)
+    trainer, normalizer = model.trainer_spec, model.normalizer_spec
     return {
-        "pieces": pieces,
-        "model_type": _MODEL_TYPES.get(trainer.get(3, 1), str(trainer.get(3))),
-        "byte_fallback": bool(trainer.get(35, 0)),
-        "treat_whitespace_as_suffix": bool(trainer.get(24, 0)),
-        "unk_surface": surface.decode("utf-8") if surface is not None else " \u2047 ",
-        "charsmap": normalizer.get(2, b""),
-        "add_dummy_prefix": bool(normalizer.get(3, 1)),
-        "remove_extra_whitespaces": bool(normalizer.get(4, 1)),
-        "escape_whitespaces": bool(normalizer.get(5, 1)),
+        "pieces": [{"piece": p.piece, "score": p.score, "type": p.type} for p in model.pieces],
+        "model_type": _MODEL_TYPES[trainer.model_type],
+        "byte_fallback": trainer.byte_fallback,
+        "treat_whitespace_as_suffix": trainer.treat_whitespace_as_suffix,
+        "unk_surface": trainer.unk_surface,
+        "charsmap": normalizer.precompiled_charsmap,
+        "add_dummy_prefix": normalizer.add_dummy_prefix,
+        "remove_extra_whitespaces": normalizer.remove_extra_whitespaces,
+        "escape_whitespaces": normalizer.escape_whitespaces,
     }

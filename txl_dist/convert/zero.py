@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from txl_dist.checkpoints import weights_only
-from txl_dist.checkpoints.layout import (
+from txl_dist.checkpoint_paths import (
     CLIENT_KEY,
     COMPLETE,
     LATEST,
@@ -29,11 +28,13 @@ from txl_dist.checkpoints.layout import (
     named_by_latest,
     rank_state_path,
 )
+from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.verify import CheckpointVerificationError, read_marker, verify_checkpoint
 from txl_dist.config import RunConfig
 from txl_dist.data.format import ManifestError, read_manifest
+from txl_dist.deepspeed_internals import consolidate_zero_checkpoint
 from txl_dist.model import TransformerXLLM
-from txl_dist.run_layout import checkpoints_dir
+from txl_dist.run_paths import checkpoints_dir
 from txl_dist.tokenizer import find_tokenizer_dir
 
 
@@ -123,16 +124,13 @@ def read_training_checkpoint(path: str | os.PathLike, verify: bool = True) -> Tr
     return TrainingCheckpoint(tag_dir=tag_dir, client=client, run_config=run_config)
 
 
-def consolidate_weights(checkpoint: TrainingCheckpoint) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict, gathered from every rank's partitions (tied weights appear once)."""
+def consolidate_weights(checkpoint: TrainingCheckpoint, progress: bool = True) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict, gathered from every rank's partitions (tied weights appear once). ``progress``:
+    DeepSpeed's bars while it gathers ZeRO 1-3 partitions."""
     tag_dir = checkpoint.tag_dir
     if has_optimizer_partitions(tag_dir):
-        # lazy: evaluate and convert of an export folder, and of a ZeRO-0 checkpoint, import no DeepSpeed (0.3 s
-        # after torch, and a line from its accelerator on stderr)
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         with weights_only.deepspeed_loads_weights_only():
-            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.checkpoints_dir), tag=checkpoint.tag)
+            return consolidate_zero_checkpoint(checkpoint.checkpoints_dir, checkpoint.tag, progress=progress)
     # ZeRO stage 0: everything is in the model-state file.
     path = model_state_files(tag_dir)[0]
     state = weights_only.load(path, map_location="cpu")

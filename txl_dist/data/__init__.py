@@ -4,8 +4,8 @@ The names below are imported on first use (PEP 562): `txl_dist.data.format` is w
 spawned workers import, and it must not pull in webdataset and torch (about a second and 300 MB per process)
 through this package's ``__init__``.
 
-Layer: may import the tokenizer, model and config and the bottom layer; today only config, fileio and lazy_names;
-never the world, the planner or anything above (docs/architecture.md, Layers).
+Layer 2 (docs/architecture.md, Layers): may import layers 1-2; today only config, fileio and lazy_names; never
+the world, the planner or anything above.
 """
 
 from __future__ import annotations

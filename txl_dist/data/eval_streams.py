@@ -13,9 +13,10 @@ from collections.abc import Iterator
 
 import torch
 
+from txl_dist.data.format import Manifest
 from txl_dist.data.reader import BlockOrder, ShardStore
-from txl_dist.data.stream_layout import StreamLayout
 from txl_dist.data.stream_rows import StreamRows, check_positive, check_rank, open_split, row_buffer_tokens
+from txl_dist.data.stream_spans import StreamSpans
 
 logger = logging.getLogger("txl_dist.data")
 
@@ -57,10 +58,11 @@ class EvalStreams:
         rank: int,
         expected_fingerprint: str | None = None,
         verify_sha256: bool = False,
+        manifest: Manifest | None = None,
     ):
         check_positive(tgt_len=tgt_len, batch_size=batch_size)
         check_rank(rank, world_size)
-        self.manifest = open_split(shards, split, expected_fingerprint)
+        self.manifest = open_split(shards, split, expected_fingerprint, manifest)
         self.split = split
         self.tgt_len = tgt_len
         self._store = ShardStore(shards, self.manifest, split, verify_sha256=verify_sha256)
@@ -74,7 +76,7 @@ class EvalStreams:
         self.num_targets = sum(self._lengths)
         self.num_steps = -(-(per_stream + (1 if extra else 0)) // tgt_len)
         self._rows = StreamRows(self._store, ids, row_buffer_tokens(tgt_len), self.manifest.tokenizer.eod_id)
-        self._layout = StreamLayout([(0, self.num_tokens)], 1)
+        self._layout = StreamSpans([(0, self.num_tokens)], 1)
         self._order = BlockOrder(self._store.block_tokens)
         logger.info(
             "eval split '%s': %d targets in %d streams, %d steps of %d; this rank scores %d",

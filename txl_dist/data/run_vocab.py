@@ -20,22 +20,12 @@ def shards_manifest(cfg: RunConfig) -> Manifest | None:
 def with_shards_vocab(cfg: RunConfig, manifest: Manifest | None = None) -> RunConfig:
     """`txl_dist.config.with_manifest_vocab` with the manifest of data.shards (``manifest``, when the caller has
     read it; else `shards_manifest`); the config as it is where there is none. The one place a run's vocabulary
-    is resolved: `txl_dist.training.cli.parse_run_args` for training, which hands the Trainer the result."""
+    is resolved: `txl_dist.training.startup.resolve` for training, which hands the Trainer the result."""
     if manifest is None:
         manifest = shards_manifest(cfg)
         if manifest is None:
             return cfg
     return with_manifest_vocab(cfg, manifest.tokenizer.vocab_size, _where(cfg))
-
-
-def require_shards_vocab(cfg: RunConfig, manifest: Manifest) -> None:
-    """ValueError unless model.n_token is the vocabulary of the shards' ``manifest``: the Trainer's check that it
-    was handed a config resolved by `with_shards_vocab` against these shards."""
-    if cfg.model.n_token != manifest.tokenizer.vocab_size:
-        raise ValueError(
-            f"model.n_token={cfg.model.n_token}, but {_where(cfg)} has vocab_size {manifest.tokenizer.vocab_size}: "
-            f"resolve the config with txl_dist.data.run_vocab.with_shards_vocab (parse_run_args does)"
-        )
 
 
 def _where(cfg: RunConfig) -> str:

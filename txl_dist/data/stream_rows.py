@@ -14,7 +14,7 @@ import torch
 
 from txl_dist.data.format import Manifest, ManifestError, read_manifest
 from txl_dist.data.reader import BlockOrder, ShardStore, StreamReader
-from txl_dist.data.stream_layout import StreamLayout
+from txl_dist.data.stream_spans import StreamSpans
 
 # Windows are cut from per-row buffers of about this many tokens: refilling a row has a fixed cost in Python,
 # which a long buffer spreads over many tokens.
@@ -26,9 +26,12 @@ def row_buffer_tokens(tgt_len: int) -> int:
     return max(1, BUFFER_TOKENS // tgt_len) * tgt_len + 1
 
 
-def open_split(shards: str | os.PathLike, split: str, expected_fingerprint: str | None) -> Manifest:
-    """The manifest of ``shards``, refused (`ManifestError`) without ``split`` or built with another tokenizer."""
-    manifest = read_manifest(shards)
+def open_split(
+    shards: str | os.PathLike, split: str, expected_fingerprint: str | None, manifest: Manifest | None = None
+) -> Manifest:
+    """The manifest of ``shards`` (``manifest``: read already by the caller), refused (`ManifestError`) without
+    ``split`` or built with another tokenizer."""
+    manifest = read_manifest(shards) if manifest is None else manifest
     where = os.path.join(os.fspath(shards), "manifest.json")
     if split not in manifest.splits:
         raise ManifestError(f"{where}: no split '{split}'; it has {sorted(manifest.splits)}")
@@ -62,7 +65,7 @@ class StreamRows:
         self.buffer = np.empty((len(stream_ids), buffer_tokens), dtype=store.dtype)
         self.pad_id = pad_id
 
-    def fill(self, layout: StreamLayout, order: BlockOrder, starts: list[int], counts: list[int]) -> None:
+    def fill(self, layout: StreamSpans, order: BlockOrder, starts: list[int], counts: list[int]) -> None:
         """Row b gets ``counts[b]`` tokens from layout position ``starts[b]``, then padding."""
         for row, (reader, start, count) in enumerate(zip(self.readers, starts, counts)):
             filled = 0

@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
+from txl_dist.data.format import Manifest
 from txl_dist.data.reader import BlockOrder, ShardStore
-from txl_dist.data.stream_layout import StreamLayout
 from txl_dist.data.stream_rows import StreamRows, check_positive, check_rank, open_split, row_buffer_tokens
+from txl_dist.data.stream_spans import StreamSpans
 from txl_dist.data.stream_state import (
     STATE_FORMAT,
     STATE_VERSION,
@@ -100,10 +101,11 @@ class TrainStreams:
         shuffle_blocks: bool = False,
         expected_fingerprint: str | None = None,
         verify_sha256: bool = False,
+        manifest: Manifest | None = None,
     ):
         check_positive(tgt_len=tgt_len, micro_batch=micro_batch, grad_accum=grad_accum)
         check_rank(rank, world_size)
-        self.manifest = open_split(shards, split, expected_fingerprint)
+        self.manifest = open_split(shards, split, expected_fingerprint, manifest)
         self.split = split
         self.tgt_len = tgt_len
         self.micro_batch = micro_batch
@@ -116,7 +118,7 @@ class TrainStreams:
         self._store = ShardStore(shards, self.manifest, split, verify_sha256=verify_sha256)
         self.num_streams = world_size * micro_batch * grad_accum
         self.num_tokens = self.manifest.splits[split].tokens
-        fresh = StreamLayout([(0, self.num_tokens)], self.num_streams)
+        fresh = StreamSpans([(0, self.num_tokens)], self.num_streams)
         if fresh.windows_left(0, tgt_len) == 0:
             raise ValueError(
                 f"split '{split}' of {self._store.manifest_path} has {self.num_tokens} tokens: too few for "
@@ -167,7 +169,7 @@ class TrainStreams:
 
     def rank_stream_ids(self) -> list[int]:
         """Every stream id this rank owns, slot by slot and in row order within a slot: the column order of the
-        memory a checkpoint stores for the rank (`txl_dist.training.stream_memory.SlotMemories.for_checkpoint`)."""
+        memory a checkpoint stores for the rank (`txl_dist.training.train_state.SlotMemories.for_checkpoint`)."""
         return [stream for ids in self.slot_stream_ids() for stream in ids]
 
     @property
@@ -177,7 +179,7 @@ class TrainStreams:
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch, self._step, self._position = epoch, 0, 0
-        self._layout = StreamLayout([(0, self.num_tokens)], self.num_streams)
+        self._layout = StreamSpans([(0, self.num_tokens)], self.num_streams)
         self._order = BlockOrder.for_epoch(
             self._store.block_tokens, shuffle=self.shuffle_blocks, seed=self.seed, epoch=epoch
         )
@@ -255,7 +257,7 @@ class TrainStreams:
         Iterators made before this call stop with an error; iterate anew.
         """
         self._check_state(state)
-        old = StreamLayout([(int(a), int(b)) for a, b in state["layout_spans"]], state["num_streams"])
+        old = StreamSpans([(int(a), int(b)) for a, b in state["layout_spans"]], state["num_streams"])
         position = state["position"]
         if position > old.tokens_per_stream:
             raise StreamStateError(
@@ -277,7 +279,7 @@ class TrainStreams:
                 )
             self._settle()
             return ResumeKind.EXACT
-        self._layout = StreamLayout(old.unconsumed_spans(position), self.num_streams)
+        self._layout = StreamSpans(old.unconsumed_spans(position), self.num_streams)
         self._position = 0
         logger.warning(
             "resume with %d streams instead of %d: epoch %d re-partitioned; %d tokens consumed, the %d left are cut "

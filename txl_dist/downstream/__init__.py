@@ -3,5 +3,5 @@ command line is parsed (so that --help imports no torch): `evaluate` scores a sp
 folder or a training checkpoint across the ranks of any launcher; `generate` continues a prompt or scores texts
 with an export folder.
 
-Layer: the top (docs/architecture.md, Layers), beside `txl_dist.plot`: it may import every package below it,
-export and convert included (a checkpoint is read through `txl_dist.convert.zero`)."""
+Layer 7, the top (docs/architecture.md, Layers), beside `txl_dist.plot`: it may import every layer, export and
+convert included (a checkpoint is read through `txl_dist.convert.zero`)."""

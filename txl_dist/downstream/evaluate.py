@@ -7,20 +7,17 @@ lines and what is reported).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.utils import zero_to_fp32
 
 from txl_dist.convert.zero import (
     CheckpointError,
@@ -42,8 +39,8 @@ from txl_dist.export import (
     model_from_state_dict,
 )
 from txl_dist.fileio import atomic_write_text, dangling_link, describe_os_error, read_json
+from txl_dist.rendezvous import launch_env, ranks
 from txl_dist.tokenizer import CHARACTER_KINDS, load_tokenizer
-from txl_dist.world import launch_env, ranks
 
 
 def _distributed() -> tuple[int, int, Any]:
@@ -130,8 +127,8 @@ def _load(
             overrides, dataclasses.asdict(checkpoint.run_config.eval), str(checkpoint.tag_dir)
         )
     config = apply_eval_overrides(checkpoint.run_config.model, overrides)
-    with _deepspeed_bars(progress):
-        weights = _consolidate_once(checkpoint, consolidate_weights, device)
+    # --no-progress holds for DeepSpeed's bars too ("Loading checkpoint shards" as it gathers the partitions).
+    weights = _consolidate_once(checkpoint, functools.partial(consolidate_weights, progress=progress), device)
     model = model_from_state_dict(weights, config, device=device, where=str(checkpoint.tag_dir))
     tokenizer = load_tokenizer(find_tokenizer(checkpoint, tokenizer_dir))
     # Next to the checkpoints, not inside one: a checkpoint folder stays as the trainer wrote it.
@@ -141,22 +138,6 @@ def _load(
         checkpoint.run_config.data.shards,
         checkpoint.run_dir / f"eval_{split}_{checkpoint.tag}.json",
     )
-
-
-@contextlib.contextmanager
-def _deepspeed_bars(shown: bool) -> Iterator[None]:
-    """DeepSpeed's consolidation of ZeRO partitions (``deepspeed.utils.zero_to_fp32``) draws tqdm bars of its own
-    ("Loading checkpoint shards", "Gathering sharded weights") and has no setting to turn them off: under
-    --no-progress its module's ``tqdm`` is a disabled one while the block runs."""
-    if shown:
-        yield
-        return
-    original = zero_to_fp32.tqdm
-    zero_to_fp32.tqdm = functools.partial(original, disable=True)
-    try:
-        yield
-    finally:
-        zero_to_fp32.tqdm = original
 
 
 def _consolidate_once(checkpoint, consolidate, device) -> dict:

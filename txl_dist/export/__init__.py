@@ -11,8 +11,8 @@ One module per file: `config_file` (config.json), `weights` (model.safetensors a
 (tokenizer/), `checksums` (checksums.json and verification); `folder` writes and loads the whole folder. The
 names below are the public ones.
 
-Layer: may import every package below it (docs/architecture.md, Layers); today checkpoints (its verification),
-model, tokenizer, config and the bottom layer, nothing of training. Never convert, downstream or the launchers.
+Layer 5 (docs/architecture.md, Layers): may import layers 1-5; today checkpoints (its verification), model,
+tokenizer, config and the bottom layer, nothing of training. Never convert, downstream or the launchers.
 """
 
 from txl_dist.export.checksums import (

@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from txl_dist.checkpoints.layout import FILES_KEY
+from txl_dist.checkpoint_paths import FILES_KEY
 from txl_dist.checkpoints.verify import check_files
 from txl_dist.export.config_file import require_export_folder
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_text, file_checksum

@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from txl_dist.checkpoints.layout import COMPLETE, LATEST
+from txl_dist.checkpoint_paths import COMPLETE, LATEST
 from txl_dist.config.model import MODEL_FIELD_ROLES
 from txl_dist.data.format import MANIFEST_NAME
 from txl_dist.export.weights import WEIGHTS_FILE
 from txl_dist.fileio import read_json
 from txl_dist.model import ModelConfig
-from txl_dist.run_layout import CHECKPOINTS, METRICS
+from txl_dist.run_paths import CHECKPOINTS, METRICS
 from txl_dist.tokenizer.base import BYTE_VOCAB, CHAR_VOCAB, SENTENCEPIECE_MODEL, TOKENIZER_JSON, WORD_VOCAB
 
 FORMAT = "txl_dist.export"

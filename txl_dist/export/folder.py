@@ -30,7 +30,7 @@ from txl_dist.export.weights import (
     require_finite,
     save_export_weights,
     standalone,
-    tensor_layout,
+    tensor_shapes,
     unique_weights,
 )
 from txl_dist.fileio import check_output_path, staged_output
@@ -122,7 +122,7 @@ def model_from_state_dict(
     consolidated weights); a missing, extra or misshapen weight is an error naming it."""
     weights = unique_weights(state, config, where)
     require_finite(weights, where)
-    _, aliases = tensor_layout(config)
+    _, aliases = tensor_shapes(config)
     with torch.device(device):
         model = TransformerXLLM(config)
     model.load_state_dict({**weights, **{alias: weights[stored] for alias, stored in aliases.items()}}, strict=True)

@@ -25,7 +25,7 @@ WEIGHTS_FILE = "model.safetensors"
 TIED_METADATA_KEY = "txl_dist.tied"
 
 
-def tensor_layout(config: ModelConfig) -> tuple[dict[str, torch.Size], dict[str, str]]:
+def tensor_shapes(config: ModelConfig) -> tuple[dict[str, torch.Size], dict[str, str]]:
     """(shape of every state-dict key, {tied alias: the name it is stored under}) of the model ``config`` builds.
 
     The ties are read off the model itself (one Parameter under two names), so they follow whatever
@@ -64,7 +64,7 @@ def unique_weights(
     """The state dict with each tied tensor once (under the embedding's name), checked key by key and shape by
     shape against ``config``. A tied alias may be absent (DeepSpeed's consolidated weights list each parameter
     once) or present, in which case it must equal the tensor it is tied to."""
-    shapes, aliases = tensor_layout(config)
+    shapes, aliases = tensor_shapes(config)
     state = dict(state)
     for alias, stored in aliases.items():
         if alias not in state:
@@ -120,7 +120,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: 
 
 def save_export_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
     """Write the unique weights of ``config``'s model with its ties in the metadata."""
-    _, aliases = tensor_layout(config)
+    _, aliases = tensor_shapes(config)
     save_safetensors(weights, path, metadata={"format": "pt", TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
 
 
@@ -137,7 +137,7 @@ def read_export_weights(
         tensors = load_file(str(weights_path), device=str(device))
     except SafetensorError as error:
         raise ValueError(f"{weights_path}: not a readable safetensors file ({error})") from error
-    shapes, aliases = tensor_layout(config)
+    shapes, aliases = tensor_shapes(config)
     recorded_aliases = json.loads(metadata.get(TIED_METADATA_KEY, "{}"))
     if recorded_aliases != aliases:
         raise ValueError(

@@ -12,7 +12,7 @@ from txl_dist.config import RunConfig, load_config, with_manifest_vocab
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
 from txl_dist.data.run_vocab import with_shards_vocab
 from txl_dist.exit_status import VERDICT, refuse
-from txl_dist.world.launch_formats import read_hostfile
+from txl_dist.rendezvous.launch_formats import read_hostfile
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {

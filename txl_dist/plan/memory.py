@@ -156,7 +156,7 @@ def plan_memory(
     ``micro_batch`` (default: the config's layout for that world size)."""
     # Any accelerator ("cuda", "xpu", ...) is planned as a GPU: allocations counted whole, a context outside them.
     if micro_batch is None:
-        micro_batch, grad_accum, _ = cfg.train.batch_layout(world_size)
+        micro_batch, grad_accum, _ = cfg.train.batch_split(world_size)
     else:
         per_rank = cfg.train.global_batch / (micro_batch * world_size)
         grad_accum = max(1, math.ceil(per_rank))
@@ -346,7 +346,7 @@ def largest_micro_batch(
     cfg: RunConfig, world_size: int, device_memory: int, device: str = "cuda", shape: ModelShape | None = None
 ) -> Fit:
     """The largest micro-batch that fits ``device_memory`` per rank (by doubling, then bisection), and the
-    largest one that also makes a layout the trainer accepts (`TrainConfig.batch_layout`), with its accumulation
+    largest one that also makes a layout the trainer accepts (`TrainConfig.batch_split`), with its accumulation
     steps."""
     shape = shape or ModelShape.of(cfg.model)
 
@@ -365,7 +365,7 @@ def largest_micro_batch(
         largest = low
     for candidate in range(min(largest, cfg.train.global_batch // world_size), 0, -1):
         try:
-            layout = cfg.train.batch_layout(world_size, candidate)
+            layout = cfg.train.batch_split(world_size, candidate)
         except ValueError:
             continue
         return Fit(candidate, layout.grad_accum, largest, plan_memory(cfg, world_size, candidate, device, shape))

@@ -25,7 +25,7 @@ def describe_with_fit(
 ) -> tuple[str, bool | None]:
     """(`describe`'s text, whether the planned layout fits ``device_memory``: None without one)."""
     shape = ModelShape.of(cfg.model)
-    layout = cfg.train.batch_layout(world_size, micro_batch)  # the trainer's rules, its message
+    layout = cfg.train.batch_split(world_size, micro_batch)  # the trainer's rules, its message
     plan = plan_memory(cfg, world_size, layout.micro_batch, device, shape)
     model = cfg.model
     lines = [

@@ -30,8 +30,8 @@ the last line is followed by ``eod_id`` instead. A document of one line (a PTB o
 therefore its tokens and one separator, and with ``eod_id == eos_id`` every line ends in ``eos_id``. Newlines thus
 stay meaningful for SentencePiece, whose normaliser would otherwise fold them into spaces.
 
-Layer: may import txl_dist.fileio, txl_dist.word_scan and the layers below it (config, model, evaluation,
-inference), never the data or anything above (docs/architecture.md, Layers).
+Layer 2 (docs/architecture.md, Layers): may import layers 1-2; today txl_dist.fileio and txl_dist.word_scan,
+never the data or anything above.
 """
 
 from txl_dist.tokenizer.base import (

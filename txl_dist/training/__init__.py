@@ -3,5 +3,5 @@ run), the run folder, the DeepSpeed config built from the typed run config, the 
 cadence, the per-rank stream memories, the step log and its writers (metrics.jsonl, TensorBoard events and text),
 and the `Trainer` that joins them.
 
-Layer: may import every package below it (config, model, tokenizer, data, plan, world, checkpoints and
-txl_dist.evaluation), never export, convert or the launchers (docs/architecture.md)."""
+Layer 5 (docs/architecture.md, Layers): may import layers 1-5; today every package of layers 1-4 but
+inference, never export, convert or the launchers."""

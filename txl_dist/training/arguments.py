@@ -1,5 +1,5 @@
 """The training launcher's command line, parsed without torch or DeepSpeed: ``launchers/train.py --help`` answers
-at once, and a refused flag costs no import of either (`txl_dist.training.cli` then checks the values).
+at once, and a refused flag costs no import of either (`txl_dist.training.startup` then checks the values).
 
 DeepSpeed's flags (what ``deepspeed.add_config_arguments`` adds: --deepspeed, --deepspeed_config and the
 deprecated --deepscale spellings) are declared here with DeepSpeed's names, types and defaults (the help in our
@@ -20,8 +20,8 @@ line naming the key, not after minutes of start-up::
     python launchers/train.py --config configs/tiny_cpu.yaml --config configs/variants/zero3.yaml --print-config
 
 ``--config`` may be repeated: files are layered left to right, then the overrides are applied (see
-`txl_dist.config`). The world size is the launcher's (`txl_dist.world.launch_env`: torchrun, deepspeed, srun, mpirun; 1
-for a plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
+`txl_dist.config`). The world size is the launcher's (`txl_dist.rendezvous.launch_env`: torchrun, deepspeed, srun,
+mpirun; 1 for a plain ``python`` run), the device from DeepSpeed's accelerator (DS_ACCELERATOR=cpu forces the CPU).
 """
 
 
@@ -67,7 +67,7 @@ def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     """The flags of ``deepspeed.add_config_arguments``, in a group of the same name. --deepspeed is accepted for
     DeepSpeedExamples-style command lines (training always uses DeepSpeed); --deepspeed_config names a JSON overlay
     for `txl_dist.training.deepspeed_config.build_deepspeed_config`; --deepscale_config is refused by
-    `txl_dist.training.cli` with the name to use instead."""
+    `txl_dist.training.startup` with the name to use instead."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     group.add_argument(
         "--deepspeed",

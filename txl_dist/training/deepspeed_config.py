@@ -1,7 +1,7 @@
 """The one function that turns the typed run config into DeepSpeed's config dict.
 
 The batch is stated once, as train.global_batch (and optionally train.micro_batch); DeepSpeed's three batch keys
-follow from it and the world size through `TrainConfig.batch_layout`, which is where the arithmetic is checked.
+follow from it and the world size through `TrainConfig.batch_split`, which is where the arithmetic is checked.
 A user's ``--deepspeed_config`` JSON may add or change other DeepSpeed settings on top, never one that the config
 owns (`owned_overlay_keys`), under none of DeepSpeed's names for it (`zero_key_names`): the ZeRO stage the memory
 plan and the hparams report is the one the engine runs. The merged ZeRO section is checked with DeepSpeed's own
@@ -19,10 +19,10 @@ from typing import Any
 import deepspeed
 import pydantic
 import torch
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from txl_dist.config import OptimConfig, PrecisionConfig, TrainConfig, ZeroConfig, merge_mappings
 from txl_dist.config.sections import bucket_elements
+from txl_dist.deepspeed_internals import zero_config_model
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # The DeepSpeed settings that the typed config decides, by the config key to use instead. An overlay that set one
@@ -110,7 +110,7 @@ def _built_config(
     num_parameters: int | None,
 ) -> dict[str, Any]:
     """`build_deepspeed_config` before the overlay."""
-    layout = train.batch_layout(world_size)
+    layout = train.batch_split(world_size)
     config: dict[str, Any] = {
         "train_batch_size": train.global_batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
@@ -245,13 +245,14 @@ def zero_key_names() -> dict[str, set[str]]:
     read from DeepSpeed's own model (`DeepSpeedZeroConfig`), so that an overlay cannot set an owned key under
     another name."""
     names: dict[str, set[str]] = {}
-    for name, field in DeepSpeedZeroConfig.model_fields.items():
+    zero_model = zero_config_model()
+    for name, field in zero_model.model_fields.items():
         others = {field.alias} if field.alias else set()
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         if extra.get("deprecated") and isinstance(extra.get("new_param"), str):
             others |= set(extra["new_param"].split(" or "))
         for alias in set(others):  # a replacement's own alias: stage3_gather_fp16_... -> gather_16bit_... -> stage3_
-            replacement = DeepSpeedZeroConfig.model_fields.get(alias)
+            replacement = zero_model.model_fields.get(alias)
             if replacement is not None and replacement.alias:
                 others.add(replacement.alias)
         for key in others:
@@ -266,7 +267,7 @@ def check_zero_section(section: dict[str, Any], path: str) -> None:
     of the wrong type or range, settings it refuses together. Checked when the config is read, not when the
     engine starts on every rank."""
     try:
-        DeepSpeedZeroConfig(**section)
+        zero_config_model()(**section)
     except pydantic.ValidationError as error:
         problems = error.errors()
         first = problems[0]

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from txl_dist.config import ProfileConfig
 from txl_dist.exit_status import CommandFailure
 from txl_dist.fileio import describe_os_error
-from txl_dist.run_layout import PROFILE
+from txl_dist.run_paths import PROFILE
 
 log = logging.getLogger("txl_dist.training")
 

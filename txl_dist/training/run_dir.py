@@ -1,6 +1,6 @@
 """The run's output directory: rank 0's lock on it, the proof that every rank sees it, the tokenizer kept in it.
 
-The run owns its output directory: rank 0 holds ``run.lock`` (`txl_dist.world.lock`) from start to exit,
+The run owns its output directory: rank 0 holds ``run.lock`` (`txl_dist.supervision.lock`) from start to exit,
 and every rank must read back that lock's token before anything else happens, which proves that all nodes see the
 same directory (nodes that see different directories would resume from different checkpoints and hang in their
 first collective). A copy of the tokenizer in ``{output_dir}/tokenizer`` lets checkpoints convert and evaluate on
@@ -19,11 +19,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from txl_dist.fileio import make_temporary_directory
-from txl_dist.run_layout import checkpoints_dir
+from txl_dist.rendezvous.ranks import broadcast
+from txl_dist.run_paths import checkpoints_dir
+from txl_dist.supervision.guard import RunFailure, RunGuard
+from txl_dist.supervision.lock import LOCK_NAME, RunLock, read_holder
 from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
-from txl_dist.world.guard import RunFailure, RunGuard
-from txl_dist.world.lock import LOCK_NAME, RunLock, read_holder
-from txl_dist.world.ranks import broadcast
 
 log = logging.getLogger("txl_dist.training")
 

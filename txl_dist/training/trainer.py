@@ -2,7 +2,7 @@
 
 Every optimizer step runs grad_accum micro-batches per rank. Micro-batch slot k of a rank always holds the same
 global streams (consecutive ids), and its rows continue exactly where the previous step's rows ended, so the
-memory of slot k always belongs to the text that follows (`txl_dist.training.stream_memory`) -- the authors'
+memory of slot k always belongs to the text that follows (`txl_dist.training.train_state`) -- the authors'
 ``batch_chunk``, made distributed. The memory is detached after every forward.
 
 A checkpoint holds DeepSpeed's engine state and the `TrainState` (`txl_dist.training.train_state`: step, tokens
@@ -15,7 +15,7 @@ checkpoint (`txl_dist.checkpoints.universal`).
 
 SIGTERM or SIGINT (what Slurm sends before preemption) finishes the current step, writes a checkpoint and exits
 with status 0; the ranks agree on the step through an all-reduce of the stop flag after every step. So does the
-end of the process that started the job (see `txl_dist.world.guard`: no rank trains on as an orphan). When
+end of the process that started the job (see `txl_dist.supervision.guard`: no rank trains on as an orphan). When
 the loop logs, evaluates and saves: `txl_dist.training.cadence`. The run owns its output directory
 (`txl_dist.training.run_dir`). A non-finite loss on the first step after a resume stops the run.
 """
@@ -28,124 +28,85 @@ import math
 import time
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
 from txl_dist.checkpoints.manager import CheckpointManager
-from txl_dist.checkpoints.rank_state import dropout_seed
-from txl_dist.checkpoints.snapshots import Snapshots, run_id
+from txl_dist.checkpoints.snapshots import Snapshots
 from txl_dist.checkpoints.universal import ResumePlan
-from txl_dist.config import RunConfig
+from txl_dist.config import BatchSplit, RunConfig
 from txl_dist.data import EvalStreams, TrainStreams
-from txl_dist.data.format import read_manifest
-from txl_dist.data.run_vocab import require_shards_vocab
+from txl_dist.data.format import Manifest
 from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings
-from txl_dist.tokenizer import CHARACTER_KINDS, verified_fingerprint
+from txl_dist.rendezvous.ranks import Place
+from txl_dist.supervision.guard import RunFailure, RunGuard
+from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.training.cadence import Cadence
-from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
-from txl_dist.training.profiling import StepProfiler, out_of_memory_snapshot, start_memory_history
+from txl_dist.training.profiling import StepProfiler, out_of_memory_snapshot
 from txl_dist.training.run_dir import RunDirectory
-from txl_dist.training.run_logger import RunLogger
-from txl_dist.training.schedule import build_lr_scheduler
+from txl_dist.training.run_log import RunLogger
 from txl_dist.training.step_log import StepLog, log_best, log_done, log_start
-from txl_dist.training.stream_memory import SlotMemories
 from txl_dist.training.throughput import FlopsMeter
-from txl_dist.training.train_state import TrainState
-from txl_dist.world import ranks
-from txl_dist.world.guard import RunFailure, RunGuard
+from txl_dist.training.train_state import SlotMemories, TrainState
 
 log = logging.getLogger("txl_dist.training")
 
 
-def _tokenizer_fingerprint(directory: str | None) -> str | None:
-    """data.tokenizer's fingerprint, checked against its files only: the command line has loaded and checked the
-    whole tokenizer already, and every rank parsing a large vocabulary again is slow."""
-    if directory is None:
-        return None
-    return verified_fingerprint(directory)
-
-
 class Trainer:
-    """Builds everything from a `RunConfig` as `txl_dist.training.cli.parse_run_args` returns it (validated, its
-    vocabulary resolved from the shards); `run()` trains and returns a summary.
+    """The training loop over the parts that `txl_dist.training.startup.start` built, in its order (the ranks,
+    the run directory, the resume plan, the engine, the streams) from the facts it resolved once (the config, the
+    manifest, the tokenizer's fingerprint); loads the resumed state, and `run()` trains and returns a summary."""
 
-    ``guard``: the process's `RunGuard` (launchers/train.py creates it first thing, so that signals and the
-    launcher chain are watched from the start); one is made here when not given."""
-
-    def __init__(self, cfg: RunConfig, deepspeed_overlay: str | None = None, guard: RunGuard | None = None):
-        self.guard = guard if guard is not None else RunGuard()
-        self.rank, self.world_size, self.device = ranks.join()
-        self.device_type = self.device.type
-        start_memory_history(cfg.profile, self.device)  # before the engine's allocations, which it records
-        self.guard.connect(self.rank, self.world_size, cfg.train.stall_timeout)
-        # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
-        # does not wait for the device to finish the step's kernels.
-        self._flag_group = dist.new_group(backend="gloo") if self.device_type != "cpu" else None
-
-        manifest = read_manifest(cfg.data.shards)
-        require_shards_vocab(cfg, manifest)
+    def __init__(
+        self,
+        cfg: RunConfig,
+        manifest: Manifest,
+        tokenizer_fingerprint: str,
+        batch_split: BatchSplit,
+        *,
+        place: Place,
+        guard: RunGuard,
+        flag_group: Any,
+        run_dir: RunDirectory,
+        checkpoints: CheckpointManager,
+        snapshots: Snapshots | None,
+        resume_plan: ResumePlan | None,
+        engine: Any,
+        num_parameters: int,
+        streams: TrainStreams,
+    ):
         self.cfg = cfg
         self.manifest = manifest
+        self.fingerprint = tokenizer_fingerprint
+        self.rank, self.world_size, self.device = place
+        self.device_type = self.device.type
+        self.guard = guard
+        self._flag_group = flag_group
+        self.run_dir = run_dir
+        self.checkpoints = checkpoints
+        self.snapshots = snapshots
+        self.engine = engine
+        self.num_parameters = num_parameters
+        self.streams = streams
         # Byte and character tokenizers: the loss per token in bits is the bits per character, logged as bpc.
         self.character_level = manifest.tokenizer.kind in CHARACTER_KINDS
-        self.layout = cfg.train.batch_layout(self.world_size)
+        self.batch_split = batch_split
         self.cadence = Cadence.of(cfg)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.tgt_len
-        self.run_dir = RunDirectory.take(cfg.train.output_dir, self.rank, self.world_size, self.guard)
-        self.checkpoints = CheckpointManager(
-            self.run_dir.checkpoints, self.rank, self.world_size, cfg.checkpoint.keep_last
-        )
-        self.guard.on_abort(self.checkpoints.remove_unfinished_save)
-        self.checkpoints.remove_incomplete()
-        if self.rank == 0:
-            self.run_dir.keep_tokenizer(
-                manifest.tokenizer.fingerprint, [cfg.data.tokenizer, manifest.build.get("tokenizer_directory")]
-            )
-        dist.barrier()
-        self.snapshots: Snapshots | None = None
-        if cfg.checkpoint.memory_every:
-            # A snapshot newer than the newest checkpoint becomes one, before the resume is chosen.
-            identity = run_id(self.run_dir.path, self.rank)
-            memory_dir = cfg.checkpoint.memory_dir
-            self.snapshots = Snapshots(memory_dir, identity, self.run_dir.path, self.rank, self.world_size)
-            self.snapshots.restore(self.checkpoints.directory, self.checkpoints.mark_restored)
-
-        resume_plan = self.checkpoints.plan_resume(
-            resume=cfg.checkpoint.resume,
-            verify=cfg.checkpoint.verify,
-            architecture=cfg.model.architecture(),
-            zero_stage=cfg.zero.stage,
-        )
-        self.engine, self.num_parameters = self._build_engine(deepspeed_overlay, resume_plan)
-        self.fingerprint = _tokenizer_fingerprint(cfg.data.tokenizer) or manifest.tokenizer.fingerprint
-        self.streams = TrainStreams(
-            cfg.data.shards,
-            cfg.data.train_split,
-            tgt_len=cfg.model.tgt_len,
-            micro_batch=self.layout.micro_batch,
-            grad_accum=self.layout.grad_accum,
-            world_size=self.world_size,
-            rank=self.rank,
-            seed=cfg.train.seed,
-            shuffle_blocks=cfg.data.shuffle_blocks,
-            expected_fingerprint=self.fingerprint,
-            verify_sha256=cfg.data.verify_sha256,
-        )
-        self.memories = SlotMemories(self.layout.grad_accum, self.device)
+        self.memories = SlotMemories(self.batch_split.grad_accum, self.device)
         self.state = TrainState(
             self.streams,
             self.memories,
             seed=cfg.train.seed,
             rank=self.rank,
             world_size=self.world_size,
-            facts={
+            run_record={
                 "config": cfg.to_dict(),
                 "architecture": cfg.model.architecture(),
                 "tokenizer": dataclasses.asdict(manifest.tokenizer),
-                "layout": self.layout._asdict(),
+                "batch_split": self.batch_split._asdict(),
             },
         )
         self.resumed_from = resume_plan.tag if resume_plan is not None else None
@@ -156,42 +117,6 @@ class Trainer:
         self.logger = RunLogger(
             self.run_dir.path, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, resume_step=self.state.step
         )
-
-    def _build_engine(self, deepspeed_overlay: str | None, resume_plan: ResumePlan | None):
-        """The model and DeepSpeed's engine around it, configured to load ``resume_plan``'s checkpoint; returns
-        the engine and the model's number of parameters."""
-        cfg = self.cfg
-        # Identical initial weights on every rank, then a different dropout stream per rank.
-        torch.manual_seed(cfg.train.seed)
-        model = TransformerXLLM(cfg.model)
-        num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
-        if cfg.model.compile:
-            model.compile_body()  # the module itself stays: no "_orig_mod." keys in checkpoints
-        torch.manual_seed(dropout_seed(cfg.train.seed, self.rank))
-
-        ds_config = build_deepspeed_config(
-            train=cfg.train,
-            optim=cfg.optim,
-            precision=cfg.precision,
-            zero=cfg.zero,
-            world_size=self.world_size,
-            device=self.device_type,
-            overlay_path=deepspeed_overlay,
-            num_parameters=num_parameters,
-        )
-        if resume_plan is not None and resume_plan.engine_loads_universal:
-            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-        # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
-        optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            model_parameters=model.parameters(),
-            optimizer=optimizer,
-            config=ds_config,
-            lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
-        )
-        self.checkpoints.install(engine)
-        return engine, num_parameters
 
     # ---- checkpoint --------------------------------------------------------------------------------------------
 
@@ -236,7 +161,7 @@ class Trainer:
         meta = {
             "step": self.state.step,
             "streams_per_rank": len(self.state.streams.rank_stream_ids()),
-            "architecture": self.state.facts["architecture"],
+            "architecture": self.state.run_record["architecture"],
             "zero_stage": self.engine.zero_optimization_stage(),
         }
         stall = self.snapshots.take(jobs, tag_dir, meta)
@@ -275,6 +200,7 @@ class Trainer:
             world_size=self.world_size,
             rank=self.rank,
             expected_fingerprint=self.fingerprint,
+            manifest=self.manifest,
         ) as streams:
             return evaluate(module, streams, self.device, max_batches=max_batches, segment=segment)
 
@@ -375,7 +301,7 @@ class Trainer:
             tokens_per_step=self.tokens_per_step,
             fp16=self.cfg.precision.dtype == "fp16",
             character_level=self.character_level,
-            flops=FlopsMeter.of(self.cfg, self.world_size, self.layout.micro_batch, self.device),
+            flops=FlopsMeter.of(self.cfg, self.world_size, self.batch_split.micro_batch, self.device),
             max_steps=self.cfg.train.max_steps,
         )
         batches = iter(self.streams)
@@ -427,7 +353,7 @@ class Trainer:
     def _train_step(self, batches, step_log: StepLog, phase) -> None:
         """One optimizer step: grad_accum micro-batches, each carrying its slot's memory on; ``phase`` labels
         the parts of each for the profiler (`StepProfiler.phase`)."""
-        for slot in range(self.layout.grad_accum):
+        for slot in range(self.batch_split.grad_accum):
             with phase("data"):
                 batch = next(batches)
             if batch.reset_mems:
@@ -440,7 +366,7 @@ class Trainer:
                 self.engine.backward(loss)
             with phase("optimizer step"):
                 self.engine.step()
-            step_log.add(loss, batch, self.layout.grad_accum)
+            step_log.add(loss, batch, self.batch_split.grad_accum)
         self.state.step += 1
         self.guard.progress(self.state.step)
         self.state.tokens_seen += self.tokens_per_step

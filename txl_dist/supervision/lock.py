@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from txl_dist.fileio import atomic_write_text, ensure_directory
-from txl_dist.world.processes import process_start
+from txl_dist.supervision.processes import process_start
 
 log = logging.getLogger("txl_dist.training")
 
@@ -66,7 +66,7 @@ class LockHolder:
     token: str
     boot_id: str | None = None
     pid_start: int | None = None
-    """The PID's start time, in clock ticks since boot (`txl_dist.world.processes.process_start`)."""
+    """The PID's start time, in clock ticks since boot (`txl_dist.supervision.processes.process_start`)."""
     heartbeat: int = 0
     heartbeat_unix: float = 0.0
     command: str = ""

@@ -10,7 +10,7 @@ parent (launch, or torchrun's agent), (2) when the parent is DeepSpeed's launch,
 runner, or the remote shell), and (3) when its output is a pipe or a socket, whether the reading end is still there
 (a dead ssh connection or runner). (A parent-death signal is no use: the ranks' parent, launch, survives.)
 
-What a rank does then depends on the command: the trainer checkpoints first (`txl_dist.world.guard` asks
+What a rank does then depends on the command: the trainer checkpoints first (`txl_dist.supervision.guard` asks
 `LauncherWatch.gone` in its own watchdog); a command with nothing to save (launchers/evaluate.py) stops at once
 through `watching_launcher`, the same watch on a thread of its own.
 """
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import psutil
 
-from txl_dist.world.processes import process_start, same_process
+from txl_dist.supervision.processes import process_start, same_process
 
 
 def _process(pid: int) -> tuple[int, list[str]] | None:
@@ -117,7 +117,7 @@ def watching_launcher(on_gone: Callable[[str], None], period_s: float = WATCH_S)
     """While the block runs, a daemon thread calls ``on_gone(why)`` once, from that thread, when the processes that
     started this one or the reader of its output are gone (`LauncherWatch.gone`); no thread when no launcher
     started this process. For the ranks of the commands that have no checkpoint to write, as the trainer has:
-    ``on_gone`` ends the process (`txl_dist.world.interrupts.stop_this_process`)."""
+    ``on_gone`` ends the process (`txl_dist.supervision.interrupts.stop_this_process`)."""
     watch = LauncherWatch()
     done = threading.Event()
 

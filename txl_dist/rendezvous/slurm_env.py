@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from txl_dist.world.launch_formats import LaunchError, env_int, expand_hostlist, tasks_per_node
+from txl_dist.rendezvous.launch_formats import LaunchError, env_int, expand_hostlist, tasks_per_node
 
 
 def step_port(environ: Mapping[str, str]) -> int:

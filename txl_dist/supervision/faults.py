@@ -1,9 +1,9 @@
-"""The run's fault log (``faults.jsonl`` in the run folder, `txl_dist.run_layout.FAULTS`): what the ranks found when
+"""The run's fault log (``faults.jsonl`` in the run folder, `txl_dist.run_paths.FAULTS`): what the ranks found when
 a run failed, and what the Slurm batch script decided about it, one JSON record a line.
 
 The ranks write one record per failure, by the rank that prints the run's one failure message
-(`txl_dist.world.guard`): which rank failed and on which host, how (``kind``), at which step, the message's last
-line, and the launch it belongs to. The batch script (`txl_dist.world.slurm_nodes`) reads the records of the step
+(`txl_dist.supervision.guard`): which rank failed and on which host, how (``kind``), at which step, the message's last
+line, and the launch it belongs to. The batch script (`txl_dist.supervision.slurm_nodes`) reads the records of the step
 that just ended to decide at once, without waiting for Slurm to notice a dead node, and appends its own decision
 (``kind`` ``plan``), so that a failure that comes back at the same step after a relaunch is recognised and the job
 ends instead of looping.

@@ -24,8 +24,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from txl_dist.exit_status import describe_error, exit_status, print_error, run_command
-from txl_dist.world import launch_formats, slurm_env
-from txl_dist.world.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.world.process_group
+from txl_dist.rendezvous import launch_formats, slurm_env
+from txl_dist.rendezvous.launch_formats import (  # noqa: F401 -- the run variables are named here for txl_dist.rendezvous.process_group
     COMPARED_VARIABLES,
     FORWARDED_BY_DEEPSPEED,
     RUN_VARIABLES,
@@ -280,10 +280,13 @@ def resolve(environ: Mapping[str, str]) -> LaunchEnvironment:
     return launch
 
 
-def apply(environ: MutableMapping[str, str] | None = None) -> LaunchEnvironment:
-    """`resolve`, then write torch's variables into ``environ`` (the process environment by default)."""
+def apply(
+    environ: MutableMapping[str, str] | None = None, launch: LaunchEnvironment | None = None
+) -> LaunchEnvironment:
+    """`resolve` (or ``launch``, resolved already from the same variables), then write torch's variables into
+    ``environ`` (the process environment by default)."""
     environ = os.environ if environ is None else environ
-    launch = resolve(environ)
+    launch = resolve(environ) if launch is None else launch
     if launch.master_port == 0:  # a world of one: any free port on loopback
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -361,15 +364,15 @@ def refuse_lone_batch_process(environ: Mapping[str, str], command: str = "python
 
 
 def write_deepspeed_env(path: str, environ: Mapping[str, str] | None = None, extra: tuple[str, ...] = (), **kwargs):
-    """`txl_dist.world.launch_formats.write_deepspeed_env` (kept here, where the run's variables are named)."""
+    """`txl_dist.rendezvous.launch_formats.write_deepspeed_env` (kept here, where the run's variables are named)."""
     return launch_formats.write_deepspeed_env(path, environ, extra, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m txl_dist.world.launch_env [--write-deepspeed-env [--launcher L] [--path P] [--also KEY ...]]
+    """``python -m txl_dist.rendezvous.launch_env [--write-deepspeed-env [--launcher L] [--path P] [--also KEY ...]]
     [--hostfile H]``: show the launch this process sees (checked, with its rendezvous address resolved), write the
     run's variables into ``.deepspeed_env`` for the runner's launcher, or check a hostfile for DeepSpeed's runner."""
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.world.launch_env", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.rendezvous.launch_env", description=main.__doc__)
     parser.add_argument(
         "--write-deepspeed-env",
         action="store_true",
@@ -410,10 +413,10 @@ def main(argv: list[str] | None = None) -> int:
             require_resolvable_address(launch)
             print(launch)
     except (LaunchError, OSError) as error:
-        print_error("txl_dist.world.launch_env", describe_error(error))
+        print_error("txl_dist.rendezvous.launch_env", describe_error(error))
         return exit_status(error)  # 2 for a refused input; 1 for an OSError of the surroundings (no space, ...)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, "txl_dist.world.launch_env"))
+    sys.exit(run_command(main, "txl_dist.rendezvous.launch_env"))

@@ -1,7 +1,7 @@
 """This process's place among the ranks: its device, the process group it joins, rank 0's values shared.
 
 The training loop and the multi-rank launchers (evaluate.py) start the same way: the device DeepSpeed's
-accelerator names (DS_ACCELERATOR=cpu forces the CPU), then the world of `txl_dist.world.process_group.start`.
+accelerator names (DS_ACCELERATOR=cpu forces the CPU), then the world of `txl_dist.rendezvous.process_group.start`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from txl_dist.world import process_group as world
+from txl_dist.rendezvous import process_group
+from txl_dist.rendezvous.launch_env import LaunchEnvironment
 
 log = logging.getLogger("txl_dist.training")
 
@@ -39,15 +40,15 @@ def local_device() -> torch.device:
     return torch.device(device_type, device_index)
 
 
-def join() -> Place:
-    """Collective: this rank's device, then the process group (`launch_env.apply` has run); rank 0 logs the
-    ranks' environment."""
+def join(launch: LaunchEnvironment | None = None) -> Place:
+    """Collective: this rank's device, then the process group (`launch_env.apply` has run: ``launch`` is what it
+    returned, None to read the launcher's variables again); rank 0 logs the ranks' environment."""
     device = local_device()
-    rank, world_size, environments = world.start(device.type)
+    rank, world_size, environments = process_group.start(device.type, launch)
     if rank == 0:
         log.info(
             "ranks' environment: %s on %s",
-            world.describe_environment(environments[0]),
+            process_group.describe_environment(environments[0]),
             ", ".join(sorted({record["host"] for record in environments})),
         )
     return Place(rank, world_size, device)

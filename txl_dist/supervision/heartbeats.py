@@ -16,15 +16,15 @@ import os
 import socket
 import time
 
-from txl_dist.world.processes import how_it_ended, process_start
+from txl_dist.supervision.processes import how_it_ended, process_start
 
 STORE_PREFIX = f"txl_dist/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 """Of this run's keys in the rendezvous store. torchrun's agent keeps its store across the restarts of a job's
 workers: the keys are per attempt."""
 HEARTBEAT_KEY = STORE_PREFIX + "heartbeat/{rank}"
 HEARTBEAT_EVERY = 4
-"""A rank writes its heartbeat every this many periods of its watch thread (`txl_dist.world.launcher_watch.WATCH_S`,
-a quarter of a second): once a second."""
+"""A rank writes its heartbeat every this many periods of its watch thread
+(`txl_dist.supervision.launcher_watch.WATCH_S`, a quarter of a second): once a second."""
 STALL_CHECK_EVERY = 8
 """A rank looks at the heartbeats it follows every this many watch periods: every two seconds. A stall is found
 between ``train.stall_timeout`` and that plus two seconds after the heartbeat stopped."""

@@ -5,7 +5,7 @@ ignored, as under ``nohup``) raise `Stopped`, a KeyboardInterrupt too, so that t
 ``except BaseException`` clean-ups of the writers run (`txl_dist.fileio`'s atomic files and staged folders: nothing
 half-written is left). The command then prints ``PROG: interrupted; OUTCOME`` (or ``stopped by SIGTERM``) once and
 returns 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM), as a shell reports a process that the signal
-ended. The training loop has its own answer to these signals (a checkpoint first, `txl_dist.world.guard`).
+ended. The training loop has its own answer to these signals (a checkpoint first, `txl_dist.supervision.guard`).
 """
 
 from __future__ import annotations

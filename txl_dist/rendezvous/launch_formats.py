@@ -25,7 +25,7 @@ COMPARED_VARIABLES = (
     "GLOO_SOCKET_IFNAME",
 )
 """The variables every rank of a run must agree on (accelerator, threads, op cache, network interfaces): the ranks
-compare them at start-up (`txl_dist.world.process_group`)."""
+compare them at start-up (`txl_dist.rendezvous.process_group`)."""
 RUN_VARIABLES = (*COMPARED_VARIABLES, "DEEPSPEED_TIMEOUT", "HF_HOME", "TMPDIR")
 """What a user sets for a run that must reach every rank (written into .deepspeed_env)."""
 
@@ -261,8 +261,8 @@ def _kept_lines(path: str, replaced: set[str]) -> list[str]:
             kept.append(line)
     if dropped:
         print(
-            f"txl_dist.world.launch_env: warning: {path}: dropped line(s) {', '.join(dropped)} (blank or comment), "
-            "which DeepSpeed's runner cannot read",
+            f"txl_dist.rendezvous.launch_env: warning: {path}: dropped line(s) {', '.join(dropped)} (blank or "
+            "comment), which DeepSpeed's runner cannot read",
             file=sys.stderr,
         )
     return kept

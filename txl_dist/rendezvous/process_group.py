@@ -2,8 +2,8 @@
 
 `start` is what every rank does before its first collective:
 
-1. `txl_dist.world.launch_env.apply`: rank, world and rendezvous address from whichever launcher started the process
-   (torchrun, DeepSpeed, srun, mpirun), or one line saying why this process cannot join one world.
+1. `txl_dist.rendezvous.launch_env.apply`: rank, world and rendezvous address from whichever launcher started
+   the process (torchrun, DeepSpeed, srun, mpirun), or one line saying why this process cannot join one world.
 2. `prepare_extension_cache`: DeepSpeed's shared-memory op (used for CPU all-reduces) is compiled at first use by
    torch's JIT loader. The cache is made per virtual environment and built with the environment's own ``ninja``,
    so a node whose PATH differs does not compile again; builds are serialised by a lock that the kernel releases
@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime
 import fcntl
-import io
 import json
 import logging
 import os
@@ -44,19 +43,17 @@ import psutil
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.comm.torch import build_shm_op
-from deepspeed.constants import default_pg_timeout
 
-from txl_dist.exit_status import run_command
-from txl_dist.world import launch_env
-from txl_dist.world.guard import ReportedByRankZero
+from txl_dist import deepspeed_internals
+from txl_dist.exit_status import ReportedByRankZero, run_command
+from txl_dist.rendezvous import launch_env
 
 log = logging.getLogger("txl_dist.training")
 
-SHM_OP_NAME = "deepspeed_shm_comm"
-SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{address}_{port}_{rank}"
-"""The name DeepSpeed's CPU op gives a rank's all-reduce buffer (ops/csrc/cpu/comm/shm.cpp), from the rendezvous
-variables it reads (MASTER_ADDR, MASTER_PORT)."""
+SHM_OP_NAME = deepspeed_internals.SHM_OP_NAME
+SHM_BUFFER = deepspeed_internals.SHM_BUFFER
+"""The name DeepSpeed's CPU op gives a rank's all-reduce buffer, from the rendezvous variables it reads
+(MASTER_ADDR, MASTER_PORT)."""
 ENVIRONMENT_KEY = "txl_dist/environment/{rank}"
 STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -120,9 +117,10 @@ def load_shm_op() -> object | None:
     if get_accelerator().device_name() != "cpu":
         return None
 
-    # DeepSpeed prints "built successfully" at every load; its own start-up loads the op again and says so once.
-    with build_lock(prepare_extension_cache()), contextlib.redirect_stdout(io.StringIO()):
-        return build_shm_op()
+    # The seam keeps DeepSpeed's "built successfully" of this load quiet; its own start-up loads the op again and
+    # says so once.
+    with build_lock(prepare_extension_cache()):
+        return deepspeed_internals.build_shm_op()
 
 
 def environment_record() -> dict[str, object]:
@@ -155,7 +153,7 @@ def environment_disagreement(records: list[dict]) -> str | None:
             more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
             advice = (
                 "set it for every rank: with `deepspeed --hostfile`, in .deepspeed_env "
-                "(python -m txl_dist.world.launch_env --write-deepspeed-env)"
+                "(python -m txl_dist.rendezvous.launch_env --write-deepspeed-env)"
                 if key in launch_env.COMPARED_VARIABLES
                 else "install the same software on every node"
             )
@@ -235,11 +233,13 @@ def agree_on_environment(store, rank: int, world_size: int) -> list[dict]:
     return records
 
 
-def start(device_type: str) -> tuple[int, int, list[dict]]:
-    """Steps 2-4 of the module's docstring (`launch_env.apply` ran at process start); returns (rank, world size,
-    every rank's environment record)."""
-    launch = launch_env.resolve(os.environ)
-    launch_env.require_resolvable_address(launch)
+def start(device_type: str, launch: launch_env.LaunchEnvironment | None = None) -> tuple[int, int, list[dict]]:
+    """Steps 2-4 of the module's docstring (`launch_env.apply` ran at process start: ``launch`` is what it returned,
+    its address checked; None reads the launcher's variables here); returns (rank, world size, every rank's
+    environment record)."""
+    if launch is None:
+        launch = launch_env.resolve(os.environ)
+        launch_env.require_resolvable_address(launch)
     load_shm_op()
     if dist.is_initialized():
         records = [environment_record()]
@@ -255,7 +255,7 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
             store=store,
             rank=launch.rank,
             world_size=launch.world_size,
-            timeout=default_pg_timeout,
+            timeout=deepspeed_internals.process_group_timeout(),
         )
     deepspeed.init_distributed()
     release_shm_buffer(dist.get_rank(), dist.get_world_size())
@@ -267,7 +267,7 @@ def start(device_type: str) -> tuple[int, int, list[dict]]:
         log.warning(
             "started over ssh (deepspeed --hostfile) without a .deepspeed_env: the variables set where "
             "deepspeed was typed (%s) reached no rank unless a login shell sets them; write one with "
-            "`python -m txl_dist.world.launch_env --write-deepspeed-env`",
+            "`python -m txl_dist.rendezvous.launch_env --write-deepspeed-env`",
             ", ".join(launch_env.RUN_VARIABLES[:3]),
         )
     return dist.get_rank(), dist.get_world_size(), records
@@ -307,9 +307,9 @@ def describe_environment(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m txl_dist.world.process_group``: build DeepSpeed's shared-memory op into this environment's cache
+    """``python -m txl_dist.rendezvous.process_group``: build DeepSpeed's shared-memory op into this environment's cache
     (``make warm`` runs it, so that no launch compiles)."""
-    parser = argparse.ArgumentParser(prog="python -m txl_dist.world.process_group", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m txl_dist.rendezvous.process_group", description=main.__doc__)
     parser.parse_args(argv)  # no flags: --help prints this, any other flag is refused before the build
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cache = prepare_extension_cache()
@@ -321,4 +321,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, "txl_dist.world.process_group"))
+    sys.exit(run_command(main, "txl_dist.rendezvous.process_group"))

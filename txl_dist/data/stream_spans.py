@@ -12,7 +12,7 @@ import numpy as np
 
 
 @dataclasses.dataclass
-class StreamLayout:
+class StreamSpans:
     """The token sequence an epoch's streams are cut from: spans of the epoch order, concatenated.
 
     A fresh epoch is one span, the whole split; after a re-partition it is the unconsumed spans of the old streams.

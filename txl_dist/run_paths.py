@@ -1,8 +1,8 @@
 """The names inside a run's directory (``train.output_dir``), stated once for the trainer that writes them and
-for what reads a run from outside: the Slurm relaunch decision (`txl_dist.world.slurm_nodes`), the plots
+for what reads a run from outside: the Slurm relaunch decision (`txl_dist.supervision.slurm_nodes`), the plots
 (`txl_dist.plot`), the checkpoint converters (`txl_dist.convert.zero`) and the command line's pre-flight.
 
-What lies inside the checkpoints folder: `txl_dist.checkpoints.layout`. Bottom layer: imports nothing of
+What lies inside the checkpoints folder: `txl_dist.checkpoint_paths`. Bottom layer: imports nothing of
 txl_dist (docs/architecture.md, Layers).
 """
 
@@ -12,15 +12,15 @@ import os
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
-"""The folder of the run's checkpoints (one folder per tag, `txl_dist.checkpoints.layout`)."""
+"""The folder of the run's checkpoints (one folder per tag, `txl_dist.checkpoint_paths`)."""
 METRICS = "metrics.jsonl"
-"""One JSON record per line: the run's start, every logged step and evaluation (`txl_dist.training.run_logger`)."""
+"""One JSON record per line: the run's start, every logged step and evaluation (`txl_dist.training.run_log`)."""
 TENSORBOARD = "tensorboard"
 """TensorBoard's event files, with log.tensorboard=true."""
 PROFILE = "profile"
 FAULTS = "faults.jsonl"
 """The run's fault log: what the ranks found when the run failed, and the Slurm batch script's decisions
-(`txl_dist.world.faults`)."""
+(`txl_dist.supervision.faults`)."""
 """The traces of profile.steps, a folder per window of steps (`txl_dist.training.profiling`)."""
 
 

@@ -4,7 +4,7 @@
 loop agrees on it at the next step boundary, writes a checkpoint and exits 0.
 
 **No orphaned ranks.** Each rank watches the processes that started it and the reader of its output
-(`txl_dist.world.launcher_watch`); when any is gone it asks for a stop exactly like SIGTERM, and the stop-flag
+(`txl_dist.supervision.launcher_watch`); when any is gone it asks for a stop exactly like SIGTERM, and the stop-flag
 all-reduce tells the other ranks, including those on nodes that noticed nothing.
 
 **One failure, one message.** A rank that fails (a bad file, a full disk, a damaged shard) reports its one-line
@@ -14,7 +14,7 @@ status 1, even when it is blocked in a collective that would otherwise wait for 
 gloo "Connection closed by peer". Rank 0's cleanups (releasing the run lock, removing a checkpoint it was writing)
 run on every exit path.
 
-**Liveness.** Every rank's heartbeat goes into the same store (`txl_dist.world.heartbeats`). A rank whose
+**Liveness.** Every rank's heartbeat goes into the same store (`txl_dist.supervision.heartbeats`). A rank whose
 heartbeat has not moved for ``stall_timeout`` seconds is named in one line (rank, host, PID, step) and the job ends
 with status 1 so that the scheduler can requeue it. When a rank dies without a word, the collectives of the others
 fail: they name it, with its signal where it can be read, instead of printing the communication library's
@@ -36,11 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from txl_dist.exit_status import USAGE_ERROR, CommandFailure, os_error_status
+from txl_dist.exit_status import USAGE_ERROR, CommandFailure, ReportedByRankZero, os_error_status
 from txl_dist.fileio import describe_os_error
-from txl_dist.world import faults
-from txl_dist.world.heartbeats import HEARTBEAT_EVERY, STALL_CHECK_EVERY, STORE_PREFIX, Heartbeats
-from txl_dist.world.launcher_watch import WATCH_S, LauncherWatch
+from txl_dist.supervision import faults
+from txl_dist.supervision.heartbeats import HEARTBEAT_EVERY, STALL_CHECK_EVERY, STORE_PREFIX, Heartbeats
+from txl_dist.supervision.launcher_watch import WATCH_S, LauncherWatch
 
 log = logging.getLogger("txl_dist.training")
 
@@ -58,11 +58,6 @@ ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, Keyboar
 
 class RunFailure(Exception):
     """A failure the ranks agreed on (every rank raises it with the same message)."""
-
-
-class ReportedByRankZero(Exception):
-    """A failure every rank found alike before the failure channel existed; rank 0 prints it, the others end
-    with status 1 without a word."""
 
 
 def _error_text(error: BaseException) -> str:
@@ -123,8 +118,8 @@ class RunGuard:
         self.stall_timeout: float | None = None
         """train.stall_timeout, from `connect` on (no heartbeat is followed before)."""
         self.fault_log: Path | None = None
-        """The run's faults.jsonl (`txl_dist.world.faults`), once the run folder is known: the rank that prints the
-        run's failure message records it there too, for the batch script that decides what comes next."""
+        """The run's faults.jsonl (`txl_dist.supervision.faults`), once the run folder is known: the rank that prints
+        the run's failure message records it there too, for the batch script that decides what comes next."""
         self._thread = threading.Thread(target=self._watch, name="txl_dist-guard", daemon=True)
         self._thread.start()
 
@@ -214,8 +209,8 @@ class RunGuard:
         return self._heartbeats.host_of(rank) if self._heartbeats is not None else None
 
     def _record(self, kind: str, rank: int, message: str, step: int | str | None = None) -> None:
-        """The failure in the run's fault log (when it is known): KIND (`txl_dist.world.faults`), the rank it names
-        and that rank's host. Never in the way of the exit: a log that cannot be written is left out."""
+        """The failure in the run's fault log (when it is known): KIND (`txl_dist.supervision.faults`), the rank it
+        names and that rank's host. Never in the way of the exit: a log that cannot be written is left out."""
         if self.fault_log is None:
             return
         step = self.step if step is None else step

@@ -1,0 +1,471 @@
+"""The start of a training run, in reading order, once `launchers/train.py` has parsed its command line
+(`txl_dist.training.arguments`) and put its `RunGuard` in place. `run` is the whole sequence:
+
+1. The run, resolved (`resolve`, on every rank, before any process group exists): the launch environment read once
+   (`txl_dist.rendezvous.launch_env`: which launcher, this rank, the world), the config files and
+   ``key.path=value`` overrides, the shards' manifest (read once; the vocabulary taken from it), the batch split
+   for that world, the device, the ``--deepspeed_config`` overlay, the tokenizer's fingerprint and the run
+   directory. A bad value fails on every rank at once with one line naming the key (exit 2), not after minutes of
+   start-up; the node's first rank prints it. The result, `ResolvedRun`, holds each of those facts, and nothing
+   after this step reads them again.
+2. The launch environment applied (`apply_launch`): torch's variables written from the launch resolved in 1.
+3. The ranks (`txl_dist.rendezvous.ranks.join`): the device, the rendezvous, the process group; the guard joins
+   the other ranks' watch.
+4. The run directory (`RunDirectory.take`: the run lock, the tokenizer kept beside the run).
+5. The resume plan: a memory snapshot newer than the newest checkpoint becomes one
+   (`txl_dist.checkpoints.snapshots`), then `CheckpointManager.plan_resume` chooses the checkpoint and how it loads.
+6. The engine (`build_engine`): the model and DeepSpeed's engine, configured to load that checkpoint.
+7. The streams (`TrainStreams`), on the manifest of step 1.
+
+The `Trainer` is built from those parts, loads the resumed state, trains, and the ranks leave the process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from txl_dist.checkpoints.manager import CheckpointManager
+from txl_dist.checkpoints.rank_state import dropout_seed
+from txl_dist.checkpoints.snapshots import Snapshots, run_id
+from txl_dist.checkpoints.universal import ResumePlan
+from txl_dist.checkpoints.verify import preflight
+from txl_dist.config import BatchSplit, RunConfig, load_config
+from txl_dist.data import TrainStreams
+from txl_dist.data.format import MANIFEST_NAME, Manifest
+from txl_dist.data.run_vocab import shards_manifest, with_shards_vocab
+from txl_dist.exit_status import FAILURE, USAGE_ERROR, CommandFailure, os_error_status, print_error
+from txl_dist.fileio import dangling_link, describe_os_error
+from txl_dist.model import TransformerXLLM
+from txl_dist.plan.counts import GiB
+from txl_dist.plan.memory import largest_micro_batch, plan_memory
+from txl_dist.plan.report import device_memory_of, plan_comment
+from txl_dist.rendezvous import launch_env, ranks
+from txl_dist.run_paths import CHECKPOINTS, PROFILE, TENSORBOARD, checkpoints_dir, fault_log
+from txl_dist.supervision.guard import RunGuard
+from txl_dist.tokenizer import load_tokenizer
+from txl_dist.training.arguments import build_arg_parser
+from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.profiling import start_memory_history
+from txl_dist.training.run_dir import RunDirectory
+from txl_dist.training.schedule import build_lr_scheduler
+from txl_dist.training.trainer import Trainer
+
+PROG = "train.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedRun:
+    """What step 1 resolves, once, from the command line, the launcher's variables and the files."""
+
+    cfg: RunConfig
+    """The validated config, its vocabulary taken from the shards' manifest."""
+    manifest: Manifest
+    """data.shards' manifest."""
+    batch_split: BatchSplit
+    """The global batch over the launcher's world (`TrainConfig.batch_split`)."""
+    tokenizer_fingerprint: str
+    """The tokenizer's fingerprint: data.tokenizer's, checked whole against the manifest's, else the manifest's."""
+    device_type: str
+    """DeepSpeed's accelerator: "cuda", "cpu", ..."""
+    launch: launch_env.LaunchEnvironment | None
+    """The launcher's world as its variables say; None when they do not make one (`launch_error` says why)."""
+    launch_error: launch_env.LaunchError | None
+    deepspeed_overlay: str | None
+    """--deepspeed_config: a JSON overlay of DeepSpeed's config."""
+
+    @property
+    def world_size(self) -> int:
+        return self.batch_split.world_size
+
+
+def detect_device() -> str:
+    """DeepSpeed's accelerator: "cuda", "cpu", ..."""
+    return get_accelerator().device_name()
+
+
+# ---- 1. the run, resolved -------------------------------------------------------------------------------------
+
+
+def read_launch(environ=os.environ) -> tuple[launch_env.LaunchEnvironment | None, launch_env.LaunchError | None]:
+    """The launch this process is part of (torchrun, deepspeed, srun, mpirun, or a plain process), or why its
+    variables make none: refused in step 2, once the command line and the config are known to be good."""
+    try:
+        return launch_env.resolve(environ), None
+    except launch_env.LaunchError as error:
+        return None, error
+
+
+def _local_rank(launch: launch_env.LaunchEnvironment | None, args: argparse.Namespace) -> int | None:
+    """This process's rank on its node (None: no launcher). Only the node's first rank prints a refused value,
+    which every rank of a node finds alike (each node still prints its own: a node may see other files)."""
+    if launch is not None and launch.launcher != "single":
+        return launch.local_rank
+    local = os.environ.get("LOCAL_RANK", "")
+    return int(local) if local.isdigit() else args.local_rank
+
+
+def resolve(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    *,
+    world_size: int | None = None,
+    device: str | None = None,
+) -> ResolvedRun:
+    """Step 1: the `ResolvedRun` of the parsed command line ``args`` (refusals as ``parser.prog``).
+
+    Checks the whole tree, the batch split for ``world_size`` ranks (default: the launcher's world, else 1) on
+    ``device`` (default: `detect_device`), the ``--deepspeed_config`` overlay, and takes model.n_token from the
+    shards' manifest. With --print-config it prints the resolved config and its memory plan (`txl_dist.plan`, as
+    YAML comments) and exits 0. Any error exits 2 with one line on stderr naming the key, its value and what is
+    allowed; a train.output_dir that the surroundings refuse to write (read-only, no space, not permitted) exits 1
+    with one line."""
+    launch, launch_error = read_launch()
+    if world_size is None:
+        world_size = launch.world_size if launch is not None else 1
+    try:
+        if args.deepscale_config is not None:
+            raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
+        cfg = load_config(args.config, args.overrides)
+        manifest = shards_manifest(cfg)
+        cfg = with_shards_vocab(cfg, manifest)
+        device = device or detect_device()
+        build_deepspeed_config(
+            train=cfg.train,
+            optim=cfg.optim,
+            precision=cfg.precision,
+            zero=cfg.zero,
+            world_size=world_size,
+            device=device,
+            overlay_path=args.deepspeed_config,
+        )
+        if args.print_config:
+            sys.stdout.write(cfg.dump_yaml() + plan_comment(cfg, world_size, device, device_memory_of(device)))
+            sys.stdout.flush()
+            raise SystemExit(0)
+        _require_run_paths(cfg, manifest)
+        fingerprint = _require_a_run_that_can_start(cfg, manifest)
+        if device != "cpu":  # this rank's own device: no rank touches another's before the process group
+            local_rank = _local_rank(launch, args) or 0
+            require_memory_fits(cfg, world_size, device, device_memory_of(device, local_rank))
+    except (ValueError, CommandFailure) as error:
+        # A refused value exits 2; an output the surroundings refuse (read-only, no space) is a failure, 1.
+        status = USAGE_ERROR if isinstance(error, ValueError) else FAILURE
+        if _local_rank(launch, args) in (None, 0):  # every rank found the same: the node's first rank says it
+            print_error(parser.prog, error)  # one line, without argparse's usage: the flags were fine, a value is not
+        raise SystemExit(status) from None
+    return ResolvedRun(
+        cfg=cfg,
+        manifest=manifest,
+        batch_split=cfg.train.batch_split(world_size),
+        tokenizer_fingerprint=fingerprint,
+        device_type=device,
+        launch=launch,
+        launch_error=launch_error,
+        deepspeed_overlay=args.deepspeed_config,
+    )
+
+
+def parse_run_args(
+    argv: Sequence[str] | None = None, *, world_size: int | None = None, device: str | None = None
+) -> tuple[RunConfig, argparse.Namespace]:
+    """Step 1 from an argv (tests, benchmarks): the validated RunConfig and the parsed flags."""
+    parser = build_arg_parser()
+    args = parser.parse_intermixed_args(argv)
+    return resolve(parser, args, world_size=world_size, device=device).cfg, args
+
+
+def _require_run_paths(cfg: RunConfig, manifest: Manifest | None) -> None:
+    """The keys a config file may leave to the command line but a run cannot do without (``manifest``: that of
+    data.shards, None where it has none)."""
+    if cfg.data.shards is None:
+        raise ValueError(
+            "data.shards is not set: give the shard directory written by data_tools.build_shards, e.g. data.shards=DIR"
+        )
+    if cfg.train.output_dir is None:
+        raise ValueError("train.output_dir is not set: give the run's directory, e.g. train.output_dir=runs/NAME")
+    output_dir = Path(cfg.train.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"train.output_dir={cfg.train.output_dir!r}: a file, not a directory")
+    shards = cfg.data.shards
+    if dangling_link(shards) is not None:
+        raise ValueError(f"data.shards={shards!r}: a symbolic link to {dangling_link(shards)}, which leads nowhere")
+    if manifest is None:
+        raise ValueError(
+            f"data.shards={shards!r} is not allowed: a local directory holding {MANIFEST_NAME} (a "
+            f"finished data_tools.build_shards output; its shard paths may be pipe: URLs)"
+        )
+    splits = manifest.splits
+    # The evaluation split is read at the first evaluation and at the end of training: hours into a run.
+    for key, split in (("data.train_split", cfg.data.train_split), ("eval.split", cfg.eval.split)):
+        if split not in splits:
+            raise ValueError(
+                f"{key}={split!r}: {Path(shards, MANIFEST_NAME)} has no such split (it has "
+                f"{sorted(splits)}); build it (data_tools.build_shards --split or --holdout) or set {key}"
+            )
+    _require_writable_directory(output_dir)
+
+
+def _require_writable_directory(output_dir: Path) -> None:
+    """train.output_dir, or the folder it will be made in, accepts a new file (probed: permissions alone do not
+    tell a read-only mount or a root-squashed NFS export)."""
+    existing = output_dir
+    while not existing.exists() and existing != existing.parent:
+        target = dangling_link(existing)
+        if target is not None:  # mkdir would fail on it with "File exists"
+            raise ValueError(
+                f"train.output_dir={str(output_dir)!r}: {existing} is a symbolic link to {target}, which leads "
+                f"nowhere: create its target or remove the link"
+            )
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"train.output_dir={str(output_dir)!r}: {existing} is a file, not a directory")
+    # The folders the run writes into later (its checkpoints hours from now) are probed too, where they exist.
+    written_later = [output_dir / name for name in (CHECKPOINTS, TENSORBOARD, PROFILE)]
+    for folder in [existing, *(path for path in written_later if path.is_dir())]:
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".txl_dist-write-probe.", dir=folder)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as error:
+            message = f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, folder)}"
+            raise (ValueError if os_error_status(error) == USAGE_ERROR else CommandFailure)(message) from None
+
+
+def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:
+    """ValueError when the memory plan of a rank (`txl_dist.plan`) needs more than ``device_memory``, naming the
+    split that fits; nothing with train.memory_check=false or an unknown device size."""
+    if device_memory is None or not cfg.train.memory_check:
+        return
+    plan = plan_memory(cfg, world_size, None, device)
+    if plan.needed() <= device_memory:
+        return
+    fit = largest_micro_batch(cfg, world_size, device_memory, device)
+    if fit.micro_batch is not None:
+        advice = f"train.micro_batch={fit.micro_batch} ({fit.grad_accum} accumulation steps) fits"
+    else:
+        advice = "no micro-batch fits: use a higher ZeRO stage, optimizer offload or more ranks"
+    raise ValueError(
+        f"micro-batch {plan.micro_batch}: the memory plan needs {plan.needed() / GiB:.2f} GiB per "
+        f"rank, the {device} device has {device_memory / GiB:.2f} GiB; {advice} (python -m txl_dist.plan "
+        f"shows the plan; train.memory_check=false starts anyway)"
+    )
+
+
+def _require_a_run_that_can_start(cfg: RunConfig, manifest: Manifest) -> str:
+    """What the trainer would refuse only after every rank has started, found here from the files alone: a
+    data.tokenizer other than the one the shards were built with, checkpoints in train.output_dir under
+    checkpoint.resume=false, and a newest complete checkpoint of another architecture (`checkpoints.verify.preflight`:
+    the rules of `refuse_to_start`, which the resume plan applies to the checkpoint it chooses once verified).
+    Returns the tokenizer's fingerprint."""
+    fingerprint = manifest.tokenizer.fingerprint
+    if cfg.data.tokenizer is not None:
+        try:
+            found = load_tokenizer(cfg.data.tokenizer).fingerprint  # the whole tokenizer checked, once
+        except ValueError as error:
+            raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: {error}") from error
+        if found != fingerprint:
+            raise ValueError(
+                f"data.tokenizer={cfg.data.tokenizer!r}: its fingerprint {found} differs from "
+                f"{Path(cfg.data.shards, MANIFEST_NAME)}'s {fingerprint}: the shards were built with another "
+                f"tokenizer"
+            )
+    preflight(
+        checkpoints_dir(cfg.train.output_dir), resume=cfg.checkpoint.resume, architecture=cfg.model.architecture()
+    )
+    return fingerprint
+
+
+# ---- 2. the launch environment applied ------------------------------------------------------------------------
+
+
+def apply_launch(
+    launch: launch_env.LaunchEnvironment | None, launch_error: launch_env.LaunchError | None = None
+) -> launch_env.LaunchEnvironment:
+    """Step 2: torch's variables written from the launch of step 1 (``launch``, or ``launch_error``: why the
+    variables make none; both from `read_launch`); ValueError (one line) for a launch that cannot form one world,
+    before anything has started."""
+    # Before torch's variables are written: a process alone in the batch script of an allocation of several tasks
+    # most likely lacks its `srun`, and would train on one task of the allocation.
+    launch_env.refuse_lone_batch_process(os.environ)
+    if launch_error is not None:
+        raise launch_error
+    launch = launch_env.apply(launch=launch)
+    launch_env.require_resolvable_address(launch)
+    if launch.launcher != "torch":
+        os.environ.setdefault("TXL_LAUNCHER", launch.launcher)
+    return launch
+
+
+def configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+# ---- 3-7. ranks, run directory, resume plan, engine, streams --------------------------------------------------
+
+
+def build_engine(
+    run: ResolvedRun,
+    place: ranks.Place,
+    checkpoints: CheckpointManager,
+    resume_plan: ResumePlan | None,
+):
+    """Step 6: the model and DeepSpeed's engine around it, configured to load ``resume_plan``'s checkpoint; returns
+    the engine and the model's number of parameters."""
+    cfg = run.cfg
+    # Identical initial weights on every rank, then a different dropout stream per rank.
+    torch.manual_seed(cfg.train.seed)
+    model = TransformerXLLM(cfg.model)
+    num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
+    if cfg.model.compile:
+        model.compile_body()  # the module itself stays: no "_orig_mod." keys in checkpoints
+    torch.manual_seed(dropout_seed(cfg.train.seed, place.rank))
+    ds_config = build_deepspeed_config(
+        train=cfg.train,
+        optim=cfg.optim,
+        precision=cfg.precision,
+        zero=cfg.zero,
+        world_size=place.world_size,
+        device=place.device.type,
+        overlay_path=run.deepspeed_overlay,
+        num_parameters=num_parameters,
+    )
+    if resume_plan is not None and resume_plan.engine_loads_universal:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
+    optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        optimizer=optimizer,
+        config=ds_config,
+        lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
+    )
+    checkpoints.install(engine)
+    return engine, num_parameters
+
+
+def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironment | None = None) -> Trainer:
+    """Steps 3-7, collective: the `Trainer` of ``run``, its resumed state loaded. ``launch``: what `apply_launch`
+    returned (None: a launcher that wrote torch's variables itself, read again here)."""
+    cfg = run.cfg
+    place = ranks.join(launch)  # 3. the ranks
+    start_memory_history(cfg.profile, place.device)  # before the engine's allocations, which it records
+    guard.connect(place.rank, place.world_size, cfg.train.stall_timeout)
+    # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
+    # does not wait for the device to finish the step's kernels.
+    flag_group = dist.new_group(backend="gloo") if place.device.type != "cpu" else None
+
+    run_dir = RunDirectory.take(cfg.train.output_dir, place.rank, place.world_size, guard)  # 4. the run directory
+    checkpoints = CheckpointManager(run_dir.checkpoints, place.rank, place.world_size, cfg.checkpoint.keep_last)
+    guard.on_abort(checkpoints.remove_unfinished_save)
+    checkpoints.remove_incomplete()
+    if place.rank == 0:
+        run_dir.keep_tokenizer(
+            run.manifest.tokenizer.fingerprint,
+            [cfg.data.tokenizer, run.manifest.build.get("tokenizer_directory")],
+        )
+    dist.barrier()
+
+    snapshots = None  # 5. the resume plan: a snapshot newer than the newest checkpoint becomes one first
+    if cfg.checkpoint.memory_every:
+        identity = run_id(run_dir.path, place.rank)
+        snapshots = Snapshots(cfg.checkpoint.memory_dir, identity, run_dir.path, place.rank, place.world_size)
+        snapshots.restore(checkpoints.directory, checkpoints.mark_restored)
+    resume_plan = checkpoints.plan_resume(
+        resume=cfg.checkpoint.resume,
+        verify=cfg.checkpoint.verify,
+        architecture=cfg.model.architecture(),
+        zero_stage=cfg.zero.stage,
+    )
+
+    engine, num_parameters = build_engine(run, place, checkpoints, resume_plan)  # 6. the engine
+
+    streams = TrainStreams(  # 7. the streams
+        cfg.data.shards,
+        cfg.data.train_split,
+        tgt_len=cfg.model.tgt_len,
+        micro_batch=run.batch_split.micro_batch,
+        grad_accum=run.batch_split.grad_accum,
+        world_size=place.world_size,
+        rank=place.rank,
+        seed=cfg.train.seed,
+        shuffle_blocks=cfg.data.shuffle_blocks,
+        expected_fingerprint=run.tokenizer_fingerprint,
+        verify_sha256=cfg.data.verify_sha256,
+        manifest=run.manifest,
+    )
+    return Trainer(
+        run.cfg,
+        run.manifest,
+        run.tokenizer_fingerprint,
+        run.batch_split,
+        place=place,
+        guard=guard,
+        flag_group=flag_group,
+        run_dir=run_dir,
+        checkpoints=checkpoints,
+        snapshots=snapshots,
+        resume_plan=resume_plan,
+        engine=engine,
+        num_parameters=num_parameters,
+        streams=streams,
+    )
+
+
+def train(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironment | None = None) -> dict[str, Any]:
+    """Steps 3-7, then the run, then the process group left; the run's summary. A failure propagates: the caller
+    hands it to ``guard.fail``, which ends every rank."""
+    summary = start(run, guard, launch).run()
+    # Every rank done before any tears gloo down: rank 1 of a 2-rank run aborted once at exit ("terminate called
+    # without an active exception") after a finished run.
+    dist.barrier()
+    dist.destroy_process_group()  # one left to interpreter shutdown can abort the process at exit
+    return summary
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, guard: RunGuard) -> int:
+    """The whole sequence for `launchers/train.py`: steps 1-7 and the run; 0 when it ends (a stop request
+    included), 2 for a refused command line or launch. A failure on any rank ends every rank through ``guard``."""
+    try:
+        resolved = resolve(parser, args)  # exits 2 with the offending key before any process group exists
+    except BaseException:
+        # Nothing started: give the caller (a test calling main in-process) its own signal handlers back and stop
+        # the guard's watch thread.
+        guard.close()
+        raise
+    guard.fault_log = fault_log(resolved.cfg.train.output_dir)  # the folder exists and takes files (step 1)
+    try:
+        launch = apply_launch(resolved.launch, resolved.launch_error)
+    except ValueError as error:  # a launch whose processes cannot form one world: nothing has started
+        guard.close()
+        print_error(PROG, error)
+        return USAGE_ERROR
+    configure_logging(launch.rank)
+    try:
+        summary = train(resolved, guard, launch)
+    except BaseException as error:  # noqa: BLE001 -- every failure ends every rank, with one message
+        guard.fail(error)
+    if launch.rank == 0:
+        try:
+            print(f"output: {summary['output_dir']}  (tensorboard --logdir {summary['output_dir']}/tensorboard)")
+        except OSError:  # the launcher that read our output is gone
+            pass
+    return 0
