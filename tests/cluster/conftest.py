@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.harness import DEFAULT_STATE_DIR, Cluster, ClusterUnavailable, check_machine
+from tests.cluster.harness import DEFAULT_STATE_DIR, Cluster
+from tests.cluster.host import ClusterUnavailable, check_machine
 from tests.cluster.runs import REFERENCE_STEPS, losses, train_args
 from tests.launcher import run, torchrun_command
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.cluster.harness import ClusterError
+from tests.cluster.host import ClusterError
 
 
 def slurm(cluster, argv: list[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
