@@ -67,7 +67,7 @@ def test_a_dangling_symbolic_link_as_data_shards_is_named(tmp_path, capsys):
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_before_the_run_starts(small_shards, small_tmpfs, capsys):  # noqa: F811
-    """A read-only output is a failure of the surroundings (status 1, README), named in one line."""
+    """A read-only output is a failure of the surroundings (status 1, docs/architecture.md: Rules): one line."""
     _read_only(small_tmpfs)
     with pytest.raises(SystemExit) as stopped:
         _parse_run(f"data.shards={small_shards}", f"train.output_dir={small_tmpfs / 'runs' / 'a'}")

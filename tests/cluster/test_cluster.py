@@ -252,8 +252,8 @@ def _commands(pids: list[int]) -> list[str]:
 
 
 def test_slurm_nodes_reads_a_drained_node_of_a_running_job_as_lost(slurm_cluster, job_dir):
-    """txl_dist.world.slurm_nodes (the relaunch decision of launchers/slurm.sbatch) against the real controller: a node
-    of a running job that an administrator drains is one the next step must avoid; the other is kept."""
+    """txl_dist.supervision.slurm_nodes (the relaunch decision of launchers/slurm.sbatch) against the real controller: a
+    node of a running job that an administrator drains is one the next step must avoid; the other is kept."""
     job_id = slurm_cluster.sbatch(["-N2", "--ntasks-per-node=1", f"--output={job_dir}/out.txt", "--wrap=sleep 120"])
     try:
         assert slurm_cluster.wait_job(job_id, "RUNNING", timeout=60) == "RUNNING"
@@ -262,7 +262,7 @@ def test_slurm_nodes_reads_a_drained_node_of_a_running_job_as_lost(slurm_cluster
             [
                 sys.executable,
                 "-m",
-                "txl_dist.world.slurm_nodes",
+                "txl_dist.supervision.slurm_nodes",
                 "relaunch",
                 "--job",
                 str(job_id),

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 def _print_cost_of_the_loss(directory: Path, lost_at: int, timeout: float = 240) -> None:
     """Prints how long the job took, from the node's loss, to relaunch the step, to resume, and to be back at step
-    LOST_AT (detection, restart, recomputation: the figures the README quotes). The resumed run rewinds
+    LOST_AT (detection, restart, recomputation: the figures docs/recovery.md quotes). The resumed run rewinds
     metrics.jsonl to its checkpoint, so being back is a logged LOST_AT after the resume."""
     began = time.monotonic()
     marks: dict[str, float] = {}
@@ -129,7 +129,7 @@ AGENT_ENV = {**CPU, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def _elastic_torchrun(cluster, node: str, directory: Path, port: int) -> subprocess.Popen:
-    """`torchrun --nnodes 1:2 --rdzv-backend c10d` on NODE, as the README shows it, its output in a file of
+    """`torchrun --nnodes 1:2 --rdzv-backend c10d` on NODE, as docs/clusters.md shows it, its output in a file of
     DIRECTORY; the rendezvous store on the first node."""
     log = open(directory / f"torchrun-{node}.log", "ab")
     try:

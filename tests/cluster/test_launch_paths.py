@@ -1,6 +1,6 @@
 """Every way users start a job, run for real on the two-node test cluster (tests/cluster/harness.py): each trains
 with the per-step losses of a 2-rank torchrun reference of the same run, and Slurm's time limit, scancel,
-preemption and a lost node below TXL_MIN_NODES end as the README says (the run: tests/cluster/runs.py; elastic
+preemption and a lost node below TXL_MIN_NODES end as docs/clusters.md says (the run: tests/cluster/runs.py; elastic
 runs: tests/cluster/test_elastic.py).
 """
 
@@ -122,10 +122,10 @@ def test_deepspeed_launcher_slurm_forms_one_world(slurm_cluster, shared, referen
 
 
 def _deepspeed_env(directory: Path) -> Path:
-    """.deepspeed_env written as the README says, from the variables set where deepspeed is typed."""
+    """.deepspeed_env written as docs/clusters.md says, from the variables set where deepspeed is typed."""
     path = directory / ".deepspeed_env"
     result = subprocess.run(
-        [PYTHON, "-m", "txl_dist.world.launch_env", "--write-deepspeed-env", "--path", str(path)],
+        [PYTHON, "-m", "txl_dist.rendezvous.launch_env", "--write-deepspeed-env", "--path", str(path)],
         cwd=REPO,
         env={**environment(), **CPU},
         capture_output=True,
@@ -261,7 +261,7 @@ def test_a_time_limit_signal_before_the_first_step_requeues_and_the_next_run_tra
     wrapper = directory / "python"
     wrapper.write_text(
         "#!/bin/bash\n"
-        f'if [ "$2" = txl_dist.world.slurm_nodes ] && [ "$3" = check ] && [ ! -e {signalled} ]; then\n'
+        f'if [ "$2" = txl_dist.supervision.slurm_nodes ] && [ "$3" = check ] && [ ! -e {signalled} ]; then\n'
         f'  touch {signalled} && kill -USR1 "$PPID" && sleep 1\n'
         "fi\n"
         f'exec {PYTHON} "$@"\n'
@@ -364,7 +364,7 @@ def test_a_time_limit_signal_while_the_relaunch_is_planned_still_requeues_the_jo
     # substitution, a fork of the script with the script's command line).
     wrapper.write_text(
         "#!/bin/bash\n"
-        f'if [ "$2" = txl_dist.world.slurm_nodes ] && [ "$3" = relaunch ] && [ ! -e {signalled} ]; then\n'
+        f'if [ "$2" = txl_dist.supervision.slurm_nodes ] && [ "$3" = relaunch ] && [ ! -e {signalled} ]; then\n'
         "  script=$PPID\n"
         '  parent() { cut -d" " -f4 "/proc/$1/stat"; }\n'
         '  while cmp -s "/proc/$script/cmdline" "/proc/$(parent "$script")/cmdline"; do\n'
