@@ -160,12 +160,25 @@ def _refuse_other_settings(path: Path, journaled: dict[str, Any], record: dict[s
         return
     differing = sorted(key for key in set(journaled) | set(record) if journaled.get(key) != record.get(key))
     details = "; ".join(
-        f"{key}: journal {_shorten(journaled.get(key))}, now {_shorten(record.get(key))}" for key in differing
+        f"{key}: journal {_shorten(_differences_first(journaled.get(key), record.get(key)))}, "
+        f"now {_shorten(_differences_first(record.get(key), journaled.get(key)))}"
+        for key in differing
     )
     raise BuildError(
         f"{path}: the interrupted build used other settings ({', '.join(differing)} differ: {details}); "
         f"resume with the same settings and inputs, or start again with --overwrite"
     )
+
+
+def _differences_first(value: Any, other: Any) -> Any:
+    """``value`` as it differs from ``other``: in a mapping the differing keys first, of a list of the same length
+    only the differing items, so that what differs survives `_shorten` however long the rest (a deep path) is."""
+    if isinstance(value, dict) and isinstance(other, dict):
+        keys = sorted(value, key=lambda key: value[key] == other.get(key))  # stable: the differing ones first
+        return {key: _differences_first(value[key], other.get(key)) for key in keys}
+    if isinstance(value, list) and isinstance(other, list) and len(value) == len(other):
+        return [_differences_first(item, theirs) for item, theirs in zip(value, other) if item != theirs]
+    return value
 
 
 def _shorten(value: Any, limit: int = 120) -> str:
