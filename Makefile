@@ -55,16 +55,25 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The full suite, with the 20 slowest tests at the end. cluster-packages: the Debian packages of the real
-# two-node Slurm cluster that tests/cluster/ builds (root only).
+# The full suite: the quick tier on every core (pytest-xdist), then the tiers that start launchers, the cluster
+# and .venv-hf, one test at a time (they hold ports, the one test cluster and the CPU's two cores themselves), with
+# the slowest tests of each at the end; fails when either part fails. cluster-packages: the Debian packages of the
+# real two-node Slurm cluster that tests/cluster/ builds (root only).
+QUICK := not launcher and not cluster and not hf
+SLOW := launcher or cluster or hf
+# Workers for the quick tier: one per core by default; TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= auto
 test: cluster-packages warm hf-venv
-	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q --durations=20 tests
+	status=0; \
+	$(CPU_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "$(QUICK)" tests || status=$$?; \
+	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q --durations=20 \
+		-m "$(SLOW)" tests || status=$$?; \
+	exit $$status
 
 # The quick tier: every test that starts no launcher, no cluster and no .venv-hf (markers applied by path in
-# tests/conftest.py; docs/architecture.md, Tests). Needs only .venv (and its compiled DeepSpeed op).
-QUICK := not launcher and not cluster and not hf
+# tests/conftest.py; docs/architecture.md, Tests), on every core. Needs only .venv (and its compiled DeepSpeed op).
 test-quick: warm
-	$(CPU_ENV) $(BIN)/python -m pytest -q --durations=10 -m "$(QUICK)" tests
+	$(CPU_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "$(QUICK)" tests
 
 # Debian packages of the two-node test cluster (tests/cluster: Slurm, munge, sshd per node, pdsh, mpirun), installed
 # when missing and when run as root; does nothing when all are present or when not root (the cluster tests then

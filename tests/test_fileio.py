@@ -124,3 +124,24 @@ def test_every_writer_gives_its_files_and_folders_the_modes_the_umask_gives(tmp_
     written = {p.relative_to(out).as_posix() for p in out.rglob("*")}
     assert {"export/model.safetensors", "hf/tokenizer/tokenizer.json", "run/tokenizer/tokenizer.json"} <= written
     assert {"shards/manifest.json", "from_original/model.safetensors", "pieces/tokenizer.json"} <= written
+
+
+def test_ctrl_c_just_after_the_staging_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """The interrupt that lands between the staging folder's mkdir and the start of the block (where a loaded
+    machine put a real Ctrl-C of `convert.py export-to-hub`) removes the folder too: nothing is left beside the
+    output."""
+    made = []
+    mkdir = Path.mkdir
+
+    def mkdir_then_interrupted(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if self.name.startswith(".out."):  # the staging folder, not the parent that ensure_directory makes
+            made.append(self)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupted)
+    with pytest.raises(KeyboardInterrupt), fileio.staged_output(tmp_path / "out", "test"):
+        pytest.fail("the block ran")
+    monkeypatch.undo()
+    assert made and made[0].parent == tmp_path
+    assert list(tmp_path.iterdir()) == []

@@ -372,16 +372,24 @@ def mark_output(directory: str | os.PathLike, description: str) -> None:
     Path(directory, OUTPUT_MARKER).write_text(json.dumps({"written_by": description}) + "\n", encoding="utf-8")
 
 
-def make_temporary_directory(parent: str | os.PathLike, prefix: str, suffix: str = ".tmp") -> Path:
+def make_temporary_directory(
+    parent: str | os.PathLike, prefix: str, suffix: str = ".tmp", made: list[Path] | None = None
+) -> Path:
     """A new, uniquely named folder in ``parent``, made as ``mkdir`` makes one: mode 0777 less the umask (what
     ``tempfile.mkdtemp`` gives is 0700, which a staging folder would keep once renamed into place, and the other
-    accounts of a shared cluster could not read the result)."""
+    accounts of a shared cluster could not read the result). ``made``: a list that holds the folder's name from
+    just before it is made, so that a caller interrupted (Ctrl-C) between the ``mkdir`` and this function's return
+    can still remove it."""
     while True:
         path = Path(parent, f"{prefix}{secrets.token_hex(8)}{suffix}")
+        if made is not None:
+            made.append(path)
         try:
             path.mkdir(0o777)
             return path
         except FileExistsError:  # somebody else's folder of that name
+            if made is not None:
+                made.remove(path)
             continue
 
 
@@ -414,11 +422,16 @@ def staged_output(out_dir: str | os.PathLike, written_by: str) -> Iterator[Path]
     that ``out_dir`` is either the old folder or the whole new one. An OSError on a path inside the staging
     folder is raised naming ``out_dir`` (the staging name means nothing to a user); others pass unchanged."""
     out_dir = Path(out_dir)
+    made: list[Path] = []
     try:
         ensure_directory(out_dir.parent)
-        staging = make_temporary_directory(out_dir.parent, f".{out_dir.name}.")
+        staging = make_temporary_directory(out_dir.parent, f".{out_dir.name}.", made=made)
     except OSError as error:
         raise with_path(error, out_dir, replace=True) from error
+    except BaseException:  # Ctrl-C just after the staging folder was made: it goes too
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     try:
         yield staging
         mark_output(staging, written_by)
@@ -437,7 +450,13 @@ def publish_directory(staging: str | os.PathLike, output: str | os.PathLike) -> 
     if not output.exists():
         os.replace(staging, output)
         return output
-    aside = make_temporary_directory(output.parent, f".{output.name}.", ".old")
+    made: list[Path] = []
+    try:
+        aside = make_temporary_directory(output.parent, f".{output.name}.", ".old", made=made)
+    except BaseException:  # an interrupt just after the mkdir: the empty folder goes too
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     os.replace(output, aside / output.name)
     try:
         os.replace(staging, output)
