@@ -82,15 +82,16 @@ def probe(out: str, argv: list[str]) -> None:
     its resident memory before the model is built and its peak resident memory."""
     from torch.profiler import ProfilerActivity, profile
 
-    from txl_dist.training.startup import parse_run_args
+    from txl_dist.supervision.guard import RunGuard
+    from txl_dist.training import startup
+    from txl_dist.training.arguments import build_arg_parser
 
-    cfg, args = parse_run_args(argv)
+    parser = build_arg_parser()
+    run = startup.resolve(parser, parser.parse_intermixed_args(argv))
     rank = int(os.environ.get("RANK", "0"))
     before = _rss_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        from txl_dist.training.trainer import Trainer
-
-        Trainer(cfg, deepspeed_overlay=args.deepspeed_config).run()
+        startup.start(run, RunGuard()).run()
     events = sorted(
         (event.start_ns(), event.nbytes())
         for event in profiler.profiler.kineto_results.events()

@@ -2,7 +2,7 @@
 
 Every command's ``__main__`` block is ``sys.exit(run_command(main, "PROG"))`` (launchers/, data_tools/,
 ``python -m txl_dist.plan``, ``python -m txl_dist.plot``, ``python -m txl_dist.rendezvous.launch_env``,
-``python -m txl_dist.supervision.slurm_nodes``). Its statuses:
+``python -m txl_dist.rendezvous.process_group``, ``python -m txl_dist.supervision.slurm_nodes``). Its statuses:
 
 - 0: done, or the answer is yes.
 - `USAGE_ERROR` (2): a refused command line or input, a bad file, key or value, with one line ``PROG: error:

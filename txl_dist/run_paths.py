@@ -18,10 +18,10 @@ METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 """TensorBoard's event files, with log.tensorboard=true."""
 PROFILE = "profile"
+"""The traces of profile.steps, a folder per window of steps (`txl_dist.training.profiling`)."""
 FAULTS = "faults.jsonl"
 """The run's fault log: what the ranks found when the run failed, and the Slurm batch script's decisions
 (`txl_dist.supervision.faults`)."""
-"""The traces of profile.steps, a folder per window of steps (`txl_dist.training.profiling`)."""
 
 
 def checkpoints_dir(output_dir: str | os.PathLike) -> Path:

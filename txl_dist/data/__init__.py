@@ -5,7 +5,7 @@ spawned workers import, and it must not pull in webdataset and torch (about a se
 through this package's ``__init__``.
 
 Layer 2 (docs/architecture.md, Layers): may import layers 1-2; today only config, fileio and lazy_names; never
-the world, the planner or anything above.
+the rendezvous, the planner or anything above.
 """
 
 from __future__ import annotations

@@ -20,6 +20,35 @@ its accelerator for a GPU's size; the model is built on PyTorch's meta device to
 Layer 4 (docs/architecture.md, Layers): may import layers 1-4; today the model, the data (a manifest's
 vocabulary), the rendezvous (a hostfile's slots), config and the bottom layer; never checkpoints or training. The
 names below are imported on first use (`txl_dist.lazy_names`).
+
+What is counted, per rank (P parameters, N ranks, b bytes per element of the compute dtype: 2 for bf16/fp16,
+4 for fp32; Pn = P / N, DeepSpeed's partition):
+
+- Parameters in the compute dtype: P b with ZeRO 0-2 (every rank holds them all), Pn b with ZeRO-3 plus the
+  parameters gathered for the module being computed and the prefetch bucket (``zero.stage3_*``).
+- fp32 master weights (4 Pn; ZeRO-0 under bf16/fp16: 4 P) and Adam's two fp32 moments (8 Pn; ZeRO-0: 8 P):
+  torch's fused Adam (``optim.implementation=torch``) and DeepSpeed's keep the same states. ZeRO 1-3 keep a
+  fp32 master partition even in fp32 training. With ``zero.offload_optimizer=cpu`` both live in host memory.
+- Gradients, as DeepSpeed keeps them: ZeRO 0 and 1 hold them for every parameter (P b), ZeRO-2 its partition (Pn b)
+  and a reduction bucket (``zero.bucket_size`` elements, at most P), ZeRO-3 its partition and a fp32 buffer of the
+  model's size (DeepSpeed 0.19's stage-3 optimizer sizes it by the unpartitioned parameters); the fp32 gradient of
+  the partition made at the optimizer step.
+- Activations saved for the backward pass of one micro-batch of tgt_len tokens with mem_len of memory (klen =
+  mem_len + tgt_len keys): `layer_activation_bytes` per layer, `head_activation_bytes` for the adaptive
+  input and softmax (the head cluster's logits and log-probabilities over micro_batch x tgt_len rows, the tail
+  clusters over their expected rows), and the largest transient of the backward pass.
+- The mems: grad_accum x (n_layer + 1) x mem_len x micro_batch x d_model (each accumulation slot keeps its own).
+- Validation during training, with the eval section's segment settings (the paper's long evaluation memory:
+  mem_len 3800 for enwik8_large and text8_large) over eval.batch_size / N streams per rank: the memory read and
+  the one being written, and one layer's forward without autograd (`eval_forward_bytes`). It runs between
+  steps, when the training activations are gone and the training mems and model states stay: the "eval" phase.
+- On a CPU, the process itself (Python, PyTorch, DeepSpeed, gloo and its shared-memory buffer): peak RSS is
+  compared, and it includes them. On a GPU, the CUDA context lies outside max_memory_allocated; a run fits when
+  the planned peak plus the context and a margin for the caching allocator's fragmentation fit the device.
+
+The activation terms are counts of tensors by shape, read from the model's saved tensors (see the docstrings):
+when the model changes (another attention kernel, fewer fp32 copies, fixed shapes in the adaptive softmax),
+change the count there. `benchmarks/plan_check.py` measures the peaks of real runs against the plan.
 """
 
 from __future__ import annotations

@@ -28,11 +28,12 @@ class Place(NamedTuple):
     device: torch.device
 
 
-def local_device() -> torch.device:
+def local_device(device_type: str | None = None) -> torch.device:
     """This rank's device, made current: the accelerator's device of index LOCAL_RANK, modulo the devices this
-    process sees (a launcher that binds one device per task, srun --gpus-per-task, leaves each rank one)."""
+    process sees (a launcher that binds one device per task, srun --gpus-per-task, leaves each rank one).
+    ``device_type``: the accelerator's name as the caller found it (None: asked here)."""
     accelerator = get_accelerator()
-    device_type = accelerator.device_name()
+    device_type = device_type or accelerator.device_name()
     if device_type == "cpu":
         return torch.device("cpu")
     device_index = int(os.environ.get("LOCAL_RANK", "0")) % max(accelerator.device_count(), 1)
@@ -40,10 +41,11 @@ def local_device() -> torch.device:
     return torch.device(device_type, device_index)
 
 
-def join(launch: LaunchEnvironment | None = None) -> Place:
-    """Collective: this rank's device, then the process group (`launch_env.apply` has run: ``launch`` is what it
-    returned, None to read the launcher's variables again); rank 0 logs the ranks' environment."""
-    device = local_device()
+def join(launch: LaunchEnvironment | None = None, device_type: str | None = None) -> Place:
+    """Collective: this rank's device (of ``device_type``, None: the accelerator's), then the process group
+    (`launch_env.apply` has run: ``launch`` is what it returned, None to read the launcher's variables again); rank
+    0 logs the ranks' environment."""
+    device = local_device(device_type)
     rank, world_size, environments = process_group.start(device.type, launch)
     if rank == 0:
         log.info(

@@ -58,9 +58,9 @@ def append(path: Path, record: dict) -> None:
         os.close(descriptor)
 
 
-def read(path: Path, say: Callable[[str], None] = lambda line: None) -> list[dict]:
+def read(path: Path, explain: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Every record of the fault log at PATH, in order ([] when there is none). A line that is no JSON object with
-    a string ``kind`` is skipped: SAY names the file, the line and why."""
+    a string ``kind`` is skipped: EXPLAIN names the file, the line and why."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -80,7 +80,7 @@ def read(path: Path, say: Callable[[str], None] = lambda line: None) -> list[dic
         records.append(record)
     if skipped:
         lines = ", ".join(str(number) for number in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
-        say(f"warning: {path}: skipped {len(skipped)} line(s) that are no fault record (line {lines})")
+        explain(f"warning: {path}: skipped {len(skipped)} line(s) that are no fault record (line {lines})")
     return records
 
 

@@ -97,7 +97,7 @@ def read_limits(environ: Mapping[str, str] = os.environ, job_nodes: int | None =
 def largest_world(
     healthy: int, ranks_per_node: int, min_nodes: int, fits: Callable[[int], bool]
 ) -> tuple[int | None, list[int]]:
-    """The most nodes (at most HEALTHY, at least MIN_NODES) whose ranks hold the global batch (HOLDS(world)), and
+    """The most nodes (at most HEALTHY, at least MIN_NODES) whose ranks hold the global batch (FITS(world)), and
     the node counts that were refused; None when no count does."""
     refused = []
     for nodes in range(healthy, min_nodes - 1, -1):
@@ -226,7 +226,7 @@ def decide(
     progress: tuple[int | None, int | None],
     explain: Callable[[str], None],
 ) -> str:
-    """The line for the batch script (``relaunch N NODES SPARES``, ``requeue`` or ``end``); SAY gets the reasons."""
+    """The line for the batch script (``relaunch N NODES SPARES``, ``requeue`` or ``end``); EXPLAIN gets the reasons."""
     lost = lost_nodes(situation.step_nodes, situation.job_nodes, situation.states)
     for node, why in situation.named.items():
         lost.setdefault(node, why)

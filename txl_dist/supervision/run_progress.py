@@ -42,7 +42,7 @@ def train_step(line: bytes) -> int | None:
 
 def logged_step(path: Path, explain: Callable[[str], None]) -> int | None:
     """The newest step of the train records in metrics.jsonl at PATH (None without one). A line that is no record
-    (the one a dying rank was writing, or a damaged one) is skipped: SAY names the file, the line and why, and the
+    (the one a dying rank was writing, or a damaged one) is skipped: EXPLAIN names the file, the line and why, and the
     other lines and the checkpoints decide."""
     logged = None
     skipped: list[str] = []

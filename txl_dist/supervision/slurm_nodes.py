@@ -1,12 +1,11 @@
-"""Slurm's view of a job's nodes, the ranks' record of a failure, and the relaunch decision of
-``launchers/slurm.sbatch`` (docs: "Elastic runs").
+"""The command of ``launchers/slurm.sbatch`` that reads Slurm and the run: ``check``, ``relaunch`` (the decision of
+`txl_dist.supervision.relaunch`) and ``watch`` (docs/clusters.md, Elastic runs; docs/recovery.md).
 
 The batch script decides every restart of a Slurm job; this module is the part of it that reads Slurm and the
 run. When the training step ends non-zero without a stop request, the script asks::
 
-    python -m txl_dist.supervision.slurm_nodes relaunch --job JOB --step-nodes NODES --ranks-per-node R --relaunches K
-    \\
-        --spares SPARES --status STATUS --launch JOB.RESTART.K -- TRAIN_ARGS...
+    python -m txl_dist.supervision.slurm_nodes relaunch --job JOB --step-nodes NODES --ranks-per-node R \\
+        --relaunches K --spares SPARES --status STATUS --launch JOB.RESTART.K -- TRAIN_ARGS...
 
 which prints one line on stdout: ``relaunch N NODELIST SPARES`` (start the step again on those N nodes, keeping
 SPARES, ``-`` for none, idle), ``requeue`` (a node was lost but the job cannot go on: below ``TXL_MIN_NODES``, past
@@ -34,8 +33,10 @@ or the relaunches are used up: then the job ends, with one line naming the step,
 Where this module cannot read Slurm's view (a failed, blank or foreign ``scontrol`` answer) or the run (a config
 file gone), or fails itself, it answers the safe verdict: ``requeue`` (``end`` for a job known not to be
 requeueable), never the end of a job that could go on; a damaged line of metrics.jsonl or of the fault log is
-skipped with a warning naming the file and the line. ``python -m txl_dist.supervision.slurm_nodes check`` validates the
-batch script's variables at the start of the job (exit 2 with one line naming the variable).
+skipped with a warning naming the file and the line. ``python -m txl_dist.supervision.slurm_nodes check``
+validates the batch script's variables at the start of the job (exit 2 with one line naming the variable), and
+``hostnames LIST`` gives the batch script a host list's names, one a line, read by the one parser of them
+(`txl_dist.rendezvous.launch_formats.expand_hostlist`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from txl_dist.exit_status import one_line, run_command
+from txl_dist.rendezvous.launch_formats import expand_hostlist
 from txl_dist.run_paths import fault_log
 from txl_dist.supervision import faults
 from txl_dist.supervision.relaunch import (
@@ -132,8 +134,8 @@ def _launch_name(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``check``, ``relaunch`` or ``watch`` (the module docstring); exit 2 with one line for a bad variable or
-    argument."""
+    """``check``, ``hostnames``, ``relaunch`` or ``watch`` (the module docstring); exit 2 with one line for a bad
+    variable or argument."""
     parser = argparse.ArgumentParser(prog="python -m txl_dist.supervision.slurm_nodes")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
@@ -149,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     relaunch.add_argument("--status", default=None, help="the exit status of the step that ended")
     relaunch.add_argument("--launch", default=None, help=f"the step's {faults.LAUNCH_VAR} (JOB.RESTART.RELAUNCH)")
     relaunch.add_argument("train_args", nargs=argparse.REMAINDER, help="train.py's arguments, after --")
+    names = commands.add_parser("hostnames", help="a Slurm host list's names, one a line (the one parser of them)")
+    names.add_argument("nodelist", help="a Slurm host list, e.g. node[01-04],gpu7")
     watch = commands.add_parser("watch", help="end a step whose ranks named a lost rank without waiting for Slurm")
     watch.add_argument("--step-pid", required=True, help="the PID of the step's srun")
     watch.add_argument("--launch", required=True, help=f"the step's {faults.LAUNCH_VAR}")
@@ -161,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check":
             read_limits(os.environ, None if args.nodes is None else _at_least("--nodes", args.nodes, 1))
+            return 0
+        if args.command == "hostnames":
+            print("\n".join(expand_hostlist(args.nodelist, "the host list")), flush=True)
             return 0
         train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
         if args.command == "watch":

@@ -144,7 +144,7 @@ class EventFile:
         self._summary(step, [value])
 
     def flush(self) -> None:
-        """Write out what is buffered; `txl_dist.training.FileGone` when the file's path now names
+        """Write out what is buffered; `FileGone` when the file's path now names
         another file or nothing."""
         self._records.flush()
         require_same_file(self.path, self._identity)

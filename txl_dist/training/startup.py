@@ -7,7 +7,8 @@
    for that world, the device, the ``--deepspeed_config`` overlay, the tokenizer's fingerprint and the run
    directory. A bad value fails on every rank at once with one line naming the key (exit 2), not after minutes of
    start-up; the node's first rank prints it. The result, `ResolvedRun`, holds each of those facts, and nothing
-   after this step reads them again.
+   after this step resolves them again (rank 0 still reads the tokenizer's files once, to copy them into a new
+   run folder).
 2. The launch environment applied (`apply_launch`): torch's variables written from the launch resolved in 1.
 3. The ranks (`txl_dist.rendezvous.ranks.join`): the device, the rendezvous, the process group; the guard joins
    the other ranks' watch.
@@ -366,7 +367,12 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
     """Steps 3-7, collective: the `Trainer` of ``run``, its resumed state loaded. ``launch``: what `apply_launch`
     returned (None: a launcher that wrote torch's variables itself, read again here)."""
     cfg = run.cfg
-    place = ranks.join(launch)  # 3. the ranks
+    place = ranks.join(launch, run.device_type)  # 3. the ranks
+    if place.world_size != run.world_size:  # a launcher that wrote torch's variables itself, against its own
+        raise ValueError(
+            f"the process group has {place.world_size} ranks, the launcher's variables said {run.world_size}: the "
+            f"batch split was resolved for {run.world_size}"
+        )
     start_memory_history(cfg.profile, place.device)  # before the engine's allocations, which it records
     guard.connect(place.rank, place.world_size, cfg.train.stall_timeout)
     # The per-step stop-flag agreement goes over a CPU (gloo) group on accelerators, so that reading the flag
@@ -443,7 +449,8 @@ def train(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace, guard: RunGuard) -> int:
     """The whole sequence for `launchers/train.py`: steps 1-7 and the run; 0 when it ends (a stop request
-    included), 2 for a refused command line or launch. A failure on any rank ends every rank through ``guard``."""
+    included), 2 for a refused command line or launch (a SystemExit from `resolve`, or returned), 1 for an output
+    folder the surroundings refuse (`resolve`). A failure on any rank ends every rank through ``guard``."""
     try:
         resolved = resolve(parser, args)  # exits 2 with the offending key before any process group exists
     except BaseException:

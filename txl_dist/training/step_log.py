@@ -56,9 +56,9 @@ def host_names() -> list[str]:
 
 
 def launcher(environ: os._Environ | dict[str, str] = os.environ) -> str:
-    """The launcher that started this rank. launchers/train.py writes torch's variables for every launcher and
-    records the others' name in TXL_LAUNCHER; torchrun and DeepSpeed's per-node launcher are told apart by their
-    own variables."""
+    """The launcher that started this rank. `txl_dist.training.startup.apply_launch` writes torch's variables for
+    every launcher and records the others' name in TXL_LAUNCHER; torchrun and DeepSpeed's per-node launcher are
+    told apart by their own variables."""
     if environ.get("TXL_LAUNCHER"):
         return environ["TXL_LAUNCHER"]
     if "TORCHELASTIC_RUN_ID" in environ:
