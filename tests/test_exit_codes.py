@@ -202,10 +202,13 @@ def test_verdicts_have_a_status_of_their_own(ptb_word_shards, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def ptb_export(ptb_word_tokenizer, tmp_path_factory) -> Path:
     """An export of a tiny untrained model with the PTB word tokenizer."""
+    import torch
+
     from txl_dist.export import write_export
     from txl_dist.model import TransformerXLLM, preset
     from txl_dist.tokenizer import load_tokenizer
 
+    torch.manual_seed(0)  # the same weights whichever tests this process ran before (a pytest-xdist worker)
     model = TransformerXLLM(preset("tiny", n_token=load_tokenizer(ptb_word_tokenizer).vocab_size))
     return write_export(
         model, model.config, tmp_path_factory.mktemp("exports") / "tiny", tokenizer_dir=ptb_word_tokenizer
@@ -246,7 +249,7 @@ def test_head_1_after_the_first_sample_of_generate_stops_it_quietly(ptb_export):
     """The real pipe: `head -1` leaves after the first sample's line, while generate.py writes the others."""
     command = (
         f"{sys.executable} launchers/generate.py {ptb_export} --prompt the --num-samples 30 --max-new-tokens 40 "
-        "| head -1; exit ${PIPESTATUS[0]}"
+        "--seed 1 | head -1; exit ${PIPESTATUS[0]}"
     )
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert (result.returncode, result.stderr) == (0, ""), result

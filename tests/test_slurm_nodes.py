@@ -821,12 +821,12 @@ def test_the_step_ends_when_the_ranks_name_a_dead_node_without_waiting_for_slurm
 
 
 def test_the_batch_script_reads_host_lists_with_the_one_parser(capsys):
-    """`slurm_nodes hostnames`: Slurm's compact list as names, one a line (each range keeps its own width), as the
-    planner reads NodeList; a list that is no host list is refused in one line (status 2)."""
+    """`slurm_nodes check --nodelist`: the job's Slurm host list as names, one a line (each range keeps its own
+    width), as the planner reads NodeList; a list that is no host list is refused in one line (status 2)."""
     names = ["gpu01", "gpu02", "gpu03", "gpu7", "login-a1-ib", "login-a2-ib"]
-    assert slurm_nodes.main(["hostnames", "gpu[01-03,7],login-a[1-2]-ib"]) == 0
+    assert slurm_nodes.main(["check", "--nodes", "6", "--nodelist", "gpu[01-03,7],login-a[1-2]-ib"]) == 0
     assert capsys.readouterr().out.split() == names
     assert slurm_view.hostnames("gpu[01-03,7],login-a[1-2]-ib") == names
-    assert slurm_nodes.main(["hostnames", "gpu[3-1]"]) == 2
+    assert slurm_nodes.main(["check", "--nodes", "2", "--nodelist", "gpu[3-1]"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and error[0].startswith("slurm.sbatch: error: ") and "gpu[3-1]" in error[0], error
+    assert len(error) == 1 and error[0].startswith("slurm.sbatch: error: cannot read SLURM_JOB_NODELIST='gpu[3-1]'")

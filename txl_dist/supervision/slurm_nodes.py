@@ -34,9 +34,9 @@ Where this module cannot read Slurm's view (a failed, blank or foreign ``scontro
 file gone), or fails itself, it answers the safe verdict: ``requeue`` (``end`` for a job known not to be
 requeueable), never the end of a job that could go on; a damaged line of metrics.jsonl or of the fault log is
 skipped with a warning naming the file and the line. ``python -m txl_dist.supervision.slurm_nodes check``
-validates the batch script's variables at the start of the job (exit 2 with one line naming the variable), and
-``hostnames LIST`` gives the batch script a host list's names, one a line, read by the one parser of them
-(`txl_dist.rendezvous.launch_formats.expand_hostlist`).
+validates the batch script's variables at the start of the job (exit 2 with one line naming the variable) and,
+with ``--nodelist``, prints the job's nodes one a line, read by the one parser of Slurm host lists
+(`txl_dist.rendezvous.launch_formats.expand_hostlist`, as the relaunch decision reads NodeList).
 """
 
 from __future__ import annotations
@@ -134,14 +134,15 @@ def _launch_name(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``check``, ``hostnames``, ``relaunch`` or ``watch`` (the module docstring); exit 2 with one line for a bad
-    variable or argument."""
+    """``check``, ``relaunch`` or ``watch`` (the module docstring); exit 2 with one line for a bad variable or
+    argument."""
     parser = argparse.ArgumentParser(prog="python -m txl_dist.supervision.slurm_nodes")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
         "check", help=f"validate {MIN_NODES_VAR}, {MAX_RELAUNCHES_VAR}, {SPARE_NODES_VAR} and {RANKS_PER_NODE_VAR}"
     )
     check.add_argument("--nodes", default=None, help="the job's node count")
+    check.add_argument("--nodelist", default=None, help="the job's Slurm host list: its names are printed, one a line")
     relaunch = commands.add_parser("relaunch", help="what to do after a failed training step")
     relaunch.add_argument("--job", required=True)
     relaunch.add_argument("--step-nodes", required=True, help="the Slurm host list of the step that ended")
@@ -151,8 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     relaunch.add_argument("--status", default=None, help="the exit status of the step that ended")
     relaunch.add_argument("--launch", default=None, help=f"the step's {faults.LAUNCH_VAR} (JOB.RESTART.RELAUNCH)")
     relaunch.add_argument("train_args", nargs=argparse.REMAINDER, help="train.py's arguments, after --")
-    names = commands.add_parser("hostnames", help="a Slurm host list's names, one a line (the one parser of them)")
-    names.add_argument("nodelist", help="a Slurm host list, e.g. node[01-04],gpu7")
     watch = commands.add_parser("watch", help="end a step whose ranks named a lost rank without waiting for Slurm")
     watch.add_argument("--step-pid", required=True, help="the PID of the step's srun")
     watch.add_argument("--launch", required=True, help=f"the step's {faults.LAUNCH_VAR}")
@@ -165,9 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check":
             read_limits(os.environ, None if args.nodes is None else _at_least("--nodes", args.nodes, 1))
-            return 0
-        if args.command == "hostnames":
-            print("\n".join(expand_hostlist(args.nodelist, "the host list")), flush=True)
+            if args.nodelist is not None:
+                print("\n".join(expand_hostlist(args.nodelist, "SLURM_JOB_NODELIST")), flush=True)
             return 0
         train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
         if args.command == "watch":
