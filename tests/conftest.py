@@ -241,3 +241,18 @@ def _remove_deepspeed_shm_buffers():
 
     yield
     remove_shm_buffers()
+
+
+@pytest.fixture
+def deepspeed_op_cache(monkeypatch):
+    """The environment every launched rank gives itself (`txl_dist.rendezvous.process_group.prepare_extension_cache`)
+    for a test that builds a DeepSpeed engine in its own process, or in a child it starts: the shared-memory op from
+    this environment's cache, where `make warm` built it with the environment's own ninja. Without it the op is
+    compiled again, into torch's default cache and by the system's ninja, whose log format differs: 30 s on the
+    first run of a fresh clone."""
+    from txl_dist.rendezvous.process_group import prepare_extension_cache
+
+    environ = dict(os.environ)
+    prepare_extension_cache(environ)
+    for key in ("TORCH_EXTENSIONS_DIR", "PATH"):
+        monkeypatch.setenv(key, environ[key])

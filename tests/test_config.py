@@ -635,7 +635,7 @@ for files in json.loads(sys.argv[1]):
 """
 
 
-def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path):
+def test_deepspeed_builds_engines_from_the_dicts_on_cpu(tmp_path, deepspeed_op_cache):
     """A real single-rank engine (gloo, in a child process so that no process group leaks into other tests) for
     ZeRO 0-3, bf16 and plain Adam; its LR after each optimizer step follows the schedule. Offload is left out:
     DeepSpeed's CPU Adam compiles for ~45 s on first use."""

@@ -267,7 +267,7 @@ print("RESULT", json.dumps(result), flush=True)
 """
 
 
-def test_the_seam_consolidates_converts_and_records_a_real_zero_checkpoint(tmp_path):
+def test_the_seam_consolidates_converts_and_records_a_real_zero_checkpoint(tmp_path, deepspeed_op_cache):
     """A single-rank ZeRO-2 engine (gloo, in a child process so that no process group leaks into other tests)
     saves through a wrapper of its checkpoint engine; the seam consolidates the checkpoint into the live weights,
     with and without DeepSpeed's bars, and converts it to the universal layout holding the same weights."""

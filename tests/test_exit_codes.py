@@ -228,21 +228,56 @@ def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess:
         os.close(writer)
 
 
-def test_a_command_whose_reader_leaves_ends_quietly_with_status_0(ptb_word_shards, ptb_export, tmp_path):
+READER_LEAVES = {
+    "inspect_shards": lambda shards, export, tmp: ["-m", "data_tools.inspect_shards", str(shards), "--decode", "3"],
+    "generate": lambda shards, export, tmp: [
+        "launchers/generate.py",
+        str(export),
+        "--prompt",
+        "the",
+        "--max-new-tokens",
+        "5",
+    ],
+    "generate --score": lambda shards, export, tmp: [
+        "launchers/generate.py",
+        str(export),
+        "--score",
+        "the market",
+        "a share",
+    ],
+    "plan": lambda shards, export, tmp: [
+        "-m",
+        "txl_dist.plan",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--world-size",
+        "1",
+        "--device",
+        "cpu",
+    ],
+    "synthetic_charlm": lambda shards, export, tmp: [
+        "-m",
+        "data_tools.synthetic_charlm",
+        "text8",
+        "--output",
+        str(tmp / "text8"),
+        "--bytes",
+        "1000",
+    ],
+    "build_shards --help": lambda shards, export, tmp: ["-m", "data_tools.build_shards", "--help"],
+}
+"""The commands whose output meets a reader that has left: a line of the output, the last flush at exit, a --help."""
+
+
+@pytest.mark.parametrize("command", list(READER_LEAVES))
+def test_a_command_whose_reader_leaves_ends_quietly_with_status_0(command, ptb_word_shards, ptb_export, tmp_path):
     """The reader's choice, as for `yes | head`: no "error: Broken pipe", no traceback, status 0, whichever
     write (a line of the output, the last flush at exit, a --help) meets the closed pipe."""
-    commands = [
-        ["-m", "data_tools.inspect_shards", str(ptb_word_shards), "--decode", "3"],
-        ["launchers/generate.py", str(ptb_export), "--prompt", "the", "--max-new-tokens", "5"],
-        ["launchers/generate.py", str(ptb_export), "--score", "the market", "a share"],
-        ["-m", "txl_dist.plan", "--config", "configs/tiny_cpu.yaml", "--world-size", "1", "--device", "cpu"],
-        ["-m", "data_tools.synthetic_charlm", "text8", "--output", str(tmp_path / "text8"), "--bytes", "1000"],
-        ["-m", "data_tools.build_shards", "--help"],
-    ]
-    for args in commands:
-        result = _into_a_closed_pipe(*args)
-        assert (result.returncode, result.stderr) == (0, ""), (args, result.returncode, result.stderr[-2000:])
-    assert (tmp_path / "text8").exists()  # the work itself was done: only its summary line had no reader
+    args = READER_LEAVES[command](ptb_word_shards, ptb_export, tmp_path)
+    result = _into_a_closed_pipe(*args)
+    assert (result.returncode, result.stderr) == (0, ""), (args, result.returncode, result.stderr[-2000:])
+    if command == "synthetic_charlm":
+        assert (tmp_path / "text8").exists()  # the work itself was done: only its summary line had no reader
 
 
 def test_head_1_after_the_first_sample_of_generate_stops_it_quietly(ptb_export):
