@@ -830,3 +830,22 @@ def test_the_batch_script_reads_host_lists_with_the_one_parser(capsys):
     assert slurm_nodes.main(["check", "--nodes", "2", "--nodelist", "gpu[3-1]"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("slurm.sbatch: error: cannot read SLURM_JOB_NODELIST='gpu[3-1]'")
+
+
+def test_a_time_limit_signal_during_the_check_starts_no_step_and_requeues(tmp_path):
+    """The time limit's USR1 while the script's first Python run checks its variables (a --time shorter than the
+    signal's lead sends it in the job's first seconds): the check's own status stands, no training step starts,
+    and the job is requeued (the cluster holds the next run: tests/cluster/test_launch_paths.py)."""
+    signalled = tmp_path / "signalled"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/bin/bash\n"
+        f'if [ "$3" = check ] && [ ! -e {signalled} ]; then touch {signalled} && kill -USR1 "$PPID" && sleep 1; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    status, log, folder = sbatch(tmp_path, environ={"TXL_PYTHON": str(wrapper)})
+    assert signalled.exists(), log
+    assert "is not allowed" not in log and "stop asked before the training step started" in log, log
+    assert "no training step ran; requeueing job" in log, log
+    assert not fake_slurm.calls(folder, "srun") and len(fake_slurm.calls(folder, "scontrol requeue")) == 1, log
