@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import signal
 import time
 from pathlib import Path
@@ -181,44 +180,31 @@ def test_a_spare_node_takes_the_place_of_a_lost_one_and_the_run_stays_identical(
 
 
 def test_a_failure_repeated_at_the_same_step_ends_the_job_in_one_line(slurm_cluster, shared):
-    """Rank 1 dies whenever the run reaches step 60 (a TXL_PYTHON wrapper kills it there, as a fault in the data or
-    the code would): relaunched once on the same nodes, it dies at step 60 again, and the job ends with one line
-    naming the step, the rank and its error, without a third step and without a requeue. Submitted with --mem=0."""
+    """Rank 1 dies whenever the run reaches step 60 (SIGKILL as its training loop finishes step 60, as a fault in
+    the data or the code would): relaunched once on the same nodes, it dies at step 60 again, and the job ends with
+    one line naming the step, the rank and its error, without a third step and without a requeue. Submitted with
+    --mem=0."""
     directory = fresh(shared, "repeated")
-    run = directory / "run"
-    wrapper = directory / "python"
-    # Rank 1's wrapper kills it once this launch has logged step 60 (a record written after the wrapper started:
-    # the log still holds the earlier launch's steps until the resume rewinds it).
-    reached = (
-        "import json, sys, time\n"
-        "started = time.time()\n"
-        "while True:\n"
-        "    try:\n"
-        f"        lines = open('{run}/metrics.jsonl').read().splitlines()\n"
-        "    except OSError:\n"
-        "        lines = []\n"
-        "    for line in lines:\n"
-        "        try:\n"
-        "            record = json.loads(line)\n"
-        "        except ValueError:\n"
-        "            continue\n"
-        "        if record.get('kind') == 'train' and record.get('step') == 60 and record['wall_time'] > started:\n"
-        "            sys.exit(0)\n"
-        "    time.sleep(0.05)\n"
+    # The fault is exact, not a watcher's poll of the log (a poll lands a step or two late on a loaded machine, and
+    # two landings further apart than the decision's slack are rightly two different failures): a sitecustomize on
+    # rank 1's PYTHONPATH kills the process as the loop reports step 60 done, in every launch.
+    inject = directory / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "from txl_dist.supervision.guard import RunGuard\n"
+        "reported = RunGuard.progress\n"
+        "def progress(self, step):\n"
+        "    reported(self, step)\n"
+        "    if step == 60:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "RunGuard.progress = progress\n"
     )
+    wrapper = directory / "python"
     wrapper.write_text(
         "#!/bin/bash\n"
         f'if [ "$2" != launchers/train.py ] || [ "${{SLURM_PROCID:-0}}" != 1 ]; then exec {PYTHON} "$@"; fi\n'
-        f'{PYTHON} "$@" &\n'
-        "child=$!\n"
-        f"{PYTHON} -c {shlex.quote(reached)} &\n"
-        "watcher=$!\n"
-        "while kill -0 $child 2> /dev/null; do\n"
-        "  if ! kill -0 $watcher 2> /dev/null; then kill -9 $child; break; fi\n"
-        "  sleep 0.05\n"
-        "done\n"
-        "kill $watcher 2> /dev/null\n"
-        "wait $child\n"
+        f'PYTHONPATH="{inject}${{PYTHONPATH:+:$PYTHONPATH}}" exec {PYTHON} "$@"\n'
     )
     wrapper.chmod(0o755)
     job = sbatch_job(slurm_cluster, directory, 100, "--time=5", env={"TXL_PYTHON": str(wrapper)}, memory=("--mem=0",))
@@ -227,7 +213,7 @@ def test_a_failure_repeated_at_the_same_step_ends_the_job_in_one_line(slurm_clus
     assert state == "FAILED", (state, out[-3000:])
     came_back = [line for line in out.splitlines() if "came back" in line]
     assert len(came_back) == 1 and re.match(
-        r"slurm\.sbatch: the failure came back at step 6[01] after a relaunch \(rank 1 \(txlnode2\) at step 6[01]: "
+        r"slurm\.sbatch: the failure came back at step 60 after a relaunch \(rank 1 \(txlnode2\) at step 60: "
         r"train\.py: error: rank 1 \(txlnode2, PID \d+\) died",
         came_back[0],
     ), out[-3000:]
