@@ -32,7 +32,8 @@ from txl_dist.data.format import (
     token_dtype,
     write_manifest,
 )
-from txl_dist.fileio import OutputPathError, refuse_output_over_inputs, sha256_file
+from txl_dist.fileio import sha256_file
+from txl_dist.output_folders import OutputPathError, refuse_output_over_inputs
 from txl_dist.tokenizer import load_tokenizer
 
 # Where a finished source "continues": past its last file, so that every file's digest is checked as finished.

@@ -70,7 +70,8 @@ from data_tools.sentencepiece_training import (
 from data_tools.training_input import Reading, TrainError
 from data_tools.vocabulary_training import train_byte, train_char, train_word
 from txl_dist.exit_status import exit_status, run_command
-from txl_dist.fileio import OutputPathError, describe_os_error, refuse_output_over_inputs
+from txl_dist.fileio import describe_os_error
+from txl_dist.output_folders import OutputPathError, refuse_output_over_inputs
 from txl_dist.tokenizer import (
     BYTE_VOCAB,
     CHAR_VOCAB,

@@ -34,7 +34,8 @@ import argparse
 import sys
 
 from txl_dist.exit_status import USAGE_ERROR, os_error_status, print_error, run_command
-from txl_dist.fileio import check_output_path, describe_os_error
+from txl_dist.fileio import describe_os_error
+from txl_dist.output_folders import check_output_path
 from txl_dist.supervision.interrupts import one_line_on_stop
 
 
@@ -120,12 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def guard_output(args: argparse.Namespace) -> None:
     """Before any work, for every subcommand: refuse an output that is, contains or lies inside one of its inputs,
-    and an existing one unless --overwrite may replace it (`txl_dist.fileio.check_output_path`)."""
+    and an existing one unless --overwrite may replace it (`txl_dist.output_folders.check_output_path`)."""
     inputs = [getattr(args, name) for name in args.inputs if getattr(args, name, None) is not None]
     check_output_path(args.output, inputs, overwrite=args.overwrite, directory=not args.output_is_file)
 
 
-# Every output is staged or written under a temporary name (txl_dist.fileio), which an interrupt removes.
+# Every output is staged or written under a temporary name (txl_dist.output_folders, txl_dist.fileio), which an
+# interrupt removes.
 @one_line_on_stop("convert.py", "no output written (an existing one is left as it was)")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     (
         "txl_dist.fileio",
+        "txl_dist.output_folders",
         "txl_dist.exit_status",
         "txl_dist.word_scan",
         "txl_dist.lazy_names",

@@ -23,8 +23,8 @@ from txl_dist.export import (
     read_export_config,
     write_export,
 )
-from txl_dist.fileio import OUTPUT_MARKER, OutputPathError
 from txl_dist.model import ModelConfig, TransformerXLLM, preset
+from txl_dist.output_folders import OUTPUT_MARKER, OutputPathError
 
 CASES = {
     "tied_div_val2": dict(div_val=2, d_embed=16, cutoffs=[200, 600]),

@@ -1,5 +1,5 @@
-"""txl_dist.fileio: atomic writes (the old file or the whole new one, never a part, no temporary left) and the modes
-of every written file and folder."""
+"""txl_dist.fileio and txl_dist.output_folders: atomic writes (the old file or the whole new one, never a part,
+no temporary left), staged output folders, and the modes of every written file and folder."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from txl_dist import fileio
+from txl_dist import fileio, output_folders
 
 
 def test_a_new_file_gets_the_mode_open_would_give_it(tmp_path):
@@ -140,7 +140,7 @@ def test_ctrl_c_just_after_the_staging_folder_is_made_leaves_nothing(tmp_path, m
             raise KeyboardInterrupt
 
     monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupted)
-    with pytest.raises(KeyboardInterrupt), fileio.staged_output(tmp_path / "out", "test"):
+    with pytest.raises(KeyboardInterrupt), output_folders.staged_output(tmp_path / "out", "test"):
         pytest.fail("the block ran")
     monkeypatch.undo()
     assert made and made[0].parent == tmp_path

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from txl_dist import fileio
+from txl_dist import fileio, output_folders
 from txl_dist.checkpoint_paths import COMPLETE
 from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.verify import preflight, verify_checkpoint
@@ -360,16 +360,17 @@ def test_overwrite_replaces_only_what_txl_dist_wrote(export_dir, tmp_path):
     unrelated = tmp_path / "notes"
     unrelated.mkdir()
     (unrelated / "todo.txt").write_text("keep me")
-    with pytest.raises(fileio.OutputPathError, match="holds files this tool did not write"):
-        fileio.check_output_path(unrelated, [export_dir], overwrite=True)
-    with pytest.raises(fileio.OutputPathError, match="lies inside the input"):
-        fileio.check_output_path(export_dir / "hf", [export_dir], overwrite=True)
+    with pytest.raises(output_folders.OutputPathError, match="holds files this tool did not write"):
+        output_folders.check_output_path(unrelated, [export_dir], overwrite=True)
+    with pytest.raises(output_folders.OutputPathError, match="lies inside the input"):
+        output_folders.check_output_path(export_dir / "hf", [export_dir], overwrite=True)
     (tmp_path / "link").symlink_to(export_dir)
-    with pytest.raises(fileio.OutputPathError, match="is the input"):
-        fileio.check_output_path(tmp_path / "link", [export_dir], overwrite=True)
+    with pytest.raises(output_folders.OutputPathError, match="is the input"):
+        output_folders.check_output_path(tmp_path / "link", [export_dir], overwrite=True)
     (tmp_path / "empty").mkdir()
-    assert fileio.check_output_path(tmp_path / "empty", [export_dir], overwrite=True) == tmp_path / "empty"
-    assert fileio.check_output_path(export_dir, [tmp_path / "empty"], overwrite=True) == export_dir  # ours: marked
+    assert output_folders.check_output_path(tmp_path / "empty", [export_dir], overwrite=True) == tmp_path / "empty"
+    # Ours: marked.
+    assert output_folders.check_output_path(export_dir, [tmp_path / "empty"], overwrite=True) == export_dir
 
 
 # ---- write failures on real full and read-only filesystems -------------------------------------------------------

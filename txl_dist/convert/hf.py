@@ -39,7 +39,7 @@ from txl_dist.export import (
 )
 from txl_dist.export.config_file import read_json_object
 from txl_dist.export.weights import save_safetensors
-from txl_dist.fileio import check_output_path, copy_tree, staged_output
+from txl_dist.output_folders import check_output_path, copy_tree, staged_output
 
 # Our keys and HuggingFace's TransfoXLLMHeadModel keys.
 KEY_MAP = KeyMap(
@@ -194,7 +194,7 @@ def write_hf_folder(
     """An export folder -> a folder transformers 4.37.2 loads with ``TransfoXLLMHeadModel.from_pretrained``.
 
     ``out_dir`` may not be, contain or lie inside ``export_dir``; ``overwrite`` replaces only an empty folder or
-    one txl_dist wrote (`txl_dist.fileio.check_output_path`)."""
+    one txl_dist wrote (`txl_dist.output_folders.check_output_path`)."""
     export_dir = Path(export_dir)
     out_dir = check_output_path(out_dir, [export_dir], overwrite=overwrite)
     require_export_folder(export_dir)

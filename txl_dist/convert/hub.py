@@ -45,7 +45,7 @@ from txl_dist.export import (
     unique_weights,
 )
 from txl_dist.export.weights import save_safetensors
-from txl_dist.fileio import check_output_path, staged_output
+from txl_dist.output_folders import check_output_path, staged_output
 
 HUB_FILES = Path(__file__).with_name("hub_files")
 MODELING_FILES = ("configuration_txl.py", "modeling_txl.py", "memory_txl.py", "attention_txl.py", "adaptive_txl.py")

@@ -33,8 +33,8 @@ from txl_dist.export.weights import (
     tensor_shapes,
     unique_weights,
 )
-from txl_dist.fileio import check_output_path, staged_output
 from txl_dist.model import ModelConfig, TransformerXLLM
+from txl_dist.output_folders import check_output_path, staged_output
 
 if TYPE_CHECKING:
     from txl_dist.tokenizer import Tokenizer
@@ -71,7 +71,7 @@ def write_export(
     directory, or recorded alone when there is none. Either must agree with ``config.n_token``.
     ``training_info``: free-form JSON for ``training.json``. An existing ``out_dir`` is an error unless
     ``overwrite``, which replaces only an empty folder or one that txl_dist wrote
-    (`txl_dist.fileio.check_output_path`).
+    (`txl_dist.output_folders.check_output_path`).
     """
     out_dir = check_output_path(out_dir, overwrite=overwrite)
     state = _state_of(model_or_state_dict, config)
