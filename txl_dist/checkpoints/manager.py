@@ -4,14 +4,15 @@ What a checkpoint holds and where (`txl_dist.checkpoint_paths`) and how its file
 (`txl_dist.checkpoints.verify`) are apart; this module writes and reads them under a process group.
 
 Every file is written under a temporary name, synced and renamed (DeepSpeed's too: its checkpoint engine is
-wrapped), and its checksum is computed from the bytes as they are written, so a checkpoint costs no second read;
-``COMPLETE.json`` therefore lists files that are on disk. (DeepSpeed's own ``latest`` is written by rank 0
-without waiting for the other ranks' optimizer files, so it is turned off.)
+wrapped, `txl_dist.checkpoints.recording`), and its checksum is computed from the bytes as they are written, so a
+checkpoint costs no second read; ``COMPLETE.json`` therefore lists files that are on disk. (DeepSpeed's own
+``latest`` is written by rank 0 without waiting for the other ranks' optimizer files, so it is turned off.)
 
 Resume takes the newest checkpoint that verifies -- the ranks share the reading -- says which it skipped and
 why, and loads it under any ZeRO stage and number of ranks (`txl_dist.checkpoints.universal`). Rotation
-keeps the last ``keep_last`` checkpoints (all with 0) not known to be damaged, the best one by validation loss,
-and always the newest verified one, so a damaged checkpoint never pushes the last good one out.
+(`txl_dist.checkpoints.rotation`) keeps the last ``keep_last`` checkpoints (all with 0) not known to be damaged, the
+best one by validation loss, and always the newest verified one, so a damaged checkpoint never pushes the last good
+one out.
 """
 
 from __future__ import annotations
@@ -39,23 +40,13 @@ from txl_dist.checkpoint_paths import (
     has_optimizer_partitions,
     is_complete,
     tag_for_step,
-    unfinished_entries,
-    universal_source,
     universal_tag,
-    unknown_entries,
 )
-from txl_dist.checkpoints import weights_only
-from txl_dist.checkpoints.background import BackgroundWrite, FileJob, HostBuffers, host_copy, torch_save_job
+from txl_dist.checkpoints import rotation, weights_only
+from txl_dist.checkpoints.background import BackgroundWrite, FileJob, host_copy
 from txl_dist.checkpoints.rank_state import RankState, rank_state_job, read_rank_states, write_rank_state
-from txl_dist.checkpoints.universal import (
-    LoadKind,
-    ResumePlan,
-    complete_universal,
-    load_into_stage0,
-    plan_load,
-    universal_from_stage0,
-    writes_that_name_their_failures,
-)
+from txl_dist.checkpoints.recording import RecordingCheckpointEngine
+from txl_dist.checkpoints.universal import LoadKind, ResumePlan, load_into_stage0, plan_load, write_universal
 from txl_dist.checkpoints.verify import (
     CheckpointVerificationError,
     check_files,
@@ -66,56 +57,11 @@ from txl_dist.checkpoints.verify import (
     refuse_to_start,
     saved_zero_stages,
 )
-from txl_dist.deepspeed_internals import CheckpointEngineWrapper, convert_to_universal
 from txl_dist.exit_status import CommandFailure
-from txl_dist.fileio import (
-    CHECKSUM_NAME,
-    FileChecksum,
-    atomic_write_checksummed,
-    atomic_write_text,
-    file_checksum,
-    make_temporary_directory,
-    with_path,
-)
+from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_text, file_checksum
 from txl_dist.rendezvous.ranks import broadcast
 
 log = logging.getLogger("txl_dist.training")
-
-
-class _RecordingCheckpointEngine(CheckpointEngineWrapper):
-    """DeepSpeed's checkpoint engine, but every file is written atomically (temporary name, fsync, rename) with
-    its size and CRC-32 recorded as the bytes pass, and read weights-only (`txl_dist.checkpoints.weights_only`)."""
-
-    def __init__(self, inner: Any):
-        super().__init__(inner)
-        self.written: dict[str, FileChecksum] = {}
-        self.deferred: list[FileJob] | None = None
-        """While a background save or a memory snapshot collects its files: each one's state, for a thread or
-        for memory, a host copy of it when `copy_deferred` (a background save: training goes on meanwhile)."""
-        self.copy_deferred = True
-        self.buffers = HostBuffers()
-        """The host copies of the background saves, reused from one save to the next."""
-
-    def save(self, state_dict: Any, path: str) -> None:
-        zip_format = self.zipfile_serialization
-        if self.deferred is not None:
-            name = Path(path).name
-            state = host_copy(state_dict, self.buffers, (name,)) if self.copy_deferred else state_dict
-            self.deferred.append(torch_save_job(path, state, zip_format))
-            return
-        self.written[os.path.abspath(path)] = atomic_write_checksummed(
-            path, lambda handle: torch.save(state_dict, handle, _use_new_zipfile_serialization=zip_format)
-        )
-
-    def load(self, path: str, map_location: Any = None) -> Any:
-        return weights_only.load(path, map_location=map_location)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -156,22 +102,9 @@ class CheckpointManager:
         return complete_tags(self.directory)
 
     def remove_incomplete(self) -> None:
-        """Rank 0, before training (the run lock held): delete what a stopped run left unfinished, the folders
-        of interrupted saves, universal conversions, temporaries (`unfinished_entries`); name what else lies in
-        the folder and leave it."""
-        if self.rank != 0:
-            return
-        for path in unfinished_entries(self.directory):
-            if universal_source(path.name) is not None:
-                why = "a universal conversion left by a stopped run (the next resume that needs one converts again)"
-            elif path.name.startswith("."):
-                why = "the temporary of a write that was stopped"
-            else:
-                why = f"an interrupted save (no {COMPLETE})" if path.is_dir() else "DeepSpeed's pointer, unused here"
-            log.warning("removing %s: %s", path, why)
-            _remove(path)
-        for path in unknown_entries(self.directory):
-            log.warning("%s was not written by txl_dist's checkpointing: left as it is, never read", path)
+        """Rank 0, before training (the run lock held): `rotation.remove_unfinished`."""
+        if self.rank == 0:
+            rotation.remove_unfinished(self.directory)
 
     def choose_resume_tag(self, verify: bool) -> str | None:
         """Collective: the newest complete checkpoint that verifies, chosen on rank 0 and known to every rank.
@@ -252,10 +185,10 @@ class CheckpointManager:
 
     # ---- saving ------------------------------------------------------------------------------------------------
 
-    def install(self, engine) -> _RecordingCheckpointEngine:
-        """Route DeepSpeed's checkpoint files through `_RecordingCheckpointEngine` (after initialize; once is
+    def install(self, engine) -> RecordingCheckpointEngine:
+        """Route DeepSpeed's checkpoint files through `RecordingCheckpointEngine` (after initialize; once is
         enough, again is harmless); returns it."""
-        return _RecordingCheckpointEngine.install(engine)
+        return RecordingCheckpointEngine.install(engine)
 
     def save(
         self,
@@ -472,20 +405,7 @@ class CheckpointManager:
             shutil.rmtree(self.directory / tag, ignore_errors=True)
 
     def _prune(self, keep: set[str]) -> None:
-        if self.keep_last == 0:  # keep every checkpoint
-            return
-        # Damaged checkpoints are left where they are (for a look), but they neither count as one of the last
-        # `keep_last` nor push a good one out.
-        usable = [tag for tag in self.complete_tags() if tag not in self.damaged]
-        keep = keep | set(usable[-self.keep_last :]) | {self.newest_verified} - {None}
-        for tag in usable:
-            if tag not in keep:
-                shutil.rmtree(self.directory / tag, ignore_errors=True)
-        remaining = set(self.complete_tags())
-        for path in self.directory.iterdir():
-            if universal_source(path.name) not in (None, *remaining):  # its checkpoint is gone: nothing reads it
-                log.warning("removing %s: the universal conversion of a checkpoint rotated away", path)
-                shutil.rmtree(path, ignore_errors=True)
+        rotation.prune(self.directory, self.keep_last, keep | {self.newest_verified} - {None}, self.damaged)
 
     # ---- loading -----------------------------------------------------------------------------------------------
 
@@ -505,7 +425,7 @@ class CheckpointManager:
         universal = universal_tag(plan.tag)
         if self.rank == 0:
             names = [name for name, _ in engine.module.named_parameters()]
-            self._write_universal(plan, self.directory / universal, names)
+            write_universal(plan, self.directory / plan.tag, self.directory / universal, names)
         dist.barrier()
         try:
             if plan.stage == 0:
@@ -518,40 +438,6 @@ class CheckpointManager:
                 shutil.rmtree(self.directory / universal, ignore_errors=True)
                 # DeepSpeed writes this pointer when it converts; ours is `latest`.
                 (self.directory / LATEST_UNIVERSAL).unlink(missing_ok=True)
-
-    def _write_universal(self, plan: ResumePlan, target: Path, names: list[str]) -> None:
-        """Rank 0: ``plan.tag`` in DeepSpeed's universal layout at ``target``, completed for every stage when
-        the plan converts (`txl_dist.checkpoints.universal`). Written into a staging folder beside it and
-        renamed when whole; on any failure the staging folder is removed, and a failed write (no space, a
-        read-only or full file system) is an OSError naming ``target``."""
-        source = self.directory / plan.tag
-        shutil.rmtree(target, ignore_errors=True)
-        staging = make_temporary_directory(self.directory, f".{target.name}.")
-        try:
-            with writes_that_name_their_failures():
-                self._convert(plan, source, staging, names)
-            os.replace(staging, target)
-        except BaseException as error:
-            shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(error, OSError):
-                log.error("the conversion of %s to DeepSpeed's universal format failed; nothing of it is left", source)
-                raise with_path(error, target, replace=True) from error
-            raise
-
-    def _convert(self, plan: ResumePlan, source: Path, target: Path, names: list[str]) -> None:
-        if not has_optimizer_partitions(source):
-            universal_from_stage0(source, target, names)
-            return
-        log.info(
-            "converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
-            source,
-            plan.saved_world_size,
-            plan.world_size,
-        )
-        with weights_only.deepspeed_loads_weights_only():
-            convert_to_universal(source, target, workers=1)
-        if plan.load is LoadKind.CONVERTED:
-            complete_universal(target)
 
     def load_rank_states(self, tag: str, stream_ids: list[int]) -> tuple[dict[int, list[torch.Tensor]], dict | None]:
         """`read_rank_states` of checkpoint ``tag`` for this rank."""

@@ -23,6 +23,7 @@ takes it through `load_into_stage0` (the module's parameters, then the optimizer
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -34,9 +35,12 @@ from typing import Any
 import deepspeed
 import torch
 
-from txl_dist.checkpoint_paths import model_state_files
+from txl_dist.checkpoint_paths import has_optimizer_partitions, model_state_files
 from txl_dist.checkpoints import weights_only
-from txl_dist.fileio import with_path
+from txl_dist.deepspeed_internals import convert_to_universal
+from txl_dist.fileio import make_temporary_directory, with_path
+
+log = logging.getLogger("txl_dist.training")
 
 PARAM = "param"
 """The key of the tensor in a universal per-parameter file (DeepSpeed's ``checkpoint.constants.PARAM``)."""
@@ -283,3 +287,38 @@ def load_into_stage0(engine, folder: Path) -> dict[str, Any]:
     engine.global_samples = model_state.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.skipped_steps = model_state["skipped_steps"]
     return model_state
+
+
+def write_universal(plan: ResumePlan, source: Path, target: Path, names: list[str]) -> None:
+    """Checkpoint folder ``source`` in DeepSpeed's universal layout at ``target``, completed for every stage when
+    ``plan`` converts (`complete_universal`); ``names``: the model's parameters in ``named_parameters()`` order.
+    Written into a staging folder beside it and renamed when whole; on any failure the staging folder is removed,
+    and a failed write (no space, a read-only or full file system) is an OSError naming ``target``."""
+    shutil.rmtree(target, ignore_errors=True)
+    staging = make_temporary_directory(target.parent, f".{target.name}.")
+    try:
+        with writes_that_name_their_failures():
+            _convert(plan, source, staging, names)
+        os.replace(staging, target)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError):
+            log.error("the conversion of %s to DeepSpeed's universal format failed; nothing of it is left", source)
+            raise with_path(error, target, replace=True) from error
+        raise
+
+
+def _convert(plan: ResumePlan, source: Path, target: Path, names: list[str]) -> None:
+    if not has_optimizer_partitions(source):
+        universal_from_stage0(source, target, names)
+        return
+    log.info(
+        "converting %s (%d ranks) to DeepSpeed's universal format for %d ranks",
+        source,
+        plan.saved_world_size,
+        plan.world_size,
+    )
+    with weights_only.deepspeed_loads_weights_only():
+        convert_to_universal(source, target, workers=1)
+    if plan.load is LoadKind.CONVERTED:
+        complete_universal(target)
