@@ -159,7 +159,7 @@ def test_making_a_folder_at_a_dangling_link_says_so(tmp_path):
 
 def test_a_memory_plan_over_the_device_is_refused_before_the_run_starts(small_shards, tmp_path):
     from txl_dist.plan import MiB, plan_memory
-    from txl_dist.training.startup import require_memory_fits
+    from txl_dist.plan.report import require_memory_fits
 
     cfg, _ = _parse_run(f"data.shards={small_shards}", f"train.output_dir={tmp_path / 'run'}")
     with pytest.raises(

@@ -1,7 +1,8 @@
 """The memory plan as text: its table, whether it fits the device and the largest layout that does.
 
-`describe` is what the trainer logs when a run starts, `plan_comment` what ``--print-config`` appends, and
-`device_memory_of` the memory of this machine's accelerator that both compare the plan with.
+`describe` is what the trainer logs when a run starts, `plan_comment` what ``--print-config`` appends,
+`require_memory_fits` what refuses a run before it starts, and `device_memory_of` the memory of this machine's
+accelerator that they compare the plan with.
 """
 
 from __future__ import annotations
@@ -74,3 +75,23 @@ def device_memory_of(device: str, index: int = 0) -> int | None:
         return int(get_accelerator().total_memory(index))
     except Exception:  # no DeepSpeed, no such device here: plan without a device size
         return None
+
+
+def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:
+    """ValueError when the memory plan of a rank (`txl_dist.plan`) needs more than ``device_memory``, naming the
+    split that fits; nothing with train.memory_check=false or an unknown device size."""
+    if device_memory is None or not cfg.train.memory_check:
+        return
+    plan = plan_memory(cfg, world_size, None, device)
+    if plan.needed() <= device_memory:
+        return
+    fit = largest_micro_batch(cfg, world_size, device_memory, device)
+    if fit.micro_batch is not None:
+        advice = f"train.micro_batch={fit.micro_batch} ({fit.grad_accum} accumulation steps) fits"
+    else:
+        advice = "no micro-batch fits: use a higher ZeRO stage, optimizer offload or more ranks"
+    raise ValueError(
+        f"micro-batch {plan.micro_batch}: the memory plan needs {plan.needed() / GiB:.2f} GiB per "
+        f"rank, the {device} device has {device_memory / GiB:.2f} GiB; {advice} (python -m txl_dist.plan "
+        f"shows the plan; train.memory_check=false starts anyway)"
+    )

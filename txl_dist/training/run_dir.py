@@ -1,4 +1,5 @@
-"""The run's output directory: rank 0's lock on it, the proof that every rank sees it, the tokenizer kept in it.
+"""The run's output directory: rank 0's lock on it, the proof that every rank sees it, the tokenizer kept in it,
+and the check before start-up that it can be written (`require_writable`).
 
 The run owns its output directory: rank 0 holds ``run.lock`` (`txl_dist.supervision.lock`) from start to exit,
 and every rank must read back that lock's token before anything else happens, which proves that all nodes see the
@@ -13,14 +14,16 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from txl_dist.fileio import make_temporary_directory
+from txl_dist.exit_status import USAGE_ERROR, CommandFailure, os_error_status
+from txl_dist.fileio import dangling_link, describe_os_error, make_temporary_directory
 from txl_dist.rendezvous.ranks import broadcast
-from txl_dist.run_paths import checkpoints_dir
+from txl_dist.run_paths import CHECKPOINTS, PROFILE, TENSORBOARD, checkpoints_dir
 from txl_dist.supervision.guard import RunFailure, RunGuard
 from txl_dist.supervision.lock import LOCK_NAME, RunLock, read_holder
 from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer
@@ -110,3 +113,29 @@ def _find_lock(path: Path, token: str, rank: int, rank0_dir: str, rank0_host: st
                 f"on {rank0_host} wrote this run's in {rank0_dir}"
             )
         time.sleep(0.5)
+
+
+def require_writable(output_dir: Path) -> None:
+    """train.output_dir, or the folder it will be made in, accepts a new file (probed: permissions alone do not
+    tell a read-only mount or a root-squashed NFS export)."""
+    existing = output_dir
+    while not existing.exists() and existing != existing.parent:
+        target = dangling_link(existing)
+        if target is not None:  # mkdir would fail on it with "File exists"
+            raise ValueError(
+                f"train.output_dir={str(output_dir)!r}: {existing} is a symbolic link to {target}, which leads "
+                f"nowhere: create its target or remove the link"
+            )
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"train.output_dir={str(output_dir)!r}: {existing} is a file, not a directory")
+    # The folders the run writes into later (its checkpoints hours from now) are probed too, where they exist.
+    written_later = [output_dir / name for name in (CHECKPOINTS, TENSORBOARD, PROFILE)]
+    for folder in [existing, *(path for path in written_later if path.is_dir())]:
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".txl_dist-write-probe.", dir=folder)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as error:
+            message = f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, folder)}"
+            raise (ValueError if os_error_status(error) == USAGE_ERROR else CommandFailure)(message) from None

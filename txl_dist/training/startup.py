@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,20 +46,18 @@ from txl_dist.config import BatchSplit, RunConfig, load_config
 from txl_dist.data import TrainStreams
 from txl_dist.data.format import MANIFEST_NAME, Manifest
 from txl_dist.data.run_vocab import shards_manifest, with_shards_vocab
-from txl_dist.exit_status import FAILURE, USAGE_ERROR, CommandFailure, os_error_status, print_error
-from txl_dist.fileio import dangling_link, describe_os_error
+from txl_dist.exit_status import FAILURE, USAGE_ERROR, CommandFailure, print_error
+from txl_dist.fileio import dangling_link
 from txl_dist.model import TransformerXLLM
-from txl_dist.plan.counts import GiB
-from txl_dist.plan.memory import largest_micro_batch, plan_memory
-from txl_dist.plan.report import device_memory_of, plan_comment
+from txl_dist.plan.report import device_memory_of, plan_comment, require_memory_fits
 from txl_dist.rendezvous import launch_env, ranks
-from txl_dist.run_paths import CHECKPOINTS, PROFILE, TENSORBOARD, checkpoints_dir, fault_log
+from txl_dist.run_paths import checkpoints_dir, fault_log
 from txl_dist.supervision.guard import RunGuard
 from txl_dist.tokenizer import load_tokenizer
 from txl_dist.training.arguments import build_arg_parser
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.profiling import start_memory_history
-from txl_dist.training.run_dir import RunDirectory
+from txl_dist.training.run_dir import RunDirectory, require_writable
 from txl_dist.training.schedule import build_lr_scheduler
 from txl_dist.training.trainer import Trainer
 
@@ -216,53 +213,7 @@ def _require_run_paths(cfg: RunConfig, manifest: Manifest | None) -> None:
                 f"{key}={split!r}: {Path(shards, MANIFEST_NAME)} has no such split (it has "
                 f"{sorted(splits)}); build it (data_tools.build_shards --split or --holdout) or set {key}"
             )
-    _require_writable_directory(output_dir)
-
-
-def _require_writable_directory(output_dir: Path) -> None:
-    """train.output_dir, or the folder it will be made in, accepts a new file (probed: permissions alone do not
-    tell a read-only mount or a root-squashed NFS export)."""
-    existing = output_dir
-    while not existing.exists() and existing != existing.parent:
-        target = dangling_link(existing)
-        if target is not None:  # mkdir would fail on it with "File exists"
-            raise ValueError(
-                f"train.output_dir={str(output_dir)!r}: {existing} is a symbolic link to {target}, which leads "
-                f"nowhere: create its target or remove the link"
-            )
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"train.output_dir={str(output_dir)!r}: {existing} is a file, not a directory")
-    # The folders the run writes into later (its checkpoints hours from now) are probed too, where they exist.
-    written_later = [output_dir / name for name in (CHECKPOINTS, TENSORBOARD, PROFILE)]
-    for folder in [existing, *(path for path in written_later if path.is_dir())]:
-        try:
-            handle, probe = tempfile.mkstemp(prefix=".txl_dist-write-probe.", dir=folder)
-            os.close(handle)
-            os.unlink(probe)
-        except OSError as error:
-            message = f"train.output_dir={str(output_dir)!r}: cannot write in {describe_os_error(error, folder)}"
-            raise (ValueError if os_error_status(error) == USAGE_ERROR else CommandFailure)(message) from None
-
-
-def require_memory_fits(cfg: RunConfig, world_size: int, device: str, device_memory: int | None) -> None:
-    """ValueError when the memory plan of a rank (`txl_dist.plan`) needs more than ``device_memory``, naming the
-    split that fits; nothing with train.memory_check=false or an unknown device size."""
-    if device_memory is None or not cfg.train.memory_check:
-        return
-    plan = plan_memory(cfg, world_size, None, device)
-    if plan.needed() <= device_memory:
-        return
-    fit = largest_micro_batch(cfg, world_size, device_memory, device)
-    if fit.micro_batch is not None:
-        advice = f"train.micro_batch={fit.micro_batch} ({fit.grad_accum} accumulation steps) fits"
-    else:
-        advice = "no micro-batch fits: use a higher ZeRO stage, optimizer offload or more ranks"
-    raise ValueError(
-        f"micro-batch {plan.micro_batch}: the memory plan needs {plan.needed() / GiB:.2f} GiB per "
-        f"rank, the {device} device has {device_memory / GiB:.2f} GiB; {advice} (python -m txl_dist.plan "
-        f"shows the plan; train.memory_check=false starts anyway)"
-    )
+    require_writable(output_dir)
 
 
 def _require_a_run_that_can_start(cfg: RunConfig, manifest: Manifest) -> str:
