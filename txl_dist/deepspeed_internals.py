@@ -28,6 +28,9 @@ here and move the bound. What each piece relies on:
   torch engine's ``zipfile_serialization`` says which format ``torch.save`` writes. The other methods of
   ``deepspeed.runtime.checkpoint_engine.CheckpointEngine`` (create, commit, makedirs, is_decoupled, ...) are passed
   to the wrapped engine.
+- `universal_loading`: the engine reads its configuration's ``load_universal_checkpoint`` (the ``checkpoint``
+  section's ``load_universal``) at every ``load_checkpoint``, from ``engine._config``, and nowhere else; so one
+  engine loads a universal folder and, later, a checkpoint as saved (a rollback after a resume that converted).
 - `CHECKPOINT_CLASSES`: the classes DeepSpeed pickles into its checkpoint files (module paths under
   ``deepspeed.runtime`` and ``deepspeed.utils``).
 - `zero_config_model`: ``deepspeed.runtime.zero.config.DeepSpeedZeroConfig``, the pydantic model of the
@@ -230,6 +233,18 @@ class CheckpointEngineWrapper:
             current = cls(current)
             engine.checkpoint_engine = current
         return current
+
+
+@contextlib.contextmanager
+def universal_loading(engine: Any, universal: bool) -> Iterator[None]:
+    """``engine.load_checkpoint`` reads a universal checkpoint (``universal``) or one as saved while inside."""
+    config = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = universal
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before
 
 
 CHECKPOINT_CLASSES = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from sys import float_info
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,12 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def perplexity(loss: float) -> float:
+    """exp(``loss``) of a mean loss in nats; ``inf`` where it overflows a float (a diverged model's), never an
+    OverflowError."""
+    return math.exp(loss) if loss < math.log(float_info.max) else math.inf
+
+
 @dataclass
 class EvalResult:
     targets: int
@@ -34,7 +41,7 @@ class EvalResult:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.loss)
+        return perplexity(self.loss)
 
 
 @torch.no_grad()

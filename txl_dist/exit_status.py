@@ -13,6 +13,10 @@ Every command's ``__main__`` block is ``sys.exit(run_command(main, "PROG"))`` (l
 - `VERDICT` (3): the command worked and its answer is no: ``python -m data_tools.inspect_shards --verify`` found
   problems in the shards, ``python -m txl_dist.plan`` found that the layout does not fit ``--device-memory``. A
   status of its own, so that a job script tells "the shards are damaged" from "the check could not run".
+- `NUMERICAL_FAULT` (4): a training run stopped by its own numbers: a loss or gradient norm that stayed non-finite
+  or spiking after the rollbacks its numerics settings allow (`txl_dist.training.numerics`), or a resumed
+  checkpoint whose weights give a non-finite loss. A relaunch would meet it again, so the Slurm batch script never
+  retries it; the newest healthy checkpoint is kept, and the one line names it.
 - `INTERRUPTED` (130, 128 + SIGINT) after Ctrl-C, 128 + the signal after SIGTERM or SIGHUP where a command turns
   those into an interrupt (`txl_dist.supervision.interrupts`): one line.
 
@@ -56,6 +60,9 @@ USAGE_ERROR = 2
 VERDICT = 3
 """Exit status of a command that worked and answers no: shards with problems (``inspect_shards --verify``), a
 layout that does not fit (``python -m txl_dist.plan --device-memory``)."""
+NUMERICAL_FAULT = 4
+"""Exit status of a training run stopped by its own numbers (a fault that its rollbacks did not cure): never
+retried by the Slurm batch script (`txl_dist.supervision.relaunch`)."""
 INTERRUPTED = 128 + signal.SIGINT
 """Exit status after Ctrl-C (130), as a shell reports it."""
 

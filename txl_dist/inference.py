@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import math
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from txl_dist.evaluation import perplexity
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.decoding import KVCache
 
@@ -386,7 +386,7 @@ def score(
         {
             "logprob": logprob,
             "tokens": n,
-            "ppl": math.exp(-logprob / n),
+            "ppl": perplexity(-logprob / n),
             "unknown": sum(token == unk for token in ids) if unk is not None else 0,
         }
         for (logprob, n), ids in zip(scored, encoded)

@@ -22,6 +22,9 @@ PROFILE = "profile"
 FAULTS = "faults.jsonl"
 """The run's fault log: what the ranks found when the run failed, and the Slurm batch script's decisions
 (`txl_dist.supervision.faults`)."""
+NUMERICS = "numerics.json"
+"""The data windows the run skipped after numerical faults and the checkpoints it keeps for them
+(`txl_dist.training.numerics`)."""
 
 
 def checkpoints_dir(output_dir: str | os.PathLike) -> Path:
@@ -32,3 +35,8 @@ def checkpoints_dir(output_dir: str | os.PathLike) -> Path:
 def fault_log(output_dir: str | os.PathLike) -> Path:
     """The fault log of the run in ``output_dir``."""
     return Path(output_dir) / FAULTS
+
+
+def numerics_record(output_dir: str | os.PathLike) -> Path:
+    """The numerics record of the run in ``output_dir``."""
+    return Path(output_dir) / NUMERICS

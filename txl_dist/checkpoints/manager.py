@@ -8,11 +8,13 @@ wrapped, `txl_dist.checkpoints.recording`), and its checksum is computed from th
 checkpoint costs no second read; ``COMPLETE.json`` therefore lists files that are on disk. (DeepSpeed's own
 ``latest`` is written by rank 0 without waiting for the other ranks' optimizer files, so it is turned off.)
 
-Resume takes the newest checkpoint that verifies -- the ranks share the reading -- says which it skipped and
-why, and loads it under any ZeRO stage and number of ranks (`txl_dist.checkpoints.universal`). Rotation
-(`txl_dist.checkpoints.rotation`) keeps the last ``keep_last`` checkpoints (all with 0) not known to be damaged, the
-best one by validation loss, and always the newest verified one, so a damaged checkpoint never pushes the last good
-one out.
+COMPLETE.json also records the health of the step it was saved at (its loss and gradient norm, as the ranks agreed
+on them: `txl_dist.training.numerics`). Resume takes the newest checkpoint that verifies and whose recorded state is
+not sick -- the ranks share the reading -- says which it skipped and why, and loads it under any ZeRO stage and
+number of ranks (`txl_dist.checkpoints.universal`). Rotation (`txl_dist.checkpoints.rotation`) keeps the last
+``keep_last`` checkpoints (all with 0) not known to be damaged or sick, the best one by validation loss, the ones a
+numerical fault rolled back to (`keep`), and always the newest verified one, so a damaged or sick checkpoint never
+pushes the last good one out.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ from txl_dist.checkpoints.verify import (
     check_files,
     check_listing,
     deal_files_to_ranks,
+    health_problem,
     listed_files,
     read_marker,
     refuse_to_start,
     saved_zero_stages,
 )
+from txl_dist.deepspeed_internals import universal_loading
 from txl_dist.exit_status import CommandFailure
 from txl_dist.fileio import CHECKSUM_NAME, FileChecksum, atomic_write_text, file_checksum
 from txl_dist.rendezvous.ranks import broadcast
@@ -74,6 +78,7 @@ class PendingSave:
     architecture: dict[str, Any]
     zero_stage: int
     best_tag: str | None
+    health: dict[str, Any] | None
     write: BackgroundWrite
     stall: float
     """Seconds training waited for this save: the host copy of every file."""
@@ -86,7 +91,12 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
         self.damaged: set[str] = set()
-        """Checkpoints this run found damaged: never resumed, not counted by `keep_last`."""
+        """Checkpoints this run found damaged: never resumed, not counted by `keep_last`, never removed."""
+        self.sick: set[str] = set()
+        """Checkpoints whose recorded state is sick (`health_problem`): never resumed, not counted by `keep_last`
+        among the healthy ones; the newest ``keep_last`` of them stay for a look."""
+        self.kept: set[str] = set()
+        """Checkpoints rotation never removes: the healthy state a numerical fault rolled back to."""
         self.newest_verified: str | None = None
         """The newest checkpoint known good (verified at resume, or written by this run): never rotated away."""
         self._saving: str | None = None
@@ -112,8 +122,19 @@ class CheckpointManager:
         The ranks share the reading of each candidate's files. Checkpoints that fail are skipped with a warning
         naming every problem and remembered in `damaged`; when none verifies the run stops rather than start
         afresh beside them. With ``verify`` False the newest complete checkpoint is taken as it is."""
-        candidates = broadcast(self.complete_tags()[::-1] if self.rank == 0 else None)
+        candidates = broadcast(self._candidates() if self.rank == 0 else None)
+        sick = {tag: why for tag, why in candidates if why is not None}
+        candidates = [tag for tag, why in candidates if why is None]
+        for tag, why in sick.items():
+            self.sick.add(tag)
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s, whose recorded state is sick: %s", self.directory / tag, why)
         if not candidates:
+            if sick:
+                raise CheckpointVerificationError(
+                    f"every complete checkpoint in {self.directory} was saved from a sick state (see the warnings "
+                    f"above): there is no healthy state to resume from; move them aside to start afresh"
+                )
             return None
         if not verify:
             if self.rank == 0:
@@ -124,6 +145,8 @@ class CheckpointManager:
                 )
             return candidates[0]
         for tag in candidates:
+            if tag == self.newest_verified:  # written by this run, or verified since it started: no second read
+                return tag
             problems = self._verify_collectively(tag)
             if not problems:
                 self.newest_verified = tag
@@ -137,6 +160,18 @@ class CheckpointManager:
             f"none of the {len(candidates)} complete checkpoints in {self.directory} verifies (see the warnings "
             f"above): move them aside to start afresh, or resume with checkpoint.verify=false to trust one"
         )
+
+    def _candidates(self) -> list[tuple[str, str | None]]:
+        """Rank 0: the complete checkpoints, newest first, each with why its recorded state is sick (or None). A
+        marker that cannot be read is the verification's to name."""
+        candidates = []
+        for tag in self.complete_tags()[::-1]:
+            try:
+                why = health_problem(read_marker(self.directory / tag))
+            except CheckpointVerificationError:
+                why = None
+            candidates.append((tag, why))
+        return candidates
 
     def plan_resume(
         self, *, resume: bool, verify: bool, architecture: dict[str, Any], zero_stage: int
@@ -199,9 +234,11 @@ class CheckpointManager:
         architecture: dict[str, Any],
         best_tag: str | None = None,
         background: bool = False,
+        health: dict[str, Any] | None = None,
     ) -> str:
         """Collective: every rank calls it at the same step. ``architecture`` goes into COMPLETE.json, where a
-        resuming run checks it before building anything. With ``background``, the files are copied into host
+        resuming run checks it before building anything, and ``health`` (the step's loss and gradient norm), which
+        resume and rotation read. With ``background``, the files are copied into host
         memory and written by a thread (`txl_dist.checkpoints.background`): the checkpoint is `pending` until
         `complete_pending`; a save in flight is finished first (at most one)."""
         self.finish_pending()
@@ -230,6 +267,7 @@ class CheckpointManager:
                 architecture,
                 engine.zero_optimization_stage(),
                 best_tag,
+                health,
                 BackgroundWrite(jobs).start(),
                 stall=time.perf_counter() - began,
             )
@@ -244,6 +282,7 @@ class CheckpointManager:
             architecture=architecture,
             zero_stage=engine.zero_optimization_stage(),
             best_tag=best_tag,
+            health=health,
         )
         return tag
 
@@ -276,6 +315,7 @@ class CheckpointManager:
             architecture=manifest["architecture"],
             zero_stage=manifest["zero_stage"],
             world_size=manifest["world_size"],
+            health=manifest.get("health"),
         )
 
     def writing(self) -> tuple[bool, bool]:
@@ -311,6 +351,7 @@ class CheckpointManager:
             architecture=pending.architecture,
             zero_stage=pending.zero_stage,
             best_tag=pending.best_tag,
+            health=pending.health,
         )
         return pending
 
@@ -331,6 +372,7 @@ class CheckpointManager:
         architecture: dict[str, Any],
         zero_stage: int,
         best_tag: str | None,
+        health: dict[str, Any] | None,
     ) -> None:
         """Collective, once this rank's files are written (WRITTEN: their checksums by absolute path): rank 0
         marks the checkpoint complete when every rank's are, then rotates."""
@@ -357,10 +399,14 @@ class CheckpointManager:
                 streams_per_rank=streams_per_rank,
                 architecture=architecture,
                 zero_stage=zero_stage,
+                health=health,
             )
         self._saving = None
         self.damaged.discard(tag)
-        self.newest_verified = tag  # its checksums are those of the bytes written, and the files are synced
+        if health_problem({"health": health}) is not None:  # numerics.check=false: never resumed, never counted
+            self.sick.add(tag)
+        else:
+            self.newest_verified = tag  # its checksums are those of the bytes written, and the files are synced
         if self.rank == 0:
             self._prune(keep={tag, best_tag} - {None})
         dist.barrier()
@@ -375,6 +421,7 @@ class CheckpointManager:
         architecture: dict[str, Any],
         zero_stage: int,
         world_size: int | None = None,
+        health: dict[str, Any] | None = None,
     ) -> None:
         """Rank 0, once every rank has written: COMPLETE.json listing ``files`` (and any file on disk written
         around the checkpoint engine), then ``latest``. WORLD_SIZE: the ranks that saved it (this run's)."""
@@ -390,6 +437,7 @@ class CheckpointManager:
             "rank_states": sorted(p.name for p in (tag_dir / RANK_STATES).glob("rank*.pt")),
             "architecture": architecture,
             "zero_stage": zero_stage,
+            **({"health": health} if health is not None else {}),
             "checksum": CHECKSUM_NAME,
             FILES_KEY: {name: files[name].to_json() for name in sorted(files)},
         }
@@ -405,7 +453,9 @@ class CheckpointManager:
             shutil.rmtree(self.directory / tag, ignore_errors=True)
 
     def _prune(self, keep: set[str]) -> None:
-        rotation.prune(self.directory, self.keep_last, keep | {self.newest_verified} - {None}, self.damaged)
+        rotation.prune(
+            self.directory, self.keep_last, keep | self.kept | {self.newest_verified} - {None}, self.damaged, self.sick
+        )
 
     # ---- loading -----------------------------------------------------------------------------------------------
 
@@ -414,13 +464,14 @@ class CheckpointManager:
         return read_marker(self.directory / tag)
 
     def load(self, engine, plan: ResumePlan) -> dict[str, Any] | None:
-        """Collective: load ``plan``'s checkpoint into ``engine`` (configured with ``load_universal`` unless the
-        plan loads as saved or into ZeRO-0); returns DeepSpeed's client state. A converted copy is made by rank 0
-        beside the checkpoint and removed once every rank has loaded it."""
+        """Collective: load ``plan``'s checkpoint into ``engine`` (through DeepSpeed's universal loader where the
+        plan says so, as saved otherwise: the same engine may load both, at the start and at a rollback); returns
+        DeepSpeed's client state. A converted copy is made by rank 0 beside the checkpoint and removed once every
+        rank has loaded it."""
         if self.rank == 0:
             log.info("loading %s", plan.describe())
         if plan.load is LoadKind.AS_SAVED:
-            with weights_only.deepspeed_loads_weights_only():
+            with weights_only.deepspeed_loads_weights_only(), universal_loading(engine, False):
                 return engine.load_checkpoint(str(self.directory), tag=plan.tag)[1]
         universal = universal_tag(plan.tag)
         if self.rank == 0:
@@ -430,7 +481,7 @@ class CheckpointManager:
         try:
             if plan.stage == 0:
                 return load_into_stage0(engine, self.directory / universal)
-            with weights_only.deepspeed_loads_weights_only():
+            with weights_only.deepspeed_loads_weights_only(), universal_loading(engine, True):
                 return engine.load_checkpoint(str(self.directory), tag=universal)[1]
         finally:
             dist.barrier()

@@ -1,8 +1,8 @@
 """What stays in a run's checkpoint folder, on rank 0: `remove_unfinished` clears what a stopped run left before a
 run starts, and `prune` rotates after each save. Rotation keeps the last ``keep_last`` checkpoints (all with 0)
-not known to be damaged, and whatever the caller must keep (the one just written, the best by validation loss, the
-newest verified), so a damaged checkpoint never pushes the last good one out; a universal conversion goes with its
-checkpoint."""
+not known to be damaged or sick, and whatever the caller must keep (the one just written, the best by validation
+loss, the newest verified, the ones a numerical fault rolled back to), so a damaged or sick checkpoint never pushes
+a good one out; a universal conversion goes with its checkpoint."""
 
 from __future__ import annotations
 
@@ -38,16 +38,19 @@ def remove_unfinished(directory: Path) -> None:
         log.warning("%s was not written by txl_dist's checkpointing: left as it is, never read", path)
 
 
-def prune(directory: Path, keep_last: int, keep: set[str], damaged: set[str]) -> None:
+def prune(directory: Path, keep_last: int, keep: set[str], damaged: set[str], sick: set[str] = frozenset()) -> None:
     """Remove the complete checkpoints of ``directory`` beyond the last ``keep_last`` (0: keep every one) that are
-    neither in ``keep`` nor ``damaged``, then the universal conversions whose checkpoint is gone."""
+    neither in ``keep`` nor ``damaged``, then the universal conversions whose checkpoint is gone. The ``sick`` ones
+    (saved from a state whose loss was not finite) are rotated among themselves: the newest ``keep_last`` stay."""
     if keep_last == 0:
         return
     # Damaged checkpoints are left where they are (for a look), but they neither count as one of the last
-    # `keep_last` nor push a good one out.
-    usable = [tag for tag in complete_tags(directory) if tag not in damaged]
-    keep = keep | set(usable[-keep_last:])
-    for tag in usable:
+    # `keep_last` nor push a good one out; nor do sick ones.
+    tags = [tag for tag in complete_tags(directory) if tag not in damaged]
+    healthy = [tag for tag in tags if tag not in sick]
+    unhealthy = [tag for tag in tags if tag in sick]
+    keep = keep | set(healthy[-keep_last:]) | set(unhealthy[-keep_last:])
+    for tag in tags:
         if tag not in keep:
             shutil.rmtree(directory / tag, ignore_errors=True)
     remaining = set(complete_tags(directory))

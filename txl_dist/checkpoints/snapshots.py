@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from txl_dist.checkpoint_paths import complete_tags, step_of_tag, tag_for_step
 from txl_dist.checkpoints.background import FileJob
+from txl_dist.checkpoints.verify import health_problem
 from txl_dist.fileio import FileChecksum, atomic_write_checksummed, atomic_write_text, make_temporary_directory
 from txl_dist.rendezvous.ranks import broadcast
 
@@ -149,6 +150,9 @@ def verified_snapshots(root: Path, identity: str) -> dict[tuple[int, int], dict[
             key = (int(manifest["rank"]), int(manifest["step"]))
             if f"rank{key[0]:05d}" != folder.parent.name or tag_for_step(key[1]) != folder.name:
                 raise ValueError("its manifest names another rank or step")
+            sick = health_problem(manifest)
+            if sick is not None:
+                raise ValueError(f"its state is sick: {sick}")
         except (OSError, ValueError, KeyError, TypeError) as error:
             log.warning("memory snapshot %s skipped: %s", folder, error)
             continue

@@ -88,12 +88,6 @@ class ResumePlan:
     stage: int
     world_size: int
 
-    @property
-    def engine_loads_universal(self) -> bool:
-        """Whether DeepSpeed's engine is configured with ``load_universal`` to load this plan (ZeRO 1-3 from a
-        universal folder; ZeRO-0 loads a converted one through `load_into_stage0`)."""
-        return self.load is not LoadKind.AS_SAVED and self.stage != 0
-
     def describe(self) -> str:
         saved = " or ".join(str(stage) for stage in self.saved_stages)
         return (

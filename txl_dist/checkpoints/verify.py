@@ -10,6 +10,7 @@ with `deal_files_to_ranks` and each rank checks its share with `check_files`.
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,9 +46,26 @@ _MARKER_FIELDS = {
     "streams_per_rank": (lambda v: _whole(v, 1), "a number of streams"),
     "architecture": (lambda v: isinstance(v, dict), "a mapping of the model's architecture"),
     "rank_states": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of file names"),
+    "health": (lambda v: isinstance(v, dict), "a mapping of the step's loss and gradient norm"),
 }
 """The fields of COMPLETE.json that txl_dist reads, when present: a value of another type is a damaged marker,
 refused by name before a reader trips over it."""
+
+
+def health_problem(marker: dict[str, Any]) -> str | None:
+    """Why a checkpoint's recorded state is sick (its step's loss or gradient norm, COMPLETE.json ``health``, was
+    not finite: a run with numerics.check=false saved it so), None when it is healthy or records nothing. Such a
+    checkpoint is never resumed, and rotation keeps the healthy ones for it."""
+    health = marker.get("health") or {}
+    if not isinstance(health, dict):
+        return f"its recorded health {health!r:.40} is no mapping of its step's loss and gradient norm"
+    for name, what in (("loss", "loss"), ("grad_norm", "gradient norm")):
+        value = health.get(name)
+        if value is not None and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ):
+            return f"its step's {what} was {value}"
+    return None
 
 
 def listed_files(tag_dir: str | os.PathLike, marker: dict[str, Any]) -> dict[str, FileChecksum]:
@@ -200,18 +218,21 @@ def refuse_to_start(
 
 
 def preflight(directory: str | os.PathLike, *, resume: bool, architecture: dict[str, Any]) -> None:
-    """`refuse_to_start` on the newest complete checkpoint of ``directory``, from its COMPLETE.json alone (no
-    process group, no reading of the weights), so that every rank stops with one line before the world forms. A
-    damaged marker passes: the trainer's verification names what is wrong and falls back to an older checkpoint,
-    which it checks with `refuse_to_start` in turn."""
+    """`refuse_to_start` on the newest complete checkpoint of ``directory`` whose recorded state is not sick
+    (`health_problem`), from its COMPLETE.json alone (no process group, no reading of the weights), so that every
+    rank stops with one line before the world forms. A damaged marker passes: the trainer's verification names what
+    is wrong and falls back to an older checkpoint, which it checks with `refuse_to_start` in turn."""
     tags = complete_tags(directory)
-    newest = tags[-1] if tags else None
-    marker = None
-    if resume and newest is not None:
+    newest, marker = None, None
+    for tag in reversed(tags if resume else []):
         try:
-            marker = read_marker(Path(directory) / newest)
+            found = read_marker(Path(directory) / tag)
         except CheckpointVerificationError:
-            marker = None
+            newest, marker = tag, None
+            break
+        if health_problem(found) is None:  # a sick one is never resumed: the one the resume takes is older
+            newest, marker = tag, found
+            break
     refuse_to_start(directory, resume=resume, complete=tags, tag=newest, marker=marker, architecture=architecture)
 
 

@@ -55,6 +55,7 @@ from txl_dist.config.sections import (
     DataConfig,
     EvalConfig,
     LogConfig,
+    NumericsConfig,
     OptimConfig,
     PrecisionConfig,
     ProfileConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "LogConfig",
+    "NumericsConfig",
     "OptimConfig",
     "PrecisionConfig",
     "ProfileConfig",
@@ -95,6 +97,7 @@ SECTIONS: dict[str, type] = {
     "zero": ZeroConfig,
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
+    "numerics": NumericsConfig,
     "log": LogConfig,
     "profile": ProfileConfig,
 }
@@ -129,6 +132,8 @@ class RunConfig:
     """Periodic evaluation."""
     checkpoint: InstanceOf[CheckpointConfig] = field(default_factory=CheckpointConfig)
     """Checkpoint frequency, retention, resume."""
+    numerics: InstanceOf[NumericsConfig] = field(default_factory=NumericsConfig)
+    """The health check of every step, rollbacks and skipped data windows."""
     log: InstanceOf[LogConfig] = field(default_factory=LogConfig)
     """Logging frequency and TensorBoard."""
     profile: InstanceOf[ProfileConfig] = field(default_factory=ProfileConfig)

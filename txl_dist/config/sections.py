@@ -1,5 +1,6 @@
 """The sections of the run config other than the model's: data, train, optim, schedule, precision, zero, eval,
-checkpoint, log. Each field's type, range and meaning are declared once (`txl_dist.config.fields`)."""
+checkpoint, numerics, log, profile. Each field's type, range and meaning are declared once
+(`txl_dist.config.fields`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import Field
 from txl_dist.config.fields import (
     NOT_A_BOOLEAN,
     TUPLE_AS_LIST,
+    Allowed,
     ConfigError,
     Integer,
     NonEmpty,
@@ -333,6 +335,44 @@ class CheckpointConfig:
     that copy only) and a thread writes and checks the files; the checkpoint is complete, and resumable, once
     every rank's write has ended, a step or more later. At most one write is in flight. Costs host memory for one
     copy of the rank's state (`txl_dist.checkpoints.background`)."""
+
+
+@config_dataclass
+class NumericsConfig:
+    """The run's own numbers watched (`txl_dist.training.numerics`; docs/recovery.md, Numerical faults): every step
+    the ranks agree, in the collective that already ends it, whether its loss and gradient norm are finite and the
+    loss is no spike. A step that fails is never saved: the ranks roll back in the same process to the newest
+    healthy state (the newest memory snapshot, else the newest checkpoint that verifies) and replay; a fault that
+    comes back at the same step skips the data window since that state, recorded so that every resume skips it
+    too."""
+
+    SECTION: ClassVar[str] = "numerics"
+
+    check: bool = True
+    """Judge every step and roll back on a fault. false: train on whatever the numbers (a checkpoint still records
+    its step's loss, and a resume or rotation still passes over one whose loss was not finite)."""
+    max_loss: PositiveNumber | None = None
+    """A step whose loss (nats per token) is above this is a fault whatever the steps before it; null: 3 x
+    ln(model.n_token), three times worse than guessing uniformly, which no model training as it should comes
+    near (its first steps sit at about ln(n_token)), and which a diverged one passes at once."""
+    spike_window: NonNegative = 100
+    """Healthy steps of loss history the spike detector keeps (saved with every checkpoint); it judges once it
+    holds 10 of them (or all of a shorter window). 0: no spike detection (non-finite values are still faults)."""
+    spike_threshold: PositiveNumber = 8.0
+    """A step's loss is a spike when it lies more than this many robust deviations (1.4826 x the median absolute
+    deviation of the window) above the window's median..."""
+    spike_min_rise: NonNegativeNumber = 0.15
+    """... and more than this fraction of the median above it (0.15: 15% higher), so that a window of nearly equal
+    losses does not call an ordinary wobble a spike."""
+    max_rollbacks: NonNegative = 16
+    """Rollbacks this start of the run may make in all; past it the run stops (exit status 4, which the Slurm batch
+    script never retries). 0: stop at the first fault, keeping the newest healthy checkpoint."""
+    max_rollbacks_per_window: Positive = 2
+    """Rollbacks to the same healthy state for a fault at the same step: the first replays the steps since that
+    state (a transient fault passes), each later one skips their data (a fault in the data passes); past it the
+    run stops."""
+    lr_factor_after_skip: Annotated[Number, Field(gt=0, le=1), Allowed("a factor in (0, 1]")] = 1.0
+    """The learning rate is multiplied by this after each skip of a data window (and stays so); 1: unchanged."""
 
 
 @config_dataclass

@@ -228,6 +228,20 @@ class TrainStreams:
                     if self._generation != generation:
                         raise RuntimeError("this iterator was superseded by a newer one or by load_state_dict()")
 
+    def skip(self, steps: int) -> int:
+        """Move every stream on by ``steps`` optimizer steps without reading them, exactly as taking them would
+        (into the next epoch where this one ends): a data window passed over (`txl_dist.training.numerics`). The
+        text jumps, so the caller empties the memories. Iterators made before this call stop with an error;
+        iterate anew. Returns the tokens passed over, every stream's together."""
+        check_positive(steps=steps)
+        self._generation += 1
+        for _ in range(steps):
+            self._settle()
+            self._position += self.tgt_len
+            self._step += 1
+        self._settle()
+        return steps * self.tgt_len * self.num_streams
+
     def state_dict(self) -> dict[str, Any]:
         """The position after the last optimizer step whose micro-batches were all handed out, as a plain JSON-able
         dict. A step handed out in part (no optimizer update can have used it) is handed out again, whole, after a

@@ -28,7 +28,7 @@ from txl_dist.convert.zero import (
     require_verified,
 )
 from txl_dist.data import EvalStreams, read_manifest
-from txl_dist.evaluation import evaluate
+from txl_dist.evaluation import evaluate, perplexity
 from txl_dist.exit_status import describe_error, exit_status, os_error_status, print_error
 from txl_dist.export import (
     CONFIG_FILE,
@@ -263,7 +263,7 @@ def _scores(result, split, kind: str, tokenizer) -> dict[str, Any]:
     if split.words > 1:
         # The first word of the split has no context, like the first token.
         scores["words"] = split.words
-        scores["word_ppl"] = math.exp(result.nll_sum / (split.words - 1))
+        scores["word_ppl"] = perplexity(result.nll_sum / (split.words - 1))
     if tokenizer is not None and tokens_are_characters(tokenizer):
         scores["bits_per_character"] = bits
     return scores

@@ -15,7 +15,9 @@ Kinds written by the ranks:
   again, so it is never retried;
 - ``died``: a rank ended without a word (SIGKILL, a crash, its host gone): the survivors name it;
 - ``stalled``: a rank made no progress for ``train.stall_timeout`` (stopped, its host hung or cut off);
-- ``lost_contact``: a rank lost rank 0 and the rendezvous store with it.
+- ``lost_contact``: a rank lost rank 0 and the rendezvous store with it;
+- ``numerics``: the run stopped on its own numbers, a fault its rollbacks did not cure
+  (`txl_dist.training.numerics`): a relaunch would meet it again, so it is never retried.
 
 ``launch`` is the value of ``TXL_LAUNCH`` in the ranks' environment: the batch script sets it to
 ``JOB.RESTART.RELAUNCH`` for each training step it starts (None elsewhere). A line that is not a record (the one a
@@ -32,8 +34,10 @@ from pathlib import Path
 
 LAUNCH_VAR = "TXL_LAUNCH"
 """The batch script's name of the training step that a rank belongs to (``JOB.RESTART.RELAUNCH``)."""
-RANK_KINDS = frozenset({"error", "refused", "died", "stalled", "lost_contact"})
+RANK_KINDS = frozenset({"error", "refused", "died", "stalled", "lost_contact", "numerics"})
 """The kinds of record that the ranks write."""
+NEVER_RETRIED_KINDS = frozenset({"refused", "numerics"})
+"""Kinds whose failure a relaunch would meet again, whatever the nodes: the job ends."""
 NODE_SUSPECT_KINDS = frozenset({"died", "lost_contact"})
 """Kinds where the named rank's host may be gone: the planner asks Slurm to run something there before it trusts
 the node again."""

@@ -57,7 +57,11 @@ ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, Keyboar
 
 
 class RunFailure(Exception):
-    """A failure the ranks agreed on (every rank raises it with the same message)."""
+    """A failure the ranks agreed on (every rank raises it with the same message). A subclass may name the exit
+    status every rank ends with (``exit_status``) and the kind of its fault record (``fault_kind``)."""
+
+    exit_status = 1
+    fault_kind = "error"
 
 
 def _error_text(error: BaseException) -> str:
@@ -278,8 +282,10 @@ class RunGuard:
 
     def fail(self, error: BaseException) -> NoReturn:
         """End this rank after ``error``: print it (one line for the errors that say everything, else with the
-        traceback) unless another rank's failure came first, run the cleanups, exit with status 1."""
+        traceback) unless another rank's failure came first, run the cleanups, exit with status 1 (or the
+        `RunFailure`'s own)."""
         self._closed.set()
+        status = error.exit_status if isinstance(error, RunFailure) else 1
         if isinstance(error, ReportedByRankZero):
             self.run_cleanups()
             self._exit(1)
@@ -289,14 +295,17 @@ class RunGuard:
             where = f" on rank {self.rank} ({socket.gethostname()})" if self.world_size > 1 else ""
             message = f"train.py: error{where}: {_error_text(error)}"
             dead = self.dead_peers() if not one_line and self.world_size > 1 else []
-            kind, named = ("refused" if _refused_input(error) else "error"), self.rank
+            kind = (
+                error.fault_kind if isinstance(error, RunFailure) else "refused" if _refused_input(error) else "error"
+            )
+            named = self.rank
             if dead:  # the communication library's error is only the echo of a rank that died
                 one_line, message = True, f"train.py: error: {self.death_message(dead)}"
                 kind, named = "died", dead[0][0]
             if not one_line:
                 message = "".join(traceback.format_exception(error)).rstrip() + "\n" + message
             if self._report(message):
-                self._record(kind, named, message)
+                self._record(kind, named, message, step=getattr(error, "step", None))
                 _print(message)
                 self._wait_for_the_others()
             else:
@@ -304,7 +313,7 @@ class RunGuard:
         else:
             self._acknowledge()
         self.run_cleanups()
-        self._exit(1)
+        self._exit(status)
 
     def _report(self, message: str) -> bool:
         """Record the failure; True when it is the first (so this rank prints it)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from txl_dist.exit_status import one_line
+from txl_dist.exit_status import NUMERICAL_FAULT, USAGE_ERROR, one_line
 from txl_dist.run_paths import fault_log
 from txl_dist.supervision import faults
 from txl_dist.supervision.run_progress import global_batch_fits, output_dir_of, run_progress
@@ -45,8 +45,6 @@ SAME_STEP_SLACK = 1
 """Steps by which two failures may differ and still be "the same step": the ranks that name a dead one may stand one
 step apart (each waits in the next step's all-reduce), so a fault that kills a rank at step S is recorded at S or
 S + 1 by whichever rank reports it."""
-REFUSED_INPUT_STATUS = 2
-"""The exit status of a rank that refused its input (txl_dist.exit_status.USAGE_ERROR): never retried."""
 
 
 @dataclass(frozen=True)
@@ -158,15 +156,11 @@ def retry_on_the_same_nodes(
     situation: Situation, limits: Limits, progress: tuple[int | None, int | None], explain: Callable[[str], None]
 ) -> str:
     """The decision after a step failed on nodes that are all healthy (Slurm's view and the ranks' agree): the
-    same nodes again, so the world and the run are those of the uninterrupted run, unless the failure refused the
-    input, came back at the same step after a relaunch, or the relaunches are used up; then the job ends (a
-    failure on healthy nodes is not one that the queue cures)."""
+    same nodes again, so the world and the run are those of the uninterrupted run, unless the failure came back at
+    the same step after a relaunch, or the relaunches are used up; then the job ends (a failure on healthy nodes is
+    not one that the queue cures). A refused input or a numerical stop never comes here (`never_retried`)."""
     what = faults.describe(situation.failures[0]) if situation.failures else "no rank recorded why"
     nodes = ", ".join(f"{node} {situation.states.get(node, '?')}" for node in situation.step_nodes)
-    refused = any(record.get("kind") == "refused" for record in situation.failures)
-    if refused or situation.status == REFUSED_INPUT_STATUS:
-        explain(f"a rank refused its input ({what}): a relaunch would be refused the same way, so the job ends")
-        return "end"
     step = failed_at(situation, progress)
     previous = situation.previous_failure
     if step is not None and previous is not None and abs(step - previous) <= SAME_STEP_SLACK:
@@ -189,6 +183,21 @@ def retry_on_the_same_nodes(
         f"{world} as before; resuming from {since}, {redo} step(s) recomputed"
     )
     return _relaunch_line(situation.step_nodes, situation.spares)
+
+
+def never_retried(situation: Situation) -> str | None:
+    """Why the failure is one that no relaunch cures, whatever the nodes (a refused input, a run stopped by its own
+    numbers), None otherwise."""
+    kinds = {record.get("kind") for record in situation.failures}
+    what = faults.describe(situation.failures[0]) if situation.failures else "no rank recorded why"
+    if "refused" in kinds or situation.status == USAGE_ERROR:
+        return f"a rank refused its input ({what}): a relaunch would be refused the same way, so the job ends"
+    if "numerics" in kinds or situation.status == NUMERICAL_FAULT:
+        return (
+            f"the run stopped on its own numbers ({what}): a relaunch would meet the same fault, so the job ends; "
+            "the newest healthy checkpoint is kept"
+        )
+    return None
 
 
 def _relaunch_line(nodes: Sequence[str], spares: Sequence[str]) -> str:
@@ -227,6 +236,10 @@ def decide(
     explain: Callable[[str], None],
 ) -> str:
     """The line for the batch script (``relaunch N NODES SPARES``, ``requeue`` or ``end``); EXPLAIN gets the reasons."""
+    why = never_retried(situation)
+    if why is not None:  # checked before the nodes: a node lost beside such a failure does not make it curable
+        explain(why)
+        return "end"
     lost = lost_nodes(situation.step_nodes, situation.job_nodes, situation.states)
     for node, why in situation.named.items():
         lost.setdefault(node, why)

@@ -5,7 +5,10 @@ one object the training loop calls; what the lines and entries say is `txl_dist.
 Every other rank gets the same object with ``enabled=False``, so call sites need no rank checks. On resume the
 records after the resumed step (written before an interruption, then lost with it) are dropped from
 ``metrics.jsonl`` and TensorBoard (a purge from the next step on), so both read as one uninterrupted run: one
-value per step.
+value per step. The records of numerical faults, rollbacks and skipped windows (kind ``numerics``) stay: they
+tell what the run went through. A rollback in the same process (`txl_dist.training.numerics`) purges TensorBoard
+from the step after the restored one (`rolled_back`); ``metrics.jsonl`` keeps the steps before it, whose later
+record of a step is the one that stands.
 
 Logging never stops training: a sink that fails (its folder removed or replaced mid-run, a full disk, an
 unwritable file) is dropped with one warning line naming its path and the cause, and the run goes on with the
@@ -143,6 +146,10 @@ class EventFile:
         )
         self._summary(step, [value])
 
+    def restart_at(self, step: int) -> None:
+        """TensorBoard drops this file's earlier events from ``step`` on (a rollback's replay writes them anew)."""
+        self._write(Event(wall_time=time.time(), step=step, session_log=SessionLog(status=SessionLog.START)))
+
     def flush(self) -> None:
         """Write out what is buffered; `FileGone` when the file's path now names
         another file or nothing."""
@@ -178,7 +185,8 @@ class _MetricsFile:
 
 
 def _truncate_after(path: Path, step: int) -> int:
-    """Drop the records after ``step`` (rewritten atomically); return the "start" records kept."""
+    """Drop the records after ``step`` but those of numerical faults (rewritten atomically); return the "start"
+    records kept."""
     if not path.is_file():
         return 0
     kept, starts = [], 0
@@ -187,7 +195,7 @@ def _truncate_after(path: Path, step: int) -> int:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a kill
-        if isinstance(record, dict) and record.get("step", 0) <= step:
+        if isinstance(record, dict) and (record.get("step", 0) <= step or record.get("kind") == "numerics"):
             kept.append(line)
             starts += record.get("kind") == "start"
     atomic_write_text(path, "".join(line + "\n" for line in kept))
@@ -292,6 +300,11 @@ class RunLogger:
             events.flush()
 
         self._guarded("_events", step, write)
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to ``step`` in this process: TensorBoard shows the replay's values from the next step."""
+        if self.enabled:
+            self._guarded("_events", step, lambda events: (events.restart_at(step + 1), events.flush()))
 
     def end(self, step: int) -> None:
         """The HParams session's end: the run has finished (max_steps or max_epochs), not merely stopped."""

@@ -61,3 +61,15 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: ScheduleConfi
 
     peaks = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
     return LambdaLR(optimizer, [multiplier_for(peak) for peak in peaks])
+
+
+def set_peak(scheduler: LambdaLR, peak: float) -> float:
+    """The curve's peak set to ``peak`` (optim.lr, times the factors of the data windows a run skipped), the next
+    update's rate with it; returns the peak the scheduler held. A checkpoint's scheduler state holds the peak it was
+    saved with (``base_lrs``): a resumed or rolled-back run sets its own, so that a changed optim.lr applies from
+    the step it resumes at."""
+    before = scheduler.base_lrs[0]
+    scheduler.base_lrs = [peak] * len(scheduler.base_lrs)
+    for group, multiplier in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = peak * multiplier(scheduler.last_epoch)
+    return before

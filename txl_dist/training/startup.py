@@ -15,7 +15,7 @@
 4. The run directory (`RunDirectory.take`: the run lock, the tokenizer kept beside the run).
 5. The resume plan: a memory snapshot newer than the newest checkpoint becomes one
    (`txl_dist.checkpoints.snapshots`), then `CheckpointManager.plan_resume` chooses the checkpoint and how it loads.
-6. The engine (`build_engine`): the model and DeepSpeed's engine, configured to load that checkpoint.
+6. The engine (`build_engine`): the model and DeepSpeed's engine.
 7. The streams (`TrainStreams`), on the manifest of step 1.
 
 The `Trainer` is built from those parts, loads the resumed state, trains, and the ranks leave the process group.
@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from txl_dist.checkpoint_paths import tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import dropout_seed
 from txl_dist.checkpoints.snapshots import Snapshots, run_id
-from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.checkpoints.verify import preflight
 from txl_dist.config import BatchSplit, RunConfig, load_config
 from txl_dist.data import TrainStreams
@@ -51,11 +51,12 @@ from txl_dist.fileio import dangling_link
 from txl_dist.model import TransformerXLLM
 from txl_dist.plan.report import device_memory_of, plan_comment, require_memory_fits
 from txl_dist.rendezvous import launch_env, ranks
-from txl_dist.run_paths import checkpoints_dir, fault_log
+from txl_dist.run_paths import checkpoints_dir, fault_log, numerics_record
 from txl_dist.supervision.guard import RunGuard
 from txl_dist.tokenizer import load_tokenizer
 from txl_dist.training.arguments import build_arg_parser
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.numerics import NumericsRecord
 from txl_dist.training.profiling import start_memory_history
 from txl_dist.training.run_dir import RunDirectory, require_writable
 from txl_dist.training.schedule import build_lr_scheduler
@@ -83,6 +84,8 @@ class ResolvedRun:
     launch_error: launch_env.LaunchError | None
     deepspeed_overlay: str | None
     """--deepspeed_config: a JSON overlay of DeepSpeed's config."""
+    numerics_record: NumericsRecord
+    """The run folder's numerics.json: the data windows skipped and the checkpoints kept after numerical faults."""
 
     @property
     def world_size(self) -> int:
@@ -155,6 +158,7 @@ def resolve(
             raise SystemExit(0)
         _require_run_paths(cfg, manifest)
         fingerprint = _require_a_run_that_can_start(cfg, manifest)
+        record = NumericsRecord.read(numerics_record(cfg.train.output_dir))
         if device != "cpu":  # this rank's own device: no rank touches another's before the process group
             local_rank = _local_rank(launch, args) or 0
             require_memory_fits(cfg, world_size, device, device_memory_of(device, local_rank))
@@ -173,6 +177,7 @@ def resolve(
         launch=launch,
         launch_error=launch_error,
         deepspeed_overlay=args.deepspeed_config,
+        numerics_record=record,
     )
 
 
@@ -273,14 +278,9 @@ def configure_logging(rank: int) -> None:
 # ---- 3-7. ranks, run directory, resume plan, engine, streams --------------------------------------------------
 
 
-def build_engine(
-    run: ResolvedRun,
-    place: ranks.Place,
-    checkpoints: CheckpointManager,
-    resume_plan: ResumePlan | None,
-):
-    """Step 6: the model and DeepSpeed's engine around it, configured to load ``resume_plan``'s checkpoint; returns
-    the engine and the model's number of parameters."""
+def build_engine(run: ResolvedRun, place: ranks.Place, checkpoints: CheckpointManager):
+    """Step 6: the model and DeepSpeed's engine around it (whichever way the resume plan's checkpoint loads:
+    `CheckpointManager.load`); returns the engine and the model's number of parameters."""
     cfg = run.cfg
     # Identical initial weights on every rank, then a different dropout stream per rank.
     torch.manual_seed(cfg.train.seed)
@@ -299,8 +299,6 @@ def build_engine(
         overlay_path=run.deepspeed_overlay,
         num_parameters=num_parameters,
     )
-    if resume_plan is not None and resume_plan.engine_loads_universal:
-        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
     optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
     engine, _, _, _ = deepspeed.initialize(
@@ -345,7 +343,9 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
     if cfg.checkpoint.memory_every:
         identity = run_id(run_dir.path, place.rank)
         snapshots = Snapshots(cfg.checkpoint.memory_dir, identity, run_dir.path, place.rank, place.world_size)
-        snapshots.restore(checkpoints.directory, checkpoints.mark_restored)
+        restored = snapshots.restore(checkpoints.directory, checkpoints.mark_restored)
+        if restored is not None:  # written back with the checksums of its bytes: as good as verified
+            checkpoints.newest_verified = tag_for_step(restored)
     resume_plan = checkpoints.plan_resume(
         resume=cfg.checkpoint.resume,
         verify=cfg.checkpoint.verify,
@@ -353,7 +353,7 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         zero_stage=cfg.zero.stage,
     )
 
-    engine, num_parameters = build_engine(run, place, checkpoints, resume_plan)  # 6. the engine
+    engine, num_parameters = build_engine(run, place, checkpoints)  # 6. the engine
 
     streams = TrainStreams(  # 7. the streams
         cfg.data.shards,
@@ -384,6 +384,7 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         engine=engine,
         num_parameters=num_parameters,
         streams=streams,
+        numerics_record=run.numerics_record,
     )
 
 

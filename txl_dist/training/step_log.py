@@ -182,7 +182,7 @@ def _as_float(value: Any) -> float | None:
     return float(value)
 
 
-def _loss_scale(optimizer: Any) -> float | None:
+def loss_scale(optimizer: Any) -> float | None:
     """The dynamic loss scale of DeepSpeed's fp16 optimizers (ZeRO 0 keeps it in loss_scale_config)."""
     config = getattr(optimizer, "loss_scale_config", None)
     return _as_float(
@@ -241,9 +241,8 @@ class StepLog:
         """Some step of the window ran under the profiler (profile.steps): its record says so, as its tokens/s
         includes the profiler's cost."""
 
-    def add(self, loss: torch.Tensor, batch, grad_accum: int) -> None:
-        """One micro-batch's mean loss and inputs."""
-        self.loss += loss.detach().double() / grad_accum
+    def add(self, batch) -> None:
+        """One micro-batch's inputs."""
         self.checksum += (batch.inputs.sum(dim=1) * (batch.stream_ids + 1)).sum()
         counts = cluster_counts(batch.targets, self.flops.model.cutoffs)
         if not self.described:  # this start's first micro-batch
@@ -251,8 +250,19 @@ class StepLog:
             self.described = True
         self.cluster_counts += counts
 
-    def end_step(self) -> None:
+    def end_step(self, step_loss: torch.Tensor) -> None:
+        """The step's mean loss on this rank (on the device)."""
+        self.loss += step_loss
         self.steps += 1
+
+    def reset(self) -> None:
+        """A new window from the next step: the steps since the last line are gone (a rollback)."""
+        self.loss.zero_()
+        self.checksum.zero_()
+        self.cluster_counts.zero_()
+        self.steps = 0
+        self.profiled = False
+        self.restart_clock()
 
     def restart_clock(self) -> None:
         """Keep what came since the last step (an evaluation, a save) out of the window's tokens/s."""
@@ -274,7 +284,7 @@ class StepLog:
             "ppl": math.exp(min(loss, 50.0)),
             "lr": engine.get_lr()[0],
             "grad_norm": _as_float(engine.get_global_grad_norm()),
-            "loss_scale": _loss_scale(engine.optimizer) if self.fp16 else None,
+            "loss_scale": loss_scale(engine.optimizer) if self.fp16 else None,
             "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
             "tokens": tokens_seen,
             "tokens_per_s": tokens_per_s,
@@ -301,12 +311,7 @@ class StepLog:
             _model_flops_columns(model_flops),
             " | ".join(f"{k} {v:.0f}" for k, v in memory.items()) + (" | profiled" if self.profiled else ""),
         )
-        self.profiled = False
-        self.loss.zero_()
-        self.checksum.zero_()
-        self.cluster_counts.zero_()
-        self.steps = 0
-        self.restart_clock()
+        self.reset()
 
 
 def _model_flops_columns(figures: dict[str, float | None]) -> str:

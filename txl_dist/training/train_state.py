@@ -20,7 +20,8 @@ stores it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import RankState, dropout_seed, rng_state, set_rng_state
 from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.data import ResumeKind, TrainStreams
+from txl_dist.training.numerics import NumericsState
+from txl_dist.training.schedule import set_peak
 
 
 def finite_mems(mems: list[torch.Tensor], resets: torch.Tensor) -> list[torch.Tensor]:
@@ -99,10 +102,16 @@ class TrainState:
     rank: int
     world_size: int
     run_record: dict[str, Any]
+    numerics: NumericsState
+    """The spike detector's window and the data windows skipped (`txl_dist.training.numerics`)."""
+    peak_lr: float
+    """optim.lr: the schedule's peak, times ``numerics.lr_factor``, whatever peak a loaded checkpoint held."""
     step: int = 0
     tokens_seen: int = 0
     best: dict[str, Any] | None = None
     """The best full validation pass so far: step, loss, ppl, targets."""
+    _said: set[tuple[float, float]] = field(default_factory=set, repr=False)
+    """The changes of the peak already logged (a rollback loads the same checkpoint again)."""
 
     def client_state(self) -> dict[str, Any]:
         """DeepSpeed's client state of a checkpoint: the same on every rank."""
@@ -114,6 +123,7 @@ class TrainState:
                 **self.run_record,
                 "best": self.best,
                 "world_size": self.world_size,
+                "numerics": self.numerics.state_dict(),
             }
         }
 
@@ -127,9 +137,9 @@ class TrainState:
             rank=self.rank,
         )
 
-    def save(self, checkpoints: CheckpointManager, engine, background: bool = False) -> str:
-        """Collective: a checkpoint of ``engine`` and this state at the current step (written in the background:
-        `CheckpointManager.save`); returns its tag."""
+    def save(self, checkpoints: CheckpointManager, engine, background: bool = False, health: dict | None = None) -> str:
+        """Collective: a checkpoint of ``engine`` and this state at the current step, whose step had ``health``
+        (its loss and gradient norm; written in the background: `CheckpointManager.save`); returns its tag."""
         return checkpoints.save(
             engine,
             self.step,
@@ -138,17 +148,30 @@ class TrainState:
             architecture=self.run_record["architecture"],
             best_tag=tag_for_step(self.best["step"]) if self.best else None,
             background=background,
+            health=health,
         )
+
+    def follow_schedule(self, engine, when: str) -> None:
+        """The learning-rate curve of this run's optim.lr, times the factor its skipped windows left (a loaded
+        checkpoint's scheduler holds the peak it was saved with); a changed peak is said once."""
+        peak = self.peak_lr * self.numerics.lr_factor
+        before = set_peak(engine.lr_scheduler, peak)
+        if self.rank == 0 and not math.isclose(before, peak, rel_tol=1e-12) and (before, peak) not in self._said:
+            self._said.add((before, peak))
+            log.info("the learning rate's peak is %.4g from step %d (it was %.4g %s)", peak, self.step, before, when)
 
     def load(self, checkpoints: CheckpointManager, engine, plan: ResumePlan) -> ResumeKind:
         """Collective: ``engine`` and this state from the checkpoint ``plan`` names (`CheckpointManager.
-        plan_resume`). The memories and the RNG states continue exactly where the streams map onto these ranks one
-        to one; otherwise the memories start empty and dropout is reseeded from (seed, step, rank)."""
+        plan_resume`), at the start of a run or at a rollback. The memories and the RNG states continue exactly
+        where the streams map onto these ranks one to one; otherwise the memories start empty and dropout is
+        reseeded from (seed, step, rank)."""
         client_state = checkpoints.load(engine, plan)
         if client_state is None or CLIENT_KEY not in client_state:
             raise RuntimeError(f"{checkpoints.directory / plan.tag}: not a txl_dist checkpoint (no client state)")
         saved = client_state[CLIENT_KEY]
         self.step, self.tokens_seen, self.best = saved["step"], saved["tokens_seen"], saved.get("best")
+        self.numerics.load_state_dict(saved.get("numerics"), str(checkpoints.directory / plan.tag))
+        self.follow_schedule(engine, f"when {checkpoints.directory / plan.tag} was saved")
         kind = self.streams.load_state_dict(saved["data"])
         rng = None
         if kind == ResumeKind.EXACT:
@@ -167,12 +190,4 @@ class TrainState:
                     saved["world_size"],
                     self.world_size,
                 )
-        if self.rank == 0:
-            log.info(
-                "resumed from %s at step %d (%s, %d tokens seen)",
-                checkpoints.directory / plan.tag,
-                self.step,
-                kind.value,
-                self.tokens_seen,
-            )
         return kind

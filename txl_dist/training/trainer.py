@@ -41,13 +41,15 @@ from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings
 from txl_dist.rendezvous.ranks import Place
-from txl_dist.supervision.guard import RunFailure, RunGuard
+from txl_dist.supervision.guard import RunGuard
 from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.training.cadence import Cadence
+from txl_dist.training.numerics import NumericalFailure, NumericsRecord, NumericsState, StepHealth
+from txl_dist.training.numerics_guard import NumericsGuard
 from txl_dist.training.profiling import StepProfiler, out_of_memory_snapshot
 from txl_dist.training.run_dir import RunDirectory
 from txl_dist.training.run_log import RunLogger
-from txl_dist.training.step_log import StepLog, log_best, log_done, log_start
+from txl_dist.training.step_log import StepLog, log_best, log_done, log_start, loss_scale
 from txl_dist.training.throughput import FlopsMeter
 from txl_dist.training.train_state import SlotMemories, TrainState
 
@@ -76,6 +78,7 @@ class Trainer:
         engine: Any,
         num_parameters: int,
         streams: TrainStreams,
+        numerics_record: NumericsRecord,
     ):
         self.cfg = cfg
         self.manifest = manifest
@@ -108,15 +111,43 @@ class Trainer:
                 "tokenizer": dataclasses.asdict(manifest.tokenizer),
                 "batch_split": self.batch_split._asdict(),
             },
+            numerics=NumericsState(cfg.numerics),
+            peak_lr=cfg.optim.lr,
         )
         self.resumed_from = resume_plan.tag if resume_plan is not None else None
         if resume_plan is not None:
-            self.state.load(self.checkpoints, self.engine, resume_plan)
+            kind = self.state.load(self.checkpoints, self.engine, resume_plan)
             self.guard.progress(self.state.step)
             self.guard.checkpointed(self.state.step)
+            if self.rank == 0:
+                log.info(
+                    "resumed from %s at step %d (%s, %d tokens seen)",
+                    self.checkpoints.directory / resume_plan.tag,
+                    self.state.step,
+                    kind.value,
+                    self.state.tokens_seen,
+                )
         self.logger = RunLogger(
             self.run_dir.path, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, resume_step=self.state.step
         )
+        self.numerics = NumericsGuard(
+            cfg,
+            state=self.state,
+            engine=engine,
+            checkpoints=checkpoints,
+            snapshots=snapshots,
+            record=numerics_record,
+            logger=self.logger,
+            guard=guard,
+            finish_pending=lambda: self._complete_background_save(self.checkpoints.finish_pending()),
+        )
+        self.health: StepHealth | None = None
+        """The last step's numbers, as the ranks agreed on them: what a checkpoint of that step records."""
+        # fp32 ZeRO-0 steps torch's optimizer with no DeepSpeed wrapper, which reports no gradient norm: it is
+        # measured here, before the update.
+        self._measure_grad_norm = cfg.zero.stage == 0 and cfg.precision.dtype == "fp32"
+        self._stopped_sick = False
+        """Stopped at a step that failed the check: no last checkpoint, so the memory snapshots stay."""
 
     # ---- checkpoint --------------------------------------------------------------------------------------------
 
@@ -128,7 +159,8 @@ class Trainer:
         started = time.perf_counter()
         if background and self.checkpoints.pending is not None:  # at most one write in flight: wait for it
             self._complete_background_save(self.checkpoints.finish_pending(), waited=True)
-        tag = self.state.save(self.checkpoints, self.engine, background=background)
+        health = self.health.record() if self.health is not None else None
+        tag = self.state.save(self.checkpoints, self.engine, background=background, health=health)
         seconds = time.perf_counter() - started
         self._last_save_clock = time.monotonic()
         if background:
@@ -163,6 +195,7 @@ class Trainer:
             "streams_per_rank": len(self.state.streams.rank_stream_ids()),
             "architecture": self.state.run_record["architecture"],
             "zero_stage": self.engine.zero_optimization_stage(),
+            "health": self.health.record() if self.health is not None else None,
         }
         stall = self.snapshots.take(jobs, tag_dir, meta)
         self.logger.info("memory snapshot of step %d: training waited %.2f s", self.state.step, stall)
@@ -236,21 +269,45 @@ class Trainer:
             to_device(batch.inputs, self.device), to_device(batch.targets, self.device), mems, cluster_rows=rows
         )
 
-    def _agree(self) -> tuple[bool, bool]:
-        """Collective, after every step: (a stop was requested on any rank, rank 0's clock says a save is due).
-        One all-reduce of the maximum carries both, and whether any rank's background checkpoint write is still
-        going: when none is, the pending checkpoint is completed here, at the same step on every rank. Only rank 0
-        reads the clock, so the ranks cannot disagree."""
+    def _agree(
+        self, step_loss: torch.Tensor, own_grad_norm: torch.Tensor | None, overflow: bool
+    ) -> tuple[bool, bool, StepHealth]:
+        """Collective, after every step: (a stop was requested on any rank, rank 0's clock says a save is due, the
+        step's numbers). One all-reduce of the sum carries them, and whether any rank's background checkpoint
+        write is still going: when none is, the pending checkpoint is completed here, at the same step on every
+        rank. Only rank 0 reads the clock, so the ranks cannot disagree. The numbers: this rank's loss of the step
+        (``step_loss``, on the device), the gradient norm (the engine's, else ``own_grad_norm``), whether this
+        rank's loss was not finite and which rank it is, and in fp16 whether the scaler skipped the update
+        (``overflow``) at its minimum scale; every rank gets the same `StepHealth`."""
         clock_due = self.rank == 0 and self.cadence.clock_save_due(time.monotonic(), self._last_save_clock)
         writing, _ = self.checkpoints.writing()
-        flags = torch.tensor([float(self.guard.requested), float(clock_due), float(writing)])
-        if self._flag_group is None:
-            flags = flags.to(self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group)
-        stopping, clock_due, writing = flags.tolist()
+        norm = self.engine.get_global_grad_norm()
+        norm = own_grad_norm if norm is None else norm
+        bad = (~torch.isfinite(step_loss)).double()
+        measured = [step_loss.double(), torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float64), bad]
+        pinned = overflow and (loss_scale(self.engine.optimizer) or 0) <= self.cfg.precision.min_loss_scale
+        host = [float(self.guard.requested), float(clock_due), float(writing), float(overflow), float(pinned)]
+        flag_device = self.device if self._flag_group is None else torch.device("cpu")
+        values = torch.cat(
+            [
+                torch.stack([value.to(self.device) for value in measured]).to(flag_device),
+                (bad * self.rank).to(flag_device).view(1),
+                torch.tensor(host, dtype=torch.float64, device=flag_device),
+            ]
+        )
+        dist.all_reduce(values, group=self._flag_group)
+        loss, grad_norm, bad_ranks, bad_rank_sum, stopping, clock_due, writing, overflow, pinned = values.tolist()
         if self.checkpoints.pending is not None and not writing:
             self._complete_background_save(self.checkpoints.complete_pending())
-        return bool(stopping), bool(clock_due)
+        health = StepHealth(
+            loss=loss / self.world_size,
+            grad_norm=None if norm is None else grad_norm / self.world_size,
+            bad_ranks=round(bad_ranks),
+            bad_rank_sum=round(bad_rank_sum),
+            overflow=overflow > 0,
+            scale_pinned=pinned > 0,
+        )
+        return stopping > 0, clock_due > 0, health
 
     def run(self) -> dict[str, Any]:
         log_start(
@@ -269,7 +326,7 @@ class Trainer:
                 stopped_by, last_eval = self._train()
                 # The last checkpoint is complete before the run reports its end.
                 self._complete_background_save(self.checkpoints.finish_pending())
-                if self.snapshots is not None:  # the last checkpoint is newer than any snapshot
+                if self.snapshots is not None and not self._stopped_sick:  # the last checkpoint is newer
                     self.snapshots.remove()
         finally:
             self.streams.close()
@@ -312,34 +369,48 @@ class Trainer:
         phase = profiler.phase
         try:
             while (stopped_by := self.cadence.stop_before(self.state.step, self.streams.epoch)) is None:
+                if self.numerics.apply_due_skips():
+                    batches = iter(self.streams)
                 profiler.before_step(self.state.step + 1, self.engine)
                 with profiler.step_range(self.state.step + 1):
-                    self._train_step(batches, step_log, phase)
-                    if self.resumed_from and self.state.step == start_step + 1:
-                        self._require_finite_loss_after_resume(step_log.loss)
-                    if profiler.active:
-                        step_log.profiled = True
-                    if self.cadence.log_after(self.state.step):
-                        step_log.write(self.state.step, self.state.tokens_seen, self.engine, self.memories)
-                    if evaluated := self.cadence.evaluate_after(self.state.step):
-                        with phase("evaluation"):
-                            last_eval = self._validate_and_track(self.cfg.eval.max_batches)
+                    step_loss, grad_norm, overflow, memoryless = self._train_step(batches, step_log, phase)
                     with phase("stop agreement"):
-                        stopping, clock_due = self._agree()
-                    best = self.state.best
-                    new_best = evaluated and best is not None and best["step"] == self.state.step
-                    if self.cadence.save_after(
-                        self.state.step, stopping=stopping, new_best=new_best, clock_due=clock_due
-                    ):
-                        with phase("checkpoint"):
-                            self.save()
-                        last_saved = self.state.step
-                    elif self.snapshots is not None and self.cadence.snapshot_after(self.state.step):
-                        with phase("snapshot"):
-                            self._snapshot()
+                        stopping, clock_due, self.health = self._agree(step_loss, grad_norm, overflow)
+                    if self.resumed_from and self.state.step == start_step + 1:
+                        self._require_finite_loss_after_resume(self.health)
+                    fault = self.numerics.judge(self.health, memoryless)
+                    if fault is not None:
+                        step_log.reset()
+                        if stopping:  # nothing sick is saved: the next start goes back to the newest healthy state
+                            self.logger.info("step %d failed the check as the run stops: nothing saved", fault.step)
+                            self._stopped_sick = True
+                            return self.guard.reason or "a stop request on another rank", last_eval
+                        with phase("rollback"):
+                            last_saved = self.numerics.recover(fault)
+                        batches = iter(self.streams)
+                    else:
+                        if profiler.active:
+                            step_log.profiled = True
+                        if self.cadence.log_after(self.state.step):
+                            step_log.write(self.state.step, self.state.tokens_seen, self.engine, self.memories)
+                        self.numerics.after_healthy_step(self.health)
+                        if evaluated := self.cadence.evaluate_after(self.state.step):
+                            with phase("evaluation"):
+                                last_eval = self._validate_and_track(self.cfg.eval.max_batches)
+                        best = self.state.best
+                        new_best = evaluated and best is not None and best["step"] == self.state.step
+                        if self.cadence.save_after(
+                            self.state.step, stopping=stopping, new_best=new_best, clock_due=clock_due
+                        ):
+                            with phase("checkpoint"):
+                                self.save()
+                            last_saved = self.state.step
+                        elif self.snapshots is not None and self.cadence.snapshot_after(self.state.step):
+                            with phase("snapshot"):
+                                self._snapshot()
                 profiler.after_step(self.state.step)
-                if evaluated or last_saved == self.state.step:  # keep evaluation and saving out of tokens/s
-                    step_log.restart_clock()
+                if fault is None and (evaluated or last_saved == self.state.step):
+                    step_log.restart_clock()  # keep evaluation and saving out of tokens/s
                 if stopping:
                     return self.guard.reason or "a stop request on another rank", last_eval
         finally:
@@ -350,38 +421,52 @@ class Trainer:
             self.save()
         return stopped_by, last_eval
 
-    def _train_step(self, batches, step_log: StepLog, phase) -> None:
+    def _train_step(self, batches, step_log: StepLog, phase) -> tuple[torch.Tensor, torch.Tensor | None, bool, bool]:
         """One optimizer step: grad_accum micro-batches, each carrying its slot's memory on; ``phase`` labels
-        the parts of each for the profiler (`StepProfiler.phase`)."""
+        the parts of each for the profiler (`StepProfiler.phase`). Returns the step's loss on this rank (on the
+        device), the gradient norm where this trainer measures it, whether the engine skipped the update (an
+        overflow), and whether the step's memories started empty."""
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        grad_norm, memoryless = None, False
+        skipped_before = self.engine.skipped_steps
         for slot in range(self.batch_split.grad_accum):
             with phase("data"):
                 batch = next(batches)
             if batch.reset_mems:
                 self.memories.clear(slot)
+                memoryless = True
             with phase("forward"):
                 loss, mems = self._forward(batch, self.memories[slot])
                 self.memories.update(slot, mems)
                 loss = loss.mean()
             with phase("backward"):
                 self.engine.backward(loss)
+            if self._measure_grad_norm and slot + 1 == self.batch_split.grad_accum:
+                grad_norm = gradient_norm(self.engine.module)
             with phase("optimizer step"):
                 self.engine.step()
-            step_log.add(loss, batch, self.batch_split.grad_accum)
+            step_loss += loss.detach().double() / self.batch_split.grad_accum
+            step_log.add(batch)
         self.state.step += 1
         self.guard.progress(self.state.step)
         self.state.tokens_seen += self.tokens_per_step
-        step_log.end_step()
+        step_log.end_step(step_loss)
+        return step_loss, grad_norm, self.engine.skipped_steps > skipped_before, memoryless
 
-    def _require_finite_loss_after_resume(self, step_loss: torch.Tensor) -> None:
-        """Collective, once: a checkpoint whose weights or optimizer state hold inf/nan would otherwise train on
-        with every step skipped, and save more such checkpoints."""
-        total = step_loss.detach().clone()
-        dist.all_reduce(total)
-        loss = total.item()
-        if not math.isfinite(loss):
+    def _require_finite_loss_after_resume(self, health: StepHealth) -> None:
+        """The first step after a start from a checkpoint: a loss that is not finite means its weights or optimizer
+        state are (they would otherwise train on with every step skipped, and save more such checkpoints)."""
+        if not math.isfinite(health.loss):
             verified = "" if self.cfg.checkpoint.verify else " (its files were not verified: checkpoint.verify=false)"
-            raise RunFailure(
-                f"the training loss is {loss} at step {self.state.step}, the first step after resuming from "
+            raise NumericalFailure(
+                f"the training loss is {health.loss} at step {self.state.step}, the first step after resuming from "
                 f"{self.checkpoints.directory / self.resumed_from}: the checkpoint's weights or optimizer state are "
-                f"not finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before"
+                f"not finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before",
+                self.state.step,
             )
+
+
+def gradient_norm(module: torch.nn.Module) -> torch.Tensor:
+    """The 2-norm of every gradient of ``module`` together, on the device, without waiting for it."""
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)

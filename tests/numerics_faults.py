@@ -1,0 +1,46 @@
+"""Numerical faults for the ranks a test starts, injected from outside the product: the environment that puts
+``tests/scripts/numerics_faults/sitecustomize.py`` on their ``PYTHONPATH`` (what it does: its docstring), and the
+digest of the batch a poisoned-data fault is keyed on."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from txl_dist.config import load_config
+from txl_dist.data import TrainStreams
+
+INJECTOR = Path(__file__).resolve().parent / "scripts" / "numerics_faults"
+
+
+def fault_environment(**variables: str | int) -> dict[str, str]:
+    """The variables that make the ranks meet a fault: ``nan_at_call="1:45"`` (TXL_TEST_NAN_AT_CALL),
+    ``poison="SHA,..."`` with ``poison_kind="nan"|"spike"``, ``kill_at_step=N``; with the injector on the path."""
+    environment = {f"TXL_TEST_{name.upper()}": str(value) for name, value in variables.items()}
+    path = os.environ.get("PYTHONPATH")
+    environment["PYTHONPATH"] = f"{INJECTOR}{os.pathsep}{path}" if path else str(INJECTOR)
+    return environment
+
+
+def batch_digest(shards: Path, overrides: list[str], *, world_size: int, rank: int, step: int, slot: int = 0) -> str:
+    """The sha256 of the input tokens of micro-batch ``slot`` of rank ``rank`` at optimizer step ``step`` (counted
+    from 1) of a run of ``configs/tiny_cpu.yaml`` with ``overrides`` on ``world_size`` ranks: what the injector keys
+    a poisoned batch on."""
+    cfg = load_config("configs/tiny_cpu.yaml", [f"data.shards={shards}", *overrides])
+    split = cfg.train.batch_split(world_size)
+    with TrainStreams(
+        shards,
+        cfg.data.train_split,
+        tgt_len=cfg.model.tgt_len,
+        micro_batch=split.micro_batch,
+        grad_accum=split.grad_accum,
+        world_size=world_size,
+        rank=rank,
+        seed=cfg.train.seed,
+        shuffle_blocks=cfg.data.shuffle_blocks,
+    ) as streams:
+        for batch in streams:
+            if batch.step + 1 == step and batch.slot == slot:
+                return hashlib.sha256(batch.inputs.contiguous().numpy().tobytes()).hexdigest()
+    raise AssertionError("unreachable: the streams are endless")
