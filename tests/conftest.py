@@ -127,6 +127,19 @@ def ptb_sentences(split: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def reference(ptb_word_shards, tmp_path_factory) -> Path:
+    """The uninterrupted run that launcher tests compare theirs with, step by step: `tests.launcher.tiny_args` for
+    40 steps through the real `deepspeed` launcher on 2 CPU ranks, a checkpoint every 10 steps, all kept. Read-only:
+    copy it (`tests.launcher.copy_at_step`) to resume from it."""
+    from tests.launcher import REFERENCE_COMMAND, STEPS, TRAIN, launcher_command, run, tiny_args
+
+    output = tmp_path_factory.mktemp("reference")
+    REFERENCE_COMMAND[:] = launcher_command(TRAIN, tiny_args(ptb_word_shards, output, f"train.max_steps={STEPS}"))
+    run(REFERENCE_COMMAND)
+    return output
+
+
+@pytest.fixture(scope="session")
 def ptb_text_dir(tmp_path_factory) -> Path:
     """``ptb.{train,valid,test}.txt`` written from the treebank package."""
     directory = tmp_path_factory.mktemp("ptb_text")

@@ -100,6 +100,26 @@ def test_a_rank_that_refused_its_input_is_never_retried(changes):
     assert said[0].startswith("a rank refused its input (") and "so the job ends" in said[0], said
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"status": 4},
+        {"failures": [fault("numerics", 0, "n1", message="train.py: error: numerical fault at step 61: the loss")]},
+    ],
+    ids=["exit-4", "numerics-record"],
+)
+@pytest.mark.parametrize("lost", [(), ("n3",)], ids=["healthy-nodes", "a-node-lost"])
+def test_a_run_stopped_by_its_own_numbers_is_never_retried_even_beside_a_lost_node(changes, lost):
+    """A relaunch would meet the same fault, whatever the nodes: the job ends, neither relaunched on the nodes left
+    nor requeued (a refused input likewise, which was relaunched before when a node was lost too)."""
+    decision, said = run_decide(with_(situation(healthy(*lost), requeueable=True), **changes))
+    assert decision == "end" and len(said) == 1, said
+    assert said[0].startswith("the run stopped on its own numbers (") and "the newest healthy checkpoint" in said[0]
+    refused = fault("refused", 0, "n1", message="train.py: error: data.shards: no manifest")
+    decision, said = run_decide(with_(situation(healthy(*lost), requeueable=True), failures=[refused]))
+    assert decision == "end" and said[0].startswith("a rank refused its input ("), said
+
+
 def test_a_failure_that_comes_back_at_the_same_step_ends_the_job_in_one_line():
     """Relaunched once after a failure at step 61, the run fails at step 61 again: the job ends with one line
     naming the step, the rank and its error, instead of relaunching (or requeueing) into the same failure."""

@@ -1,7 +1,8 @@
 """launchers/train.py through the real `deepspeed` launcher on 2 CPU ranks (gloo), on Penn Treebank shards.
 
-The reference run trains the tiny model for 40 steps with dropout (so resuming must restore the RNG too); the
-other runs stop, get killed, resume, change the number of ranks, and are compared with it step by step.
+The reference run (the session's ``reference`` fixture, tests/conftest.py) trains the tiny model for 40 steps with
+dropout (so resuming must restore the RNG too); the other runs stop, get killed, resume, change the number of
+ranks, and are compared with it step by step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import pytest
 import torch
 
 from tests.launcher import (
+    REFERENCE_COMMAND,
     REPO,
+    STEPS,
+    TRAIN,
     copy_at_step,
     finish,
     free_port,
@@ -36,47 +40,10 @@ from tests.launcher import (
     torchrun_command,
     wait_for_step,
 )
+from tests.launcher import tiny_args as args
 from txl_dist.training.throughput import known_peak
 
 pytestmark = pytest.mark.launcher
-
-TRAIN = "launchers/train.py"
-STEPS = 40
-
-
-def args(shards: Path, output_dir: Path, *extra: str) -> list[str]:
-    """The tiny model, ZeRO 2 fp32, dropout on, a schedule fixed at 40 steps whatever train.max_steps says (a high
-    learning rate so that the loss visibly falls within them). The validation pass at the end of a run scores PTB
-    valid in 36 segments of 64 streams (tiny_cpu.yaml's 4 streams of 8 tokens would take 2,305 forwards)."""
-    return [
-        "--config",
-        "configs/tiny_cpu.yaml",
-        f"data.shards={shards}",
-        f"train.output_dir={output_dir}",
-        "model.dropout=0.1",
-        "optim.lr=5e-3",
-        "schedule.warmup_steps=2",
-        f"schedule.total_steps={STEPS}",
-        "log.every=1",
-        "eval.every=0",
-        "eval.batch_size=64",
-        "eval.tgt_len=32",
-        "checkpoint.every=10",
-        "checkpoint.keep_last=0",
-        *extra,
-    ]
-
-
-REFERENCE_COMMAND: list[str] = []
-"""The command of the reference run, for the buffers it may have left."""
-
-
-@pytest.fixture(scope="module")
-def reference(ptb_word_shards, tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("reference")
-    REFERENCE_COMMAND[:] = launcher_command(TRAIN, args(ptb_word_shards, output, f"train.max_steps={STEPS}"))
-    run(REFERENCE_COMMAND)
-    return output
 
 
 @pytest.fixture(scope="module")

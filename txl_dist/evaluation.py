@@ -25,7 +25,7 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def perplexity(loss: float) -> float:
     """exp(``loss``) of a mean loss in nats; ``inf`` where it overflows a float (a diverged model's), never an
     OverflowError."""
-    return math.exp(loss) if loss < math.log(float_info.max) else math.inf
+    return math.inf if loss >= math.log(float_info.max) else math.exp(loss)  # NaN stays NaN
 
 
 @dataclass

@@ -9,7 +9,9 @@ dots, and the throughput (bottom row: tokens/s, with the MFU or, where a run's p
 rank on the right axis), against optimizer steps, tokens seen and training time (``--x`` picks one). Training time
 counts the time of each start of a run (from its "start" record to its last record) and leaves out the time between
 an interruption and its resume. Each run has a colour, line style and marker of its own (up to 280 runs, a sweep),
-and the legend below the panels names each run and its settings. A malformed record (a step that is not a whole
+and the legend below the panels names each run and its settings. A run's numerical faults
+(`txl_dist.training.numerics`) are marked on its loss and perplexity panels: a dotted line in its colour at each step
+that was rolled back, a shaded span over each data window it skipped. A malformed record (a step that is not a whole
 number >= 0, a value that is not a number, ...) is left out with one warning per file naming its first line; a
 panel with nothing to draw (a value or an x axis that no record logged: tokens, the time, the loss) stays empty
 with a note saying what is missing, and a warning names it.
@@ -58,6 +60,16 @@ class Run:
     character_level: bool
     skipped: list[tuple[int, str]] = field(default_factory=list)
     """The malformed records of metrics.jsonl that were left out: (line number, what is wrong)."""
+    rollbacks: list[int] = field(default_factory=list)
+    """The steps that failed the numerics check and were rolled back."""
+    skipped_windows: list[tuple[int, int]] = field(default_factory=list)
+    """The data windows skipped after a fault: (first step, last step) whose data was passed over."""
+
+    def x_at(self, axis: str, step: int) -> float:
+        """Where ``step`` lies on ``axis``: the place of the first logged step at or after it (NaN: none)."""
+        logged = self.x[axis]
+        following = [s for s in logged if s >= step]
+        return logged[min(following)] if following else math.nan
 
     def label(self) -> str:
         h = self.hparams
@@ -118,12 +130,20 @@ def _record_problem(record) -> str | None:
         return f"'kind' is {kind!r}, not a string"
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
         return f"'step' is {step!r}, not a whole number >= 0 (and below 2^53)"
-    for name in (*CURVE_VALUES, *AXIS_VALUES):
+    for name in (*CURVE_VALUES, *AXIS_VALUES) if kind in ("train", "eval") else AXIS_VALUES:
         value = record.get(name)
         if name in record and not _is_number(value):
             return f"'{name}' is {value!r}, not a number"
         if name in AXIS_VALUES and name in record and not (math.isfinite(value) and value >= 0):
             return f"'{name}' is {value!r}, not a finite number >= 0"
+    if kind == "numerics":
+        event = record.get("event")
+        if not isinstance(event, str):
+            return f"'event' is {event!r}, not a string"
+        for name in ("from_step", "to_step") if event == "skip" else ():
+            value = record.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_STEP:
+                return f"'{name}' is {value!r}, not a whole number >= 0 (and below 2^53)"
     hparams = record.get("hparams", {})
     if kind == "start" and not (isinstance(hparams, dict) and all(isinstance(v, SCALARS) for v in hparams.values())):
         return "'hparams' is not a mapping of names to numbers or strings"
@@ -196,11 +216,16 @@ def read_run(directory: str | Path) -> Run:
     records, skipped = _records(directory / METRICS)
     by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
     hparams: dict = {}
+    rollbacks, windows = [], []
     for record in records:
         if record["kind"] in by_kind:
             by_kind[record["kind"]][record["step"]] = record
         elif record["kind"] == "start" and "hparams" in record:
             hparams = record["hparams"]
+        elif record["kind"] == "numerics" and record["event"] == "rollback":
+            rollbacks.append(record["step"])
+        elif record["kind"] == "numerics" and record["event"] == "skip":
+            windows.append((record["from_step"], record["to_step"]))
     train, evals = by_kind["train"], by_kind["eval"]
     if not train:
         left_out = (
@@ -226,7 +251,9 @@ def read_run(directory: str | Path) -> Run:
             result.values[name] = [_number(chosen[s].get(name)) for s in result.steps]
         return result
 
-    return Run(str(directory), curve(train), curve(evals), x, hparams, character_level, skipped)
+    run = Run(str(directory), curve(train), curve(evals), x, hparams, character_level, skipped)
+    run.rollbacks, run.skipped_windows = sorted(set(rollbacks)), sorted(set(windows))
+    return run
 
 
 def _matplotlib():
@@ -278,6 +305,7 @@ def figure_of(runs: Sequence[Run], axes: Sequence[str]):
             scale = per_unit if axis == "time" else 1.0
             for row, metric in enumerate(("loss", second)):
                 _draw_curves(grid[row][column], run, style, axis, metric, scale)
+                _mark_faults(grid[row][column], run, style, axis, scale)
     for column, axis in enumerate(axes):
         throughput_panel(
             grid[2][column], runs, [run.x[axis] for run in runs], per_unit if axis == "time" else 1, styles
@@ -299,8 +327,27 @@ def figure_of(runs: Sequence[Run], axes: Sequence[str]):
         Line2D([], [], color="gray", marker="o", markerfacecolor="none"),
         Line2D([], [], color="gray", marker="o", linestyle="none"),
     ]
-    _legend_below(figure, handles, [run.label() for run in runs] + ["training", "evaluation"])
+    labels = [run.label() for run in runs] + ["training", "evaluation"]
+    if any(run.rollbacks for run in runs):
+        handles.append(Line2D([], [], color="gray", linestyle=":"))
+        labels.append("rolled back (numerical fault)")
+    if any(run.skipped_windows for run in runs):
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="gray", alpha=0.2, linewidth=0))
+        labels.append("data window skipped")
+    _legend_below(figure, handles, labels)
     return figure
+
+
+def _mark_faults(plot, run: Run, style: dict, axis: str, scale: float) -> None:
+    """The run's rolled-back steps (a dotted line) and skipped data windows (a shaded span), in its colour."""
+    for step in run.rollbacks:
+        x = run.x_at(axis, step) / scale
+        if math.isfinite(x):
+            plot.axvline(x, color=style["color"], linestyle=":", linewidth=1.0, alpha=0.8)
+    for first, last in run.skipped_windows:
+        start, end = run.x_at(axis, first) / scale, run.x_at(axis, last) / scale
+        if math.isfinite(start) and math.isfinite(end):
+            plot.axvspan(start, max(end, start), color=style["color"], alpha=0.15, linewidth=0)
 
 
 def _draw_curves(plot, run: Run, style: dict, axis: str, metric: str, scale: float) -> None:

@@ -403,6 +403,7 @@ class CheckpointManager:
             )
         self._saving = None
         self.damaged.discard(tag)
+        self.sick.discard(tag)  # a folder of this name from before (removed when this save began) is gone
         if health_problem({"health": health}) is not None:  # numerics.check=false: never resumed, never counted
             self.sick.add(tag)
         else:

@@ -58,10 +58,12 @@ ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, Keyboar
 
 class RunFailure(Exception):
     """A failure the ranks agreed on (every rank raises it with the same message). A subclass may name the exit
-    status every rank ends with (``exit_status``) and the kind of its fault record (``fault_kind``)."""
+    status every rank ends with (``exit_status``), the kind of its fault record (``fault_kind``), and that every
+    rank found it alike (``found_by_every_rank``: its message names no rank)."""
 
     exit_status = 1
     fault_kind = "error"
+    found_by_every_rank = False
 
 
 def _error_text(error: BaseException) -> str:
@@ -292,7 +294,8 @@ class RunGuard:
         caused_elsewhere = not isinstance(error, RunFailure) and self.failure_reported(wait_s=0.5)
         if not caused_elsewhere:
             one_line = isinstance(error, ONE_LINE_ERRORS + (RunFailure,))
-            where = f" on rank {self.rank} ({socket.gethostname()})" if self.world_size > 1 else ""
+            agreed = getattr(error, "found_by_every_rank", False)  # no rank of its own to name
+            where = f" on rank {self.rank} ({socket.gethostname()})" if self.world_size > 1 and not agreed else ""
             message = f"train.py: error{where}: {_error_text(error)}"
             dead = self.dead_peers() if not one_line and self.world_size > 1 else []
             kind = (

@@ -56,6 +56,7 @@ class NumericalFailure(RunFailure):
 
     exit_status = NUMERICAL_FAULT
     fault_kind = "numerics"
+    found_by_every_rank = True
 
     def __init__(self, message: str, step: int):
         super().__init__(message)

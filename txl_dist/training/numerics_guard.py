@@ -86,15 +86,13 @@ class NumericsGuard:
         began = time.perf_counter()
         norm = f" (gradient norm {number_text(fault.grad_norm)})" if fault.check == "loss" else ""
         self.logger.info("step %d: numerical fault: %s%s; nothing of this step is saved", fault.step, fault.text, norm)
-        self._event(
-            fault.step,
-            "fault",
-            check=fault.check,
-            reason=fault.text,
-            loss=json_number(fault.loss),
-            grad_norm=json_number(fault.grad_norm),
-        )
-        restored, source = self._restore(fault)
+        # Recorded once restored: the restore purges TensorBoard's records from the step after the restored one.
+        values = {"check": fault.check, "reason": fault.text, "loss": json_number(fault.loss)}
+        values["grad_norm"] = json_number(fault.grad_norm)
+        try:
+            restored, source = self._restore(fault)
+        finally:
+            self._event(fault.step, "fault", **values)
         self._keep(tag_for_step(restored))
         plan = self.recovery.plan(fault, restored)
         if plan.action == "stop":
