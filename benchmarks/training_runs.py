@@ -32,21 +32,31 @@ def ptb_word_shards(directory: Path) -> tuple[Path, Path]:
 
 
 def train(
-    config: str, shards: Path, output_dir: Path, overrides: list[str], ranks: int = 2, port: int = 29561
+    config: str,
+    shards: Path,
+    output_dir: Path,
+    overrides: list[str],
+    ranks: int = 2,
+    port: int = 29561,
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
-    """Run launchers/train.py to the end; return its metrics.jsonl records."""
+    """Run launchers/train.py to the end (``env``: variables added to its environment); return its metrics.jsonl
+    records."""
     script = ["launchers/train.py", "--config", config, f"data.shards={shards}", f"train.output_dir={output_dir}"]
-    launch([*script, *overrides], port, ranks)
+    launch([*script, *overrides], port, ranks, env)
     return metrics(output_dir)
 
 
-def launch(script: list[str], port: int, ranks: int = 2) -> None:
+def launch(script: list[str], port: int, ranks: int = 2, extra_env: dict[str, str] | None = None) -> None:
     """Run ``script`` (a path and its arguments) on ``ranks`` CPU ranks through the deepspeed launcher."""
+    extra_env = dict(extra_env or {})
+    paths = [str(REPO), extra_env.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
     env = {
         **os.environ,
+        **extra_env,
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONPATH": os.pathsep.join(path for path in paths if path),
     }
     command = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port), *script]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)

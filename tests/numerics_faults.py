@@ -11,7 +11,8 @@ from pathlib import Path
 from txl_dist.config import load_config
 from txl_dist.data import TrainStreams
 
-INJECTOR = Path(__file__).resolve().parent / "scripts" / "numerics_faults"
+REPO = Path(__file__).resolve().parents[1]
+INJECTOR = REPO / "tests" / "scripts" / "numerics_faults"
 
 
 def fault_environment(**variables: str | int) -> dict[str, str]:
@@ -24,11 +25,20 @@ def fault_environment(**variables: str | int) -> dict[str, str]:
     return environment
 
 
-def batch_digest(shards: Path, overrides: list[str], *, world_size: int, rank: int, step: int, slot: int = 0) -> str:
+def batch_digest(
+    shards: Path,
+    overrides: list[str],
+    *,
+    world_size: int,
+    rank: int,
+    step: int,
+    slot: int = 0,
+    config: str | Path = REPO / "configs" / "tiny_cpu.yaml",
+) -> str:
     """The sha256 of the input tokens of micro-batch ``slot`` of rank ``rank`` at optimizer step ``step`` (counted
-    from 1) of a run of ``configs/tiny_cpu.yaml`` with ``overrides`` on ``world_size`` ranks: what the injector keys
-    a poisoned batch on."""
-    cfg = load_config("configs/tiny_cpu.yaml", [f"data.shards={shards}", *overrides])
+    from 1) of a run of ``config`` with ``overrides`` on ``world_size`` ranks: what the injector keys a poisoned
+    batch on."""
+    cfg = load_config(config, [f"data.shards={shards}", *overrides])
     split = cfg.train.batch_split(world_size)
     with TrainStreams(
         shards,

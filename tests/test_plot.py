@@ -228,3 +228,30 @@ def test_a_run_without_tokens_beside_one_with_them_draws_both_without_a_warning(
     out = tmp_path / "curves.png"
     assert plot.main([str(with_tokens), str(without), "--out", str(out), "--x", "tokens"]) == 0
     assert capsys.readouterr().err == "" and out.is_file()
+
+
+def test_rollbacks_and_skipped_windows_are_marked_on_the_loss_panels(tmp_path):
+    """The numerics records of a run (`txl_dist.training.numerics_guard`): a dotted line at each rolled-back step and
+    a shaded span over each skipped data window, on the loss and perplexity panels of every x axis, and two legend
+    entries; a numerics record whose window is no pair of steps is left out with the file's one warning."""
+    fault = {"step": 26, "kind": "numerics", "event": "fault", "loss": "nan", "grad_norm": "inf", "wall_time": 1026.5}
+    rollback = {"step": 26, "kind": "numerics", "event": "rollback", "restored_step": 20, "wall_time": 1026.6}
+    skip = {"step": 20, "kind": "numerics", "event": "skip", "from_step": 21, "to_step": 26, "wall_time": 1026.7}
+    broken = {**skip, "to_step": "26"}
+    records = [*(_train(step, 6 - step / 20) for step in range(1, 41)), fault, rollback, skip, broken]
+    run = plot.read_run(write_run(tmp_path / "run", records))
+    assert run.rollbacks == [26] and run.skipped_windows == [(21, 26)]
+    assert run.skipped_warning() == (
+        f"{tmp_path / 'run' / 'metrics.jsonl'}: 1 malformed record(s) left out of the plot, the first on line 44 "
+        "('to_step' is '26', not a whole number >= 0 (and below 2^53))"
+    )
+    figure = plot.figure_of([run], list(plot.AXES))
+    loss_panel = figure.axes[0]
+    lines = [line for line in loss_panel.get_lines() if line.get_linestyle() == ":"]
+    assert [line.get_xdata()[0] for line in lines] == [26.0]
+    (span,) = loss_panel.patches
+    assert span.get_x() == pytest.approx(21.0) and span.get_width() == pytest.approx(5.0)
+    tokens_panel = figure.axes[1]
+    assert [line.get_xdata()[0] for line in tokens_panel.get_lines() if line.get_linestyle() == ":"] == [26 * 256]
+    labels = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert labels[-2:] == ["rolled back (numerical fault)", "data window skipped"]

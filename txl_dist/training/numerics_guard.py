@@ -15,9 +15,12 @@ and TensorBoard (``numerics/*``), which ``python -m txl_dist.plot`` marks on the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from txl_dist.checkpoint_paths import tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
@@ -41,6 +44,37 @@ from txl_dist.training.run_log import RunLogger
 from txl_dist.training.train_state import TrainState
 
 log = logging.getLogger("txl_dist.training")
+
+
+def gradient_norm(module: torch.nn.Module) -> torch.Tensor:
+    """The 2-norm of every gradient of ``module`` together, on the device, without waiting for it: where the engine
+    reports none (fp32 ZeRO-0 steps torch's optimizer, unwrapped)."""
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
+
+
+def step_numbers(step_loss: torch.Tensor, grad_norm: Any, rank: int) -> torch.Tensor:
+    """This rank's part of the agreement that ends a step (summed over the ranks): its loss of the step, the
+    gradient norm (the same on every rank; 0 where none is known), and whether its loss was not finite, alone and
+    times its rank. On the loss's device, float64; nothing waits for the device."""
+    bad = (~torch.isfinite(step_loss)).double()
+    norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, dtype=torch.float64)
+    return torch.stack([step_loss.double(), norm.to(step_loss.device), bad, bad * rank])
+
+
+def agreed_health(
+    numbers: list[float], world_size: int, norm_known: bool, overflow: bool, scale_pinned: bool
+) -> StepHealth:
+    """The `StepHealth` of the sums of every rank's `step_numbers`."""
+    loss, grad_norm, bad_ranks, bad_rank_sum = numbers
+    return StepHealth(
+        loss=loss / world_size,
+        grad_norm=grad_norm / world_size if norm_known else None,
+        bad_ranks=round(bad_ranks),
+        bad_rank_sum=round(bad_rank_sum),
+        overflow=overflow,
+        scale_pinned=scale_pinned,
+    )
 
 
 class NumericsGuard:
@@ -68,6 +102,16 @@ class NumericsGuard:
         self.recovery = Recovery(cfg.numerics)
         state.numerics.add_skips(record.skips)
         checkpoints.kept |= set(record.kept)
+        elsewhere = [skip for skip in record.skips if skip.data["num_streams"] != state.streams.num_streams]
+        if elsewhere and self.rank == 0:
+            log.warning(
+                "%s records %d skipped data window(s) of a run cut into %d streams; this run has %d "
+                "(train.global_batch): they do not apply, and a fault they kept away may be met again",
+                record.path,
+                len(elsewhere),
+                elsewhere[0].data["num_streams"],
+                state.streams.num_streams,
+            )
 
     @property
     def streams(self) -> TrainStreams:
@@ -76,6 +120,20 @@ class NumericsGuard:
     def judge(self, health: StepHealth, memoryless: bool) -> Fault | None:
         """The fault of the step just taken, None when it is healthy (`Watch.judge`)."""
         return self.watch.judge(self.state.step, health, memoryless)
+
+    def require_finite_after_resume(self, health: StepHealth, resumed_from: str) -> None:
+        """The first step after a start from checkpoint ``resumed_from``: a loss that is not finite means that its
+        weights or optimizer state are, and no rollback cures it (they would otherwise train on with every step
+        skipped, and save more such checkpoints): `NumericalFailure`, whatever numerics.check says."""
+        if math.isfinite(health.loss):
+            return
+        verified = "" if self.cfg.checkpoint.verify else " (its files were not verified: checkpoint.verify=false)"
+        raise NumericalFailure(
+            f"the training loss is {health.loss} at step {self.state.step}, the first step after resuming from "
+            f"{self.checkpoints.directory / resumed_from}: the checkpoint's weights or optimizer state are not "
+            f"finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before",
+            self.state.step,
+        )
 
     # ---- a fault ------------------------------------------------------------------------------------------------
 

@@ -44,8 +44,8 @@ from txl_dist.rendezvous.ranks import Place
 from txl_dist.supervision.guard import RunGuard
 from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.training.cadence import Cadence
-from txl_dist.training.numerics import NumericalFailure, NumericsRecord, NumericsState, StepHealth
-from txl_dist.training.numerics_guard import NumericsGuard
+from txl_dist.training.numerics import NumericsRecord, NumericsState, StepHealth
+from txl_dist.training.numerics_guard import NumericsGuard, agreed_health, gradient_norm, step_numbers
 from txl_dist.training.profiling import StepProfiler, out_of_memory_snapshot
 from txl_dist.training.run_dir import RunDirectory
 from txl_dist.training.run_log import RunLogger
@@ -283,30 +283,20 @@ class Trainer:
         writing, _ = self.checkpoints.writing()
         norm = self.engine.get_global_grad_norm()
         norm = own_grad_norm if norm is None else norm
-        bad = (~torch.isfinite(step_loss)).double()
-        measured = [step_loss.double(), torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float64), bad]
         pinned = overflow and (loss_scale(self.engine.optimizer) or 0) <= self.cfg.precision.min_loss_scale
         host = [float(self.guard.requested), float(clock_due), float(writing), float(overflow), float(pinned)]
         flag_device = self.device if self._flag_group is None else torch.device("cpu")
         values = torch.cat(
             [
-                torch.stack([value.to(self.device) for value in measured]).to(flag_device),
-                (bad * self.rank).to(flag_device).view(1),
+                step_numbers(step_loss, norm, self.rank).to(flag_device),
                 torch.tensor(host, dtype=torch.float64, device=flag_device),
             ]
         )
         dist.all_reduce(values, group=self._flag_group)
-        loss, grad_norm, bad_ranks, bad_rank_sum, stopping, clock_due, writing, overflow, pinned = values.tolist()
+        numbers, (stopping, clock_due, writing, overflow, pinned) = values[:4].tolist(), values[4:].tolist()
         if self.checkpoints.pending is not None and not writing:
             self._complete_background_save(self.checkpoints.complete_pending())
-        health = StepHealth(
-            loss=loss / self.world_size,
-            grad_norm=None if norm is None else grad_norm / self.world_size,
-            bad_ranks=round(bad_ranks),
-            bad_rank_sum=round(bad_rank_sum),
-            overflow=overflow > 0,
-            scale_pinned=pinned > 0,
-        )
+        health = agreed_health(numbers, self.world_size, norm is not None, overflow > 0, pinned > 0)
         return stopping > 0, clock_due > 0, health
 
     def run(self) -> dict[str, Any]:
@@ -377,7 +367,7 @@ class Trainer:
                     with phase("stop agreement"):
                         stopping, clock_due, self.health = self._agree(step_loss, grad_norm, overflow)
                     if self.resumed_from and self.state.step == start_step + 1:
-                        self._require_finite_loss_after_resume(self.health)
+                        self.numerics.require_finite_after_resume(self.health, self.resumed_from)
                     fault = self.numerics.judge(self.health, memoryless)
                     if fault is not None:
                         step_log.reset()
@@ -434,7 +424,7 @@ class Trainer:
                 batch = next(batches)
             if batch.reset_mems:
                 self.memories.clear(slot)
-                memoryless = True
+            memoryless = memoryless or self.memories[slot] is None  # an epoch's start, a skipped window, a re-cut
             with phase("forward"):
                 loss, mems = self._forward(batch, self.memories[slot])
                 self.memories.update(slot, mems)
@@ -452,21 +442,3 @@ class Trainer:
         self.state.tokens_seen += self.tokens_per_step
         step_log.end_step(step_loss)
         return step_loss, grad_norm, self.engine.skipped_steps > skipped_before, memoryless
-
-    def _require_finite_loss_after_resume(self, health: StepHealth) -> None:
-        """The first step after a start from a checkpoint: a loss that is not finite means its weights or optimizer
-        state are (they would otherwise train on with every step skipped, and save more such checkpoints)."""
-        if not math.isfinite(health.loss):
-            verified = "" if self.cfg.checkpoint.verify else " (its files were not verified: checkpoint.verify=false)"
-            raise NumericalFailure(
-                f"the training loss is {health.loss} at step {self.state.step}, the first step after resuming from "
-                f"{self.checkpoints.directory / self.resumed_from}: the checkpoint's weights or optimizer state are "
-                f"not finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before",
-                self.state.step,
-            )
-
-
-def gradient_norm(module: torch.nn.Module) -> torch.Tensor:
-    """The 2-norm of every gradient of ``module`` together, on the device, without waiting for it."""
-    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in module.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
