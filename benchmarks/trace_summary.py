@@ -11,17 +11,41 @@ ran in. Several traces (two dtypes, two configs) are printed side by side, so th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from txl_dist.exit_status import run_command  # noqa: E402 -- the project's error policy
+from txl_dist.fileio import read_json  # noqa: E402
+
 PHASE_PREFIX = "txl_dist/"
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _events(path: Path) -> list[dict]:
-    trace = json.loads(path.read_text(encoding="utf-8"))
-    return [event for event in trace["traceEvents"] if event.get("ph") == "X" and "dur" in event]
+    """The complete events ("ph": "X") of a Chrome trace; ValueError naming the file when it is no trace."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such trace file (profile.steps writes RUN/profile/steps_A-B/*.json)")
+    advice = "; give a trace that profile.steps wrote (RUN/profile/steps_A-B/rank_R.pt.trace.json)"
+    trace = read_json(path, ValueError, "not a Chrome trace: unreadable or cut short", advice)
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: not a Chrome trace (no list of traceEvents){advice}")
+    return [
+        event
+        for event in events
+        if isinstance(event, dict)
+        and event.get("ph") == "X"
+        and isinstance(event.get("name"), str)
+        and _is_number(event.get("dur"))
+        and _is_number(event.get("ts"))
+    ]
 
 
 def summarise(path: Path) -> dict:
@@ -99,4 +123,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, "trace_summary.py"))

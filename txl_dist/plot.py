@@ -24,6 +24,7 @@ import argparse
 import io
 import json
 import math
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,7 +103,8 @@ CURVE_VALUES = ("loss", "ppl", "bpc")
 """A record's values drawn as curves: numbers, where NaN or infinity (a diverged step, as the trainer logs it) is
 a gap in the curve."""
 AXIS_VALUES = ("tokens", "wall_time", "step_time_s")
-"""A record's values that place its step on the x axes: finite numbers, at least 0."""
+"""A record's values that place its step on the x axes: finite numbers, at least 0. The training records'
+`THROUGHPUT` figures are numbers too (``mfu`` may be null: no peak known); NaN or infinity is a gap."""
 SCALARS = (str, int, float, bool, type(None))
 
 
@@ -130,8 +132,11 @@ def _record_problem(record) -> str | None:
         return f"'kind' is {kind!r}, not a string"
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
         return f"'step' is {step!r}, not a whole number >= 0 (and below 2^53)"
-    for name in (*CURVE_VALUES, *AXIS_VALUES) if kind in ("train", "eval") else AXIS_VALUES:
+    drawn = (*CURVE_VALUES, *AXIS_VALUES, *(THROUGHPUT if kind == "train" else ()))
+    for name in drawn if kind in ("train", "eval") else AXIS_VALUES:
         value = record.get(name)
+        if name in THROUGHPUT and value is None:  # mfu is null where no peak is known
+            continue
         if name in record and not _is_number(value):
             return f"'{name}' is {value!r}, not a number"
         if name in AXIS_VALUES and name in record and not (math.isfinite(value) and value >= 0):
@@ -154,6 +159,8 @@ def _records(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
     """The usable records of a metrics.jsonl, and the malformed ones left out (line number, what is wrong). The
     last line cut short by a kill (no line end) is no record at all, and is left out without a word."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would be read forever, a device without end
+            raise PlotError(f"{path}: not a regular file (not a metrics.jsonl written by launchers/train.py)")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise PlotError(f"{path}: no such file (not a run directory of launchers/train.py?)") from None

@@ -29,6 +29,9 @@ from txl_dist.config.fields import (
 from txl_dist.config.model import MODEL_FIELD_ROLES, ModelConfig
 
 SEED_MAX = 2**32 - 1
+PeakTflops = Annotated[
+    Number, Field(ge=1e-3, le=1e5), Allowed("a positive number, or null: from 0.001 TFLOPS (a slow CPU core) to 100000")
+]
 
 
 @config_dataclass
@@ -93,10 +96,11 @@ class TrainConfig:
     """Seconds after which a rank whose heartbeat has stopped (a stopped process, a hung host, a dead link) is
     named and the job ends with status 1, so that the scheduler can requeue it; keep it well under the collective
     timeout (DEEPSPEED_TIMEOUT, 10 minutes by default)."""
-    peak_tflops: PositiveNumber | None = None
+    peak_tflops: PeakTflops | None = None
     """The accelerator's peak for the run's dtype, in TFLOPS per device (one rank), against which the log's MFU
     is taken; null means the known peak of the device (`txl_dist.training.throughput.PEAK_TFLOPS`: A100, H100,
-    H200, B200, dense), or no MFU where none is known (a CPU)."""
+    H200, B200, dense), or no MFU where none is known (a CPU). An MFU above 100% (a peak set below what the run
+    achieves) is said once in the log."""
 
     @pydantic.model_validator(mode="after")
     def _micro_batch_divides(self) -> TrainConfig:

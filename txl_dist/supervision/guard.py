@@ -121,6 +121,7 @@ class RunGuard:
         self._closed = threading.Event()
         self.step = 0
         self.last_checkpoint: int | None = None
+        self.last_snapshot: int | None = None
         self.stall_timeout: float | None = None
         """train.stall_timeout, from `connect` on (no heartbeat is followed before)."""
         self.fault_log: Path | None = None
@@ -150,6 +151,10 @@ class RunGuard:
 
     def checkpointed(self, step: int) -> None:
         self.last_checkpoint = step
+
+    def snapshotted(self, step: int) -> None:
+        """A memory snapshot of ``step`` is taken (checkpoint.memory_every): a failure loses less."""
+        self.last_snapshot = step
 
     def connect(self, rank: int, world_size: int, stall_timeout: float) -> None:
         """Join the failure channel: the rendezvous store that torch.distributed's env:// start-up created (every
@@ -190,6 +195,13 @@ class RunGuard:
 
     def _since_checkpoint(self) -> str:
         since = f"step {self.last_checkpoint}" if self.last_checkpoint is not None else "the start of this run"
+        snapshot = self.last_snapshot
+        if snapshot is not None and (self.last_checkpoint is None or snapshot > self.last_checkpoint):
+            return (
+                f"the job's progress since its last checkpoint ({since}) is kept up to step {snapshot} by the memory "
+                "snapshots, where every rank's part survives in a node's memory; run the same command again to "
+                "resume from the newest one"
+            )
         return (
             f"the job's progress since its last checkpoint ({since}) is lost; run the same command again to "
             "resume from it"

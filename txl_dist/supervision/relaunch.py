@@ -281,25 +281,37 @@ def decide(
     return _relaunch_line(chosen, spares)
 
 
-def _previous_failure(records: Sequence[Mapping], job: str, restart: str, relaunches: int) -> int | None:
+def _previous_failure(
+    records: Sequence[Mapping], job: str, restart: str, relaunches: int, explain: Callable[[str], None]
+) -> int | None:
     """The step at which the previous training step of this run of the job failed on healthy nodes (its plan
-    record), None when there was none."""
+    record), None when there was none (EXPLAIN names a record whose step is damaged)."""
     if relaunches == 0:
         return None
     previous = faults.launch_id(job, restart, relaunches - 1)
     for record in reversed(records):
         if record.get("kind") == faults.PLAN and record.get("launch") == previous and not record.get("lost"):
-            return faults.whole(record.get("failed_at"))
+            step = faults.whole(record.get("failed_at"))
+            if step is None and record.get("failed_at") is not None:
+                explain(
+                    f"warning: the plan record of step {previous} gives failed_at {record.get('failed_at')!r}, no "
+                    "step number: whether the failure came back at the same step cannot be told"
+                )
+            return step
     return None
 
 
-def _situation(args: argparse.Namespace, records: Sequence[Mapping]) -> Situation:
+def _situation(args: argparse.Namespace, records: Sequence[Mapping], explain: Callable[[str], None]) -> Situation:
     job = job_record(args.job)
     step_nodes = hostnames(args.step_nodes)
     repeated = sorted({node for node in step_nodes if step_nodes.count(node) > 1})
     if repeated:
         raise ValueError(f"--step-nodes {args.step_nodes!r} names {', '.join(repeated)} more than once")
-    spares = [node for node in hostnames(args.spares) if node not in step_nodes] if args.spares != "-" else []
+    spares = hostnames(args.spares) if args.spares != "-" else []
+    repeated = sorted({node for node in spares if spares.count(node) > 1})
+    if repeated:
+        raise ValueError(f"--spares {args.spares!r} names {', '.join(repeated)} more than once")
+    spares = [node for node in spares if node not in step_nodes]
     restart = job.get("Restarts", "0") or "0"
     launch = args.launch or faults.launch_id(args.job, restart, args.relaunches)
     failures = faults.of_launch(records, launch)
@@ -315,7 +327,7 @@ def _situation(args: argparse.Namespace, records: Sequence[Mapping]) -> Situatio
         status=args.status,
         failures=failures,
         named=named_by_the_ranks(failures, step_nodes, args.ranks_per_node, lambda node: node_answers(args.job, node)),
-        previous_failure=_previous_failure(records, args.job, restart, args.relaunches),
+        previous_failure=_previous_failure(records, args.job, restart, args.relaunches, explain),
         launch=launch,
     )
 
@@ -361,7 +373,7 @@ def relaunch_plan(args: argparse.Namespace, explain: Callable[[str], None]) -> s
     else:
         unreadable = None
     try:
-        situation = _situation(args, records)
+        situation = _situation(args, records, explain)
     except SlurmQueryError as error:
         explain(f"cannot read Slurm's view of the job ({error}): requeueing the job, the safe choice")
         return "requeue"

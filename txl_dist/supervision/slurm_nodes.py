@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             read_limits(os.environ, None if args.nodes is None else _at_least("--nodes", args.nodes, 1))
             if args.nodelist is not None:
-                print("\n".join(expand_hostlist(args.nodelist, "SLURM_JOB_NODELIST")), flush=True)
+                print("\n".join(job_nodes(args.nodelist)), flush=True)
             return 0
         train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
         if args.command == "watch":
@@ -184,6 +184,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(decision, flush=True)
     return 0
+
+
+HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""What a node's name is made of (Slurm's NodeName: letters, digits, '.', '-', '_')."""
+
+
+def job_nodes(nodelist: str) -> list[str]:
+    """The job's nodes from SLURM_JOB_NODELIST, each once; ValueError naming the variable for a name twice or one
+    that is no host name (Slurm's ``(null)`` for an empty list)."""
+    where = f"SLURM_JOB_NODELIST={nodelist!r}"
+    nodes = expand_hostlist(nodelist, "SLURM_JOB_NODELIST")
+    strange = [node for node in nodes if not HOST_NAME.fullmatch(node)]
+    if strange:
+        raise ValueError(f"{where} names {strange[0]!r}, which is no host name (letters, digits, '.', '-', '_')")
+    repeated = sorted({node for node in nodes if nodes.count(node) > 1})
+    if repeated:
+        raise ValueError(f"{where} names {', '.join(repeated)} more than once")
+    return nodes
 
 
 if __name__ == "__main__":

@@ -267,6 +267,10 @@ class RunLogger:
         if self.enabled:
             log.info(message, *args)
 
+    def warning(self, message: str, *args: Any) -> None:
+        if self.enabled:
+            log.warning(message, *args)
+
     def record(
         self, step: int, kind: str, values: dict[str, float | int | None], keep_null: Sequence[str] = ()
     ) -> None:

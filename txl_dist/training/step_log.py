@@ -237,6 +237,8 @@ class StepLog:
         self.checksum = torch.zeros((), dtype=torch.int64)
         self.steps = 0
         self.start = time.perf_counter()
+        self.said_mfu = False
+        """Whether an MFU above 100% (a peak set too low) has been said."""
         self.profiled = False
         """Some step of the window ran under the profiler (profile.steps): its record says so, as its tokens/s
         includes the profiler's cost."""
@@ -279,6 +281,15 @@ class StepLog:
         memory = _memory()
         tokens_per_s = self.steps * self.tokens_per_step / max(seconds, 1e-9)
         model_flops = self.flops.figures(totals[2:], tokens_per_s)
+        if (model_flops["mfu"] or 0) > 1 and not self.said_mfu:
+            self.said_mfu = True
+            self.logger.warning(
+                "MFU %.3g%% is above 100%%: train.peak_tflops=%g is below the %.3g TFLOPS per rank this run "
+                "achieves; set the device's real peak",
+                100 * model_flops["mfu"],
+                self.flops.peak_tflops,
+                model_flops["tflops"],
+            )
         values = {
             "loss": loss,
             "ppl": math.exp(min(loss, 50.0)),

@@ -198,6 +198,7 @@ class Trainer:
             "health": self.health.record() if self.health is not None else None,
         }
         stall = self.snapshots.take(jobs, tag_dir, meta)
+        self.guard.snapshotted(self.state.step)
         self.logger.info("memory snapshot of step %d: training waited %.2f s", self.state.step, stall)
 
     def _complete_background_save(self, pending, waited: bool = False) -> None:
