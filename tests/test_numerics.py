@@ -17,7 +17,7 @@ import torch
 
 from txl_dist.checkpoint_paths import COMPLETE
 from txl_dist.checkpoints import rotation
-from txl_dist.checkpoints.snapshots import crc32, verified_snapshots, write_snapshot
+from txl_dist.checkpoints.snapshot_files import crc32, verified_snapshots, write_snapshot
 from txl_dist.checkpoints.verify import health_problem, preflight
 from txl_dist.config import NumericsConfig, ScheduleConfig, load_config
 from txl_dist.config.fields import ConfigError
@@ -308,16 +308,21 @@ def test_a_snapshot_of_a_sick_state_is_never_restored(tmp_path, caplog):
     files = {"txl_rank_states/rank00000.pt": b"state"}
     for step, loss in ((12, 3.0), (15, "nan")):
         manifest = {
-            "run_id": "r" * 32,
+            "run_id": "a" * 32,
+            "output_dir": "/runs/tiny",
             "rank": 0,
             "step": step,
             "world_size": 1,
+            "host": "node1",
+            "streams_per_rank": 8,
+            "architecture": {"n_layer": 2},
+            "zero_stage": 2,
             "health": {"loss": loss, "grad_norm": 0.5},
             "files": {name: {"bytes": len(data), "crc32": crc32(data)} for name, data in files.items()},
         }
         write_snapshot(tmp_path / "rank00000" / f"step{step:08d}", manifest, files)
     with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
-        found = verified_snapshots(tmp_path, "r" * 32)
+        found = verified_snapshots(tmp_path, "a" * 32, "/runs/tiny")
     assert list(found) == [(0, 12)]
     assert "step00000015 skipped: its state is sick: its step's loss was nan" in caplog.text
 

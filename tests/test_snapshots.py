@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from txl_dist.checkpoints.snapshots import (
+from txl_dist.checkpoints.snapshot_files import (
     SNAPSHOT,
-    Ring,
     crc32,
     pack,
     prune,
@@ -18,17 +17,27 @@ from txl_dist.checkpoints.snapshots import (
     verified_snapshots,
     write_snapshot,
 )
+from txl_dist.checkpoints.snapshots import Ring
 
 RUN = "0" * 31 + "1"
+RUN_DIR = "/runs/tiny"
 
 
-def manifest_of(files: dict[str, bytes], rank: int = 0, step: int = 12, run_id: str = RUN) -> dict:
+def manifest_of(files: dict[str, bytes], rank: int = 0, step: int = 12, run_id: str = RUN, **more) -> dict:
+    """A snapshot's manifest as `Snapshots.take` writes it."""
     return {
         "run_id": run_id,
+        "output_dir": RUN_DIR,
         "rank": rank,
         "step": step,
         "world_size": 2,
+        "host": "node1",
+        "streams_per_rank": 4,
+        "architecture": {"n_layer": 2},
+        "zero_stage": 2,
+        "health": {"loss": 3.5, "grad_norm": 0.25},
         "files": {name: {"bytes": len(data), "crc32": crc32(data)} for name, data in files.items()},
+        **more,
     }
 
 
@@ -67,7 +76,7 @@ def test_a_restore_trusts_only_this_runs_snapshots_whose_files_match(tmp_path, c
     write_snapshot(tmp_path / "rank00000" / "step00000009", manifest_of(FILES, step=9, run_id="f" * 32), FILES)
     write_snapshot(tmp_path / "rank00001" / "step00000009", manifest_of(FILES, rank=1, step=9), FILES)
     (tmp_path / "rank00001" / "step00000012" / "mp_rank_00_model_states.pt").write_bytes(b"torn")
-    found = verified_snapshots(tmp_path, RUN)
+    found = verified_snapshots(tmp_path, RUN, RUN_DIR)
     assert sorted(found) == [(0, 12), (1, 9)]
     assert "rank00001/step00000012 skipped: mp_rank_00_model_states.pt does not match its checksum" in caplog.text
     assert "rank00000/step00000009 skipped: it belongs to another run" in caplog.text

@@ -104,6 +104,8 @@ class CheckpointManager:
         """Rank 0: the bytes of the last checkpoint this run wrote, every rank's files together."""
         self.pending: PendingSave | None = None
         """The save whose files are being written in the background, until it is complete."""
+        self._complete_count = 0
+        """The complete checkpoints the last `newest_good_tag` found, good or not."""
 
     # ---- finding checkpoints -----------------------------------------------------------------------------------
 
@@ -116,34 +118,21 @@ class CheckpointManager:
         if self.rank == 0:
             rotation.remove_unfinished(self.directory)
 
-    def choose_resume_tag(self, verify: bool) -> str | None:
-        """Collective: the newest complete checkpoint that verifies, chosen on rank 0 and known to every rank.
-
-        The ranks share the reading of each candidate's files. Checkpoints that fail are skipped with a warning
-        naming every problem and remembered in `damaged`; when none verifies the run stops rather than start
-        afresh beside them. With ``verify`` False the newest complete checkpoint is taken as it is."""
+    def newest_good_tag(self, verify: bool) -> str | None:
+        """Collective: the newest complete checkpoint that verifies and whose recorded state is not sick, chosen on
+        rank 0 and known to every rank; None when there is none. The ranks share the reading of each candidate's
+        files; checkpoints that fail are skipped with a warning naming every problem (once) and remembered in
+        `damaged` and `sick`. With ``verify`` False the newest complete one that is not sick is taken as it is."""
         candidates = broadcast(self._candidates() if self.rank == 0 else None)
-        sick = {tag: why for tag, why in candidates if why is not None}
-        candidates = [tag for tag, why in candidates if why is None]
-        for tag, why in sick.items():
-            self.sick.add(tag)
-            if self.rank == 0:
-                log.warning("skipping checkpoint %s, whose recorded state is sick: %s", self.directory / tag, why)
-        if not candidates:
-            if sick:
-                raise CheckpointVerificationError(
-                    f"every complete checkpoint in {self.directory} was saved from a sick state (see the warnings "
-                    f"above): there is no healthy state to resume from; move them aside to start afresh"
-                )
-            return None
+        self._complete_count = len(candidates)
+        for tag, why in candidates:
+            if why is not None and tag not in self.sick:
+                self.sick.add(tag)
+                if self.rank == 0:
+                    log.warning("skipping checkpoint %s, whose recorded state is sick: %s", self.directory / tag, why)
+        candidates = [tag for tag, why in candidates if why is None and tag not in self.damaged]
         if not verify:
-            if self.rank == 0:
-                log.warning(
-                    "checkpoint.verify=false: resuming from %s without checking its files against %s",
-                    self.directory / candidates[0],
-                    COMPLETE,
-                )
-            return candidates[0]
+            return candidates[0] if candidates else None
         for tag in candidates:
             if tag == self.newest_verified:  # written by this run, or verified since it started: no second read
                 return tag
@@ -156,9 +145,29 @@ class CheckpointManager:
                 log.warning(
                     "skipping checkpoint %s, which fails verification: %s", self.directory / tag, "; ".join(problems)
                 )
+        return None
+
+    def choose_resume_tag(self, verify: bool) -> str | None:
+        """Collective: the checkpoint a resume takes, `newest_good_tag`; None when the folder holds no complete
+        checkpoint. When it holds some but none is good, the run stops rather than start afresh beside them."""
+        tag = self.newest_good_tag(verify)
+        if tag is not None or not self._complete_count:
+            if tag is not None and not verify and self.rank == 0:
+                log.warning(
+                    "checkpoint.verify=false: resuming from %s without checking its files against %s",
+                    self.directory / tag,
+                    COMPLETE,
+                )
+            return tag
+        if self.sick and not self.damaged:
+            raise CheckpointVerificationError(
+                f"every complete checkpoint in {self.directory} was saved from a sick state (see the warnings above): "
+                f"there is no healthy state to resume from; move them aside to start afresh"
+            )
         raise CheckpointVerificationError(
-            f"none of the {len(candidates)} complete checkpoints in {self.directory} verifies (see the warnings "
-            f"above): move them aside to start afresh, or resume with checkpoint.verify=false to trust one"
+            f"none of the {self._complete_count} complete checkpoints in {self.directory} verifies, nor has a "
+            f"healthy state (see the warnings above): move them aside to start afresh, or resume with "
+            f"checkpoint.verify=false to trust one"
         )
 
     def _candidates(self) -> list[tuple[str, str | None]]:

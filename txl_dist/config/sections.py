@@ -5,6 +5,7 @@ checkpoint, numerics, log, profile. Each field's type, range and meaning are dec
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import field
 from typing import Annotated, ClassVar, Literal
@@ -333,12 +334,26 @@ class CheckpointConfig:
     (`txl_dist.checkpoints.snapshots`). Costs node memory for two snapshots of each rank and of its neighbour's.
     0: none."""
     memory_dir: str = "/dev/shm"
-    """Where the memory snapshots go on each node: a memory-backed folder local to the node."""
+    """Where the memory snapshots go on each node: a memory-backed folder local to the node (a tmpfs; a run warns
+    when it is not), as an absolute path; a leading ``~`` is expanded as a shell would."""
     background: bool = False
     """Write checkpoints while training goes on: each save copies the state into host memory (training waits for
     that copy only) and a thread writes and checks the files; the checkpoint is complete, and resumable, once
     every rank's write has ended, a step or more later. At most one write is in flight. Costs host memory for one
     copy of the rank's state (`txl_dist.checkpoints.background`)."""
+
+    @pydantic.field_validator("memory_dir")
+    @classmethod
+    def _absolute_memory_dir(cls, memory_dir: str) -> str:
+        expanded = os.path.expanduser(memory_dir)
+        if not os.path.isabs(expanded) or "\x00" in expanded:
+            raise ConfigError(
+                "checkpoint.memory_dir",
+                memory_dir,
+                "an absolute path of each node's memory-backed folder, such as /dev/shm ('~' is expanded; a relative "
+                "path would depend on where the command starts)",
+            )
+        return os.path.normpath(expanded)
 
 
 @config_dataclass

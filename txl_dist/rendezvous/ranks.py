@@ -21,11 +21,13 @@ log = logging.getLogger("txl_dist.training")
 
 
 class Place(NamedTuple):
-    """This rank's index, the number of ranks and this rank's device."""
+    """This rank's index, the number of ranks, this rank's device, and every rank's host name (gathered once, at
+    the rendezvous)."""
 
     rank: int
     world_size: int
     device: torch.device
+    hosts: tuple[str, ...] = ()
 
 
 def local_device(device_type: str | None = None) -> torch.device:
@@ -53,7 +55,7 @@ def join(launch: LaunchEnvironment | None = None, device_type: str | None = None
             process_group.describe_environment(environments[0]),
             ", ".join(sorted({record["host"] for record in environments})),
         )
-    return Place(rank, world_size, device)
+    return Place(rank, world_size, device, tuple(record["host"] for record in environments))
 
 
 def broadcast(value: Any) -> Any:

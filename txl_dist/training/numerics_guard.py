@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from txl_dist.checkpoint_paths import tag_for_step
+from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.snapshots import Snapshots
 from txl_dist.config import RunConfig
@@ -212,7 +212,9 @@ class NumericsGuard:
         from_memory = None
         if self.snapshots is not None:
             self.snapshots.wait_for_copy()
-            from_memory = self.snapshots.restore(self.checkpoints.directory, self.checkpoints.mark_restored)
+            newest = self.checkpoints.newest_good_tag(self.cfg.checkpoint.verify)
+            newer_than = -1 if newest is None else step_of_tag(newest)
+            from_memory = self.snapshots.restore(self.checkpoints.directory, self.checkpoints.mark_restored, newer_than)
             if from_memory is not None:  # written back with the checksums of its bytes: as good as verified
                 self.checkpoints.newest_verified = tag_for_step(from_memory)
         plan = self.checkpoints.plan_resume(

@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from txl_dist.checkpoint_paths import tag_for_step
+from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import dropout_seed
+from txl_dist.checkpoints.snapshot_files import RUN_ID
 from txl_dist.checkpoints.snapshots import Snapshots, run_id
 from txl_dist.checkpoints.verify import preflight
 from txl_dist.config import BatchSplit, RunConfig, load_config
@@ -312,6 +313,36 @@ def build_engine(run: ResolvedRun, place: ranks.Place, checkpoints: CheckpointMa
     return engine, num_parameters
 
 
+def restore_snapshots(
+    cfg: RunConfig, place: ranks.Place, run_dir: RunDirectory, checkpoints: CheckpointManager
+) -> Snapshots | None:
+    """Step 5's first half, collective: the memory snapshots of this run. With checkpoint.memory_every and a
+    resume, the newest usable one newer than the newest checkpoint that verifies is written back as a checkpoint
+    (`Snapshots.restore`); then every snapshot an earlier start left in the nodes' memory is freed, since the
+    resume reads none of them again (with checkpoint.memory_every=0 too, whose start takes none). Returns the
+    run's `Snapshots` when it takes them."""
+    memory_every, resume = cfg.checkpoint.memory_every, cfg.checkpoint.resume
+    if not memory_every and not (run_dir.path / RUN_ID).exists():
+        return None  # no snapshot was ever taken for this folder
+    identity = run_id(run_dir.path, place.rank, cfg.checkpoint.memory_dir)
+    hosts = list(place.hosts)
+    snapshots = Snapshots(
+        cfg.checkpoint.memory_dir, identity, run_dir.path, place.rank, place.world_size, hosts, bool(memory_every)
+    )
+    why = "checkpoint.memory_every=0: this start neither restores nor takes any"
+    if memory_every and not resume:
+        why = "checkpoint.resume=false: this start resumes from nothing"
+    elif memory_every:
+        newest = checkpoints.newest_good_tag(cfg.checkpoint.verify)
+        newer_than = -1 if newest is None else step_of_tag(newest)
+        restored = snapshots.restore(checkpoints.directory, checkpoints.mark_restored, newer_than)
+        if restored is not None:  # written back with the checksums of its bytes: as good as verified
+            checkpoints.newest_verified = tag_for_step(restored)
+        why = "the resume reads none of them again"
+    snapshots.free(why)
+    return snapshots if snapshots.taking else None
+
+
 def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironment | None = None) -> Trainer:
     """Steps 3-7, collective: the `Trainer` of ``run``, its resumed state loaded. ``launch``: what `apply_launch`
     returned (None: a launcher that wrote torch's variables itself, read again here)."""
@@ -339,13 +370,7 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         )
     dist.barrier()
 
-    snapshots = None  # 5. the resume plan: a snapshot newer than the newest checkpoint becomes one first
-    if cfg.checkpoint.memory_every:
-        identity = run_id(run_dir.path, place.rank)
-        snapshots = Snapshots(cfg.checkpoint.memory_dir, identity, run_dir.path, place.rank, place.world_size)
-        restored = snapshots.restore(checkpoints.directory, checkpoints.mark_restored)
-        if restored is not None:  # written back with the checksums of its bytes: as good as verified
-            checkpoints.newest_verified = tag_for_step(restored)
+    snapshots = restore_snapshots(cfg, place, run_dir, checkpoints)  # 5. the resume plan: a newer snapshot first
     resume_plan = checkpoints.plan_resume(
         resume=cfg.checkpoint.resume,
         verify=cfg.checkpoint.verify,

@@ -83,7 +83,7 @@ class Trainer:
         self.cfg = cfg
         self.manifest = manifest
         self.fingerprint = tokenizer_fingerprint
-        self.rank, self.world_size, self.device = place
+        self.rank, self.world_size, self.device = place.rank, place.world_size, place.device
         self.device_type = self.device.type
         self.guard = guard
         self._flag_group = flag_group
@@ -188,7 +188,7 @@ class Trainer:
             self.state.step,
             self.state.client_state(),
             self.state.rank_state(),
-            scratch=self.snapshots.root / f".deepspeed-rank{self.rank:05d}",
+            scratch=self.snapshots.scratch(),
         )
         meta = {
             "step": self.state.step,
@@ -198,8 +198,9 @@ class Trainer:
             "health": self.health.record() if self.health is not None else None,
         }
         stall = self.snapshots.take(jobs, tag_dir, meta)
-        self.guard.snapshotted(self.state.step)
-        self.logger.info("memory snapshot of step %d: training waited %.2f s", self.state.step, stall)
+        if stall is not None:
+            self.guard.snapshotted(self.state.step)
+            self.logger.info("memory snapshot of step %d: training waited %.2f s", self.state.step, stall)
 
     def _complete_background_save(self, pending, waited: bool = False) -> None:
         """A background save's checkpoint is complete: the log line with its stall and write time."""
