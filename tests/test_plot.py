@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -255,3 +256,39 @@ def test_rollbacks_and_skipped_windows_are_marked_on_the_loss_panels(tmp_path):
     assert [line.get_xdata()[0] for line in tokens_panel.get_lines() if line.get_linestyle() == ":"] == [26 * 256]
     labels = [text.get_text() for text in figure.legends[0].get_texts()]
     assert labels[-2:] == ["rolled back (numerical fault)", "data window skipped"]
+
+
+@pytest.mark.parametrize(
+    "field, value, problem",
+    [
+        ("mfu", 10**400, "'mfu' is 1000"),
+        ("tokens_per_s", 10**400, "'tokens_per_s' is 1000"),
+        ("mfu", "high", "'mfu' is 'high', not a number"),
+        ("tflops", True, "'tflops' is True, not a number"),
+    ],
+)
+def test_a_throughput_field_that_is_no_number_is_left_out_with_the_warning(field, value, problem, tmp_path):
+    """plot_mfu_bigint, plot_tps_bigint: an integer too large for a float was an OverflowError; plot_mfu_str: a
+    string was drawn as a gap without the warning docs/watching.md promises."""
+    records = [_train(step, 5.0) for step in (1, 2, 3)]
+    records[1] = {**records[1], "mfu": 0.1, field: value}
+    run = write_run(tmp_path / "run", records)
+    completed = run_plot(run, tmp_path / "curves.png")
+    assert completed.returncode == 0, completed.stderr
+    assert f"1 malformed record(s) left out of the plot, the first on line 2 ({problem}" in completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_metrics_file_that_is_no_regular_file_is_refused_not_read_forever(kind, tmp_path):
+    """plot_fifo blocked for good; plot_devzero ran out of memory."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if kind == "fifo":
+        os.mkfifo(run / "metrics.jsonl")
+    else:
+        (run / "metrics.jsonl").symlink_to("/dev/zero")
+    completed = run_plot(run, tmp_path / "curves.png")
+    assert completed.returncode == 2, completed.stderr
+    refused = f"plot: error: {run / 'metrics.jsonl'}: not a regular file (not a metrics.jsonl written by launchers/"
+    assert completed.stderr.strip() == refused + "train.py)"

@@ -869,3 +869,42 @@ def test_a_time_limit_signal_during_the_check_starts_no_step_and_requeues(tmp_pa
     assert "is not allowed" not in log and "stop asked before the training step started" in log, log
     assert "no training step ran; requeueing job" in log, log
     assert not fake_slurm.calls(folder, "srun") and len(fake_slurm.calls(folder, "scontrol requeue")) == 1, log
+
+
+@pytest.mark.parametrize(
+    "nodelist, refused",
+    [("n[1-2],n[1-2]", "names n1, n2 more than once"), ("n[1-2],(null)", "names '(null)', which is no host name")],
+)
+def test_the_jobs_host_list_names_each_node_once_and_only_host_names(nodelist, refused, capsys):
+    """sb_dup_nodelist, chk_hl_14: the first step once ran on n1,n2,n1,n2, and '(null)' (Slurm's word for an
+    empty list) was taken as a node."""
+    assert slurm_nodes.main(["check", "--nodes", "2", "--nodelist", nodelist]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"SLURM_JOB_NODELIST={nodelist!r} {refused}" in error[0], error
+
+
+def test_one_spare_never_takes_two_places(tmp_path):
+    """rl_dup_spares: --spares n4,n4 gave `relaunch 3 n1,n4,n4`; it is refused as --step-nodes n1,n1 is."""
+    nodes = {"n1": "MIXED", "n2": "DOWN", "n3": "DOWN", "n4": "IDLE"}
+    job = "JobId=7 NodeList=n[1-4] BatchHost=n1 Requeue=1 Restarts=0"
+    status, out, err = relaunch(tmp_path, job, nodes, "--step-nodes", "n[1-3]", "--spares", "n4,n4")
+    assert (status, out) == (2, ""), err
+    assert err.strip() == "slurm.sbatch: error: --spares 'n4,n4' names n4 more than once"
+
+
+def test_a_damaged_plan_record_is_named_not_taken_for_no_failure(tmp_path):
+    """sn_plan_failedat_str: a plan record whose failed_at is "12" silently disabled the check for a failure that
+    came back at the same step; now a warning names it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"kind": "plan", "launch": "7.0.0", "failed_at": "12", "lost": [], "decision": "relaunch 2 n1,n2 -"},
+        {"kind": "error", "launch": "7.0.1", "rank": 1, "host": "n2", "step": 12, "message": "boom", "world_size": 2},
+    ]
+    (run / "faults.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    job = "JobId=7 NodeList=n[1-2] BatchHost=n1 Requeue=1 Restarts=0"
+    status, out, err = relaunch(
+        tmp_path, job, {"n1": "MIXED", "n2": "MIXED"}, "--launch", "7.0.1", "--relaunches", "1", "--status", "1"
+    )
+    assert status == 0, err
+    assert "warning: the plan record of step 7.0.0 gives failed_at '12', no step number" in err, err

@@ -94,3 +94,20 @@ def test_a_restore_trusts_only_this_runs_snapshots_whose_files_match(tmp_path, c
 )
 def test_each_rank_copies_to_the_rank_in_its_place_on_the_next_node(hosts, rank, partner, senders):
     assert Ring.of(hosts, rank) == Ring(partner, senders)
+
+
+def test_a_failure_line_says_what_the_memory_snapshots_keep():
+    """d2_kill_rank1: the line said the progress since the last checkpoint was lost while a snapshot kept it."""
+    from txl_dist.supervision.guard import RunGuard
+
+    guard = RunGuard(watch_launcher=False, install_signals=False)
+    try:
+        guard.checkpointed(5)
+        assert "since its last checkpoint (step 5) is lost" in guard.death_message([(1, "")])
+        guard.snapshotted(8)
+        said = guard.death_message([(1, "")])
+        assert "since its last checkpoint (step 5) is kept up to step 8 by the memory snapshots" in said, said
+        guard.checkpointed(10)  # a newer checkpoint: the snapshot no longer adds anything
+        assert "since its last checkpoint (step 10) is lost" in guard.death_message([(1, "")])
+    finally:
+        guard.close()

@@ -302,6 +302,8 @@ def test_an_unreadable_config_file_is_named(tmp_path):
         ("train.peak_tflops=0", r"a positive number, or null"),
         ("train.peak_tflops=-989.5", r"a positive number, or null"),
         ("train.peak_tflops=.inf", r"a finite number"),
+        ("train.peak_tflops=1e-300", r"a positive number, or null: from 0.001 TFLOPS"),  # an MFU of 4e+296 %
+        ("train.peak_tflops=1e9", r"a positive number, or null: from 0.001 TFLOPS"),
     ],
 )
 def test_an_integer_or_number_out_of_the_range_the_code_needs_is_refused_at_config_time(override, message):
