@@ -278,6 +278,39 @@ def test_a_memory_folder_that_cannot_hold_snapshots_leaves_the_run_without_them(
     with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
         assert not Snapshots(foreign, RUN, run.path, 0, 1, ["node1"]).taking
     assert "owned by another account" in caplog.text
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / f"txl_dist-{RUN}").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
+        assert not Snapshots(linked, RUN, run.path, 0, 1, ["node1"]).taking  # another account's link to its folder
+    assert "a symbolic link or no folder" in caplog.text
+
+
+def test_a_copy_from_another_node_that_is_no_snapshot_is_refused():
+    """The ring's payload is checked as a folder's manifest is: a foreign or damaged buffer is a ValueError (the
+    copy is lost with a warning), never files written from it."""
+    from txl_dist.checkpoints.snapshot_files import pack, unpack
+
+    good = {
+        "run_id": RUN,
+        "output_dir": "/runs/x",
+        "rank": 0,
+        "step": 4,
+        "world_size": 2,
+        "host": "n1",
+        "streams_per_rank": 2,
+        "architecture": {},
+        "zero_stage": 2,
+        "files": {"a.pt": {"bytes": 1, "crc32": crc32(b"x")}},
+    }
+    assert unpack(memoryview(pack(good, {"a.pt": b"x"})))[1] == {"a.pt": b"x"}
+    evil = {**good, "files": {"../a.pt": {"bytes": 1, "crc32": crc32(b"x")}}}
+    with pytest.raises(ValueError, match=r"lists the file '\.\./a\.pt'"):
+        unpack(memoryview(pack(evil, {"../a.pt": b"x"})))
+    with pytest.raises(ValueError, match="shorter than its header"):
+        unpack(memoryview(b"123"))
 
 
 def test_a_memory_folder_on_a_disk_is_said_once(world, run, caplog):
