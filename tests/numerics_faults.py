@@ -17,8 +17,7 @@ INJECTOR = REPO / "tests" / "scripts" / "numerics_faults"
 
 def fault_environment(**variables: str | int) -> dict[str, str]:
     """The variables that make the ranks meet a fault: ``nan_at_call="1:45"`` (TXL_TEST_NAN_AT_CALL),
-    ``spike_at_call``, ``poison="SHA,..."`` with ``poison_kind="nan"|"spike"``, ``spike_factor``,
-    ``kill_at_step=N``; with the injector on the path."""
+    ``spike_at_call`` with ``spike_factor``, ``poison="SHA,..."``; with the injector on the path."""
     environment = {f"TXL_TEST_{name.upper()}": str(value) for name, value in variables.items()}
     path = os.environ.get("PYTHONPATH")
     environment["PYTHONPATH"] = f"{INJECTOR}{os.pathsep}{path}" if path else str(INJECTOR)

@@ -48,7 +48,8 @@ def _distributed() -> tuple[int, int, Any]:
     # torchrun, deepspeed, srun or mpirun: the same world whichever started the ranks.
     if launch_env.resolve(os.environ).world_size > 1:
         launch_env.apply()
-        return ranks.join()
+        place = ranks.join()
+        return place.rank, place.world_size, place.device
     return 0, 1, ranks.local_device()
 
 

@@ -1,5 +1,5 @@
 """Numerical faults injected from outside the product: a ``sitecustomize`` that a test puts on the ``PYTHONPATH`` of
-the ranks it starts (`tests/numerics.py`, ``fault_environment``). Every Python process that starts with it imports
+the ranks it starts (`tests/numerics_faults.py`, ``fault_environment``). Every Python process that starts with it imports
 it; it changes nothing unless one of its variables is set:
 
 - ``TXL_TEST_NAN_AT_CALL=RANK:CALL[,RANK:CALL...]``: the training forward number CALL (counted from 1 in this
@@ -7,15 +7,12 @@ it; it changes nothing unless one of its variables is set:
   again: a transient fault, as a flipped bit in a device would give.
 - ``TXL_TEST_SPIKE_AT_CALL=RANK:CALL[,...]``: that forward's loss times ``TXL_TEST_SPIKE_FACTOR`` (default 30),
   finite: a transient spike.
-- ``TXL_TEST_POISON=SHA256[,SHA256...]`` with ``TXL_TEST_POISON_KIND=nan|spike``: a training forward whose input
-  tokens (int64, C order) have one of these sha256 digests returns a NaN loss, or its loss times
-  ``TXL_TEST_SPIKE_FACTOR`` (default 30): a fault in the data, met again by every replay of that batch.
-- ``TXL_TEST_KILL_AT_STEP=STEP``: the process kills itself (SIGKILL) as its training loop reports STEP done.
+- ``TXL_TEST_POISON=SHA256[,SHA256...]``: a training forward whose input tokens (int64, C order) have one of these
+  sha256 digests returns a NaN loss: a fault in the data, met again by every replay of that batch.
 """
 
 import hashlib
 import os
-import signal
 
 _NAN_AT = {
     tuple(int(part) for part in item.split(":"))
@@ -28,13 +25,11 @@ _SPIKE_AT = {
     if item.strip()
 }
 _POISON = {item.strip() for item in os.environ.get("TXL_TEST_POISON", "").split(",") if item.strip()}
-_KILL_AT = os.environ.get("TXL_TEST_KILL_AT_STEP", "").strip()
 
 if _NAN_AT or _SPIKE_AT or _POISON:
     from txl_dist.model import TransformerXLLM
 
     _forward = TransformerXLLM.forward
-    _kind = os.environ.get("TXL_TEST_POISON_KIND", "nan")
     _factor = float(os.environ.get("TXL_TEST_SPIKE_FACTOR", "30"))
     _calls = [0]
 
@@ -49,19 +44,7 @@ if _NAN_AT or _SPIKE_AT or _POISON:
         if (rank, _calls[0]) in _SPIKE_AT:
             return loss * _factor, new_mems
         if _POISON and hashlib.sha256(tokens.detach().cpu().contiguous().numpy().tobytes()).hexdigest() in _POISON:
-            return (loss * float("nan") if _kind == "nan" else loss * _factor), new_mems
+            return loss * float("nan"), new_mems
         return loss, new_mems
 
     TransformerXLLM.forward = _faulty_forward
-
-if _KILL_AT:
-    from txl_dist.supervision.guard import RunGuard
-
-    _progress = RunGuard.progress
-
-    def _progress_then_kill(self, step):
-        _progress(self, step)
-        if step == int(_KILL_AT):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    RunGuard.progress = _progress_then_kill
