@@ -358,3 +358,24 @@ def test_the_numerics_section_refuses_what_it_cannot_use():
     ):
         with pytest.raises(ConfigError, match=allowed.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             load_config("configs/tiny_cpu.yaml", [override])
+
+
+def test_a_new_peak_keeps_the_schedules_floor():
+    """The peak a checkpoint's scheduler held is replaced, not scaled: the floor schedule.min_lr stays the floor."""
+    schedule = ScheduleConfig(kind="cosine", warmup_steps=0, min_lr=0.1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_lr_scheduler(optimizer, schedule, max_steps=10)
+    set_peak(scheduler, 0.5)
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert "lr_lambdas" in scheduler.state_dict() and scheduler.state_dict()["lr_lambdas"] == [None]
+
+
+def test_a_step_whose_update_the_engine_skipped_records_no_sick_state():
+    """fp16's loss scaler (or ZeRO's check) skipped the update: the weights are as they were, so a checkpoint of
+    that step is healthy, not one a resume passes over."""
+    record = StepHealth(loss=math.nan, grad_norm=math.inf, overflow=True).record()
+    assert record == {"loss": None, "grad_norm": None, "skipped_update": True}
+    assert health_problem({"health": record}) is None

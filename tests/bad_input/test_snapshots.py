@@ -5,6 +5,7 @@ checkpoints folder through `CheckpointManager.mark_restored`."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -350,3 +351,29 @@ def test_memory_dir_is_an_absolute_path(value):
         load_config("configs/tiny_cpu.yaml", [f"checkpoint.memory_dir={value}"])
     home = load_config("configs/tiny_cpu.yaml", ["checkpoint.memory_dir=~/shm"]).checkpoint.memory_dir
     assert home == os.path.join(os.path.expanduser("~"), "shm")
+
+
+def _two_ranks(rank: int, store: str, memory: list[str], output: str, verdicts) -> None:
+    """One rank of `test_the_ranks_agree_whether_snapshots_are_taken`, on a host of its own."""
+    # A short timeout: ranks that disagree wait in a collective the other never joins, and fail instead of hanging.
+    timeout = datetime.timedelta(seconds=30)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timeout)
+    try:
+        taker = Snapshots(memory[rank], RUN, Path(output), rank, 2, ["node1", "node2"])
+        verdicts[rank] = taker.taking
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_agree_whether_snapshots_are_taken(tmp_path):
+    """One node's memory folder cannot hold snapshots (a file in the way): every rank goes without them, instead
+    of one rank building the ring's group alone and the others waiting for it."""
+    import torch.multiprocessing as mp
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("in the way\n")
+    verdicts = mp.Manager().dict()
+    memory = [str(tmp_path / "memory"), str(blocked)]
+    mp.spawn(_two_ranks, args=(str(tmp_path / "store"), memory, str(tmp_path / "run"), verdicts), nprocs=2)
+    assert dict(verdicts) == {0: False, 1: False}

@@ -37,7 +37,7 @@ from typing import Any
 
 from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
 from txl_dist.checkpoints.background import FileJob
-from txl_dist.checkpoints.verify import health_problem
+from txl_dist.checkpoints.verify import health_problem, whole_number
 from txl_dist.fileio import describe_os_error, make_temporary_directory
 
 log = logging.getLogger("txl_dist.training")
@@ -74,11 +74,7 @@ def serialise(job: FileJob) -> bytes:
 
 
 def _whole(least: int, most: int | None = None):
-    def check(value: Any) -> bool:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
-        return ok and (most is None or value <= most)
-
-    return check
+    return lambda value: whole_number(value, least, most)
 
 
 MANIFEST_FIELDS: dict[str, tuple[Any, str]] = {
@@ -134,7 +130,7 @@ def check_manifest(manifest: Any) -> str | None:
             return f"{SNAPSHOT} lists the file {name!r:.80}: {problem}"
         if not (
             isinstance(entry, dict)
-            and _whole(0)(entry.get("bytes"))
+            and whole_number(entry.get("bytes"))
             and isinstance(entry.get("crc32"), str)
             and CRC_RE.fullmatch(entry["crc32"])
         ):

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from txl_dist.checkpoint_paths import tag_for_step
+from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
 from txl_dist.checkpoints.background import FileJob
+from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.snapshot_files import (
     ROOT_PREFIX,
     RUN_ID,
@@ -168,7 +169,13 @@ class Snapshots:
         self.rank, self.world_size, self.hosts = rank, world_size, hosts
         self.lister = hosts.index(hosts[rank]) == rank
         """This rank is its node's first: it lists, frees and removes the node's snapshots of the run."""
-        self.taking = taking and self._usable_root()
+        usable = taking and self._usable_root()
+        verdicts: list[bool] = [False] * world_size
+        dist.all_gather_object(verdicts, usable)  # snapshots are collective: on for every rank, or for none
+        self.taking = taking and all(verdicts)
+        if taking and not self.taking and usable and rank == 0:
+            unusable = [r for r, verdict in enumerate(verdicts) if not verdict]
+            log.warning("no memory snapshots in this start: rank(s) %s cannot take them (see above)", unusable)
         self.ring = Ring.of(hosts, rank) if self.taking else Ring(None, [])
         self._group = dist.new_group(backend="gloo") if self.ring.partner is not None else None
         self._thread: threading.Thread | None = None
@@ -234,29 +241,31 @@ class Snapshots:
             "files": {name: {"bytes": len(data), "crc32": crc32(data)} for name, data in files.items()},
         }
         folder = self.rank_dir / tag_for_step(meta["step"])
+        written = True
         try:
             write_snapshot(folder, manifest, files)
             prune(self.rank_dir)
         except OSError as error:
+            written = False
             if not self._failing:
                 log.warning(
-                    "rank %d: the memory snapshot of step %d is not taken (%s); training goes on without it, and "
-                    "until one is taken again a fault goes back to the newest checkpoint",
+                    "rank %d: the memory snapshot of step %d is not taken in this node's memory (%s); training "
+                    "goes on without it, and until one is taken again a fault goes back to the newest checkpoint "
+                    "or the copy on the next node",
                     self.rank,
                     meta["step"],
                     describe_os_error(error, folder),
                 )
             self._failing = True
-            return None
-        if self._failing:
+        if written and self._failing:
             log.warning("rank %d: memory snapshots are taken again (step %d)", self.rank, meta["step"])
             self._failing = False
-        if self.ring.partner is not None:
+        if self.ring.partner is not None:  # the exchange is the ring's, every rank's alike: it happens either way
             payload = pack(manifest, files)
             self._thread = threading.Thread(target=self._copy, args=(payload,), name="txl_dist-snapshot-ring")
             self._thread.daemon = True
             self._thread.start()
-        return time.perf_counter() - began
+        return time.perf_counter() - began if written else None
 
     def _copy(self, payload: bytes) -> None:
         """Thread: send this rank's snapshot to its partner, receive the senders' and keep them."""
@@ -331,6 +340,17 @@ class Snapshots:
                 log.warning("%s is not empty after the run's snapshots were removed: left as it is", self.root)
 
     # ---- restoring -----------------------------------------------------------------------------------------
+
+    def restore_into(self, checkpoints: CheckpointManager, verify: bool) -> int | None:
+        """Collective: `restore` into ``checkpoints``'s folder of the newest snapshot newer than its newest good
+        checkpoint (`CheckpointManager.newest_good_tag`), which then counts as verified (written back with the
+        checksums of its bytes); its step, or None."""
+        newest = checkpoints.newest_good_tag(verify)
+        newer_than = -1 if newest is None else step_of_tag(newest)
+        restored = self.restore(checkpoints.directory, checkpoints.mark_restored, newer_than)
+        if restored is not None:
+            checkpoints.newest_verified = tag_for_step(restored)
+        return restored
 
     def restore(self, checkpoints_dir: Path, mark_complete, newer_than: int) -> int | None:
         """Collective: the newest snapshot of this run that every rank of its world left somewhere in the nodes'

@@ -36,14 +36,21 @@ def read_marker(tag_dir: str | os.PathLike) -> dict[str, Any]:
     return marker
 
 
-def _whole(value: Any, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+def whole_number(value: Any, least: int = 0, most: int | None = None) -> bool:
+    """Whether a recorded value is a whole number (not a bool) from ``least`` to ``most``."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+    return ok and (most is None or value <= most)
+
+
+def finite_number(value: Any) -> bool:
+    """Whether a recorded value is a finite number (not a bool): what a healthy step's loss or norm is."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 _MARKER_FIELDS = {
-    "step": (lambda v: _whole(v, 0), "a step number"),
-    "world_size": (lambda v: _whole(v, 1), "a number of ranks"),
-    "streams_per_rank": (lambda v: _whole(v, 1), "a number of streams"),
+    "step": (lambda v: whole_number(v, 0), "a step number"),
+    "world_size": (lambda v: whole_number(v, 1), "a number of ranks"),
+    "streams_per_rank": (lambda v: whole_number(v, 1), "a number of streams"),
     "architecture": (lambda v: isinstance(v, dict), "a mapping of the model's architecture"),
     "rank_states": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of file names"),
     "health": (lambda v: isinstance(v, dict), "a mapping of the step's loss and gradient norm"),
@@ -61,9 +68,7 @@ def health_problem(marker: dict[str, Any]) -> str | None:
         return f"its recorded health {health!r:.40} is no mapping of its step's loss and gradient norm"
     for name, what in (("loss", "loss"), ("grad_norm", "gradient norm")):
         value = health.get(name)
-        if value is not None and not (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ):
+        if value is not None and not finite_number(value):
             return f"its step's {what} was {value}"
     return None
 

@@ -391,7 +391,8 @@ class NumericsConfig:
     state (a transient fault passes), each later one skips their data (a fault in the data passes); past it the
     run stops."""
     lr_factor_after_skip: Annotated[Number, Field(gt=0, le=1), Allowed("a factor in (0, 1]")] = 1.0
-    """The learning rate is multiplied by this after each skip of a data window (and stays so); 1: unchanged."""
+    """The learning rate's peak (optim.lr) is multiplied by this after each skip of a data window, and stays so
+    (the schedule's floor, schedule.min_lr, stays); 1: unchanged."""
 
 
 @config_dataclass

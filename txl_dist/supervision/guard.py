@@ -152,8 +152,9 @@ class RunGuard:
     def checkpointed(self, step: int) -> None:
         self.last_checkpoint = step
 
-    def snapshotted(self, step: int) -> None:
-        """A memory snapshot of ``step`` is taken (checkpoint.memory_every): a failure loses less."""
+    def snapshotted(self, step: int | None) -> None:
+        """This rank's memory snapshot of ``step`` is taken (checkpoint.memory_every): a failure loses less; None:
+        none newer than the last checkpoint is known (a rollback)."""
         self.last_snapshot = step
 
     def connect(self, rank: int, world_size: int, stall_timeout: float) -> None:
@@ -199,8 +200,8 @@ class RunGuard:
         if snapshot is not None and (self.last_checkpoint is None or snapshot > self.last_checkpoint):
             return (
                 f"the job's progress since its last checkpoint ({since}) is kept up to step {snapshot} by the memory "
-                "snapshots, where every rank's part survives in a node's memory; run the same command again to "
-                "resume from the newest one"
+                "snapshots where every rank's part of one survives in some node's memory (else it is lost); run the "
+                "same command again to resume from the newest"
             )
         return (
             f"the job's progress since its last checkpoint ({since}) is lost; run the same command again to "

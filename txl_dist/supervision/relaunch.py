@@ -188,7 +188,7 @@ def retry_on_the_same_nodes(
 def never_retried(situation: Situation) -> str | None:
     """Why the failure is one that no relaunch cures, whatever the nodes (a refused input, a run stopped by its own
     numbers), None otherwise."""
-    kinds = {record.get("kind") for record in situation.failures}
+    kinds = {record.get("kind") for record in situation.failures} & faults.NEVER_RETRIED_KINDS
     what = faults.describe(situation.failures[0]) if situation.failures else "no rank recorded why"
     if "refused" in kinds or situation.status == USAGE_ERROR:
         return f"a rank refused its input ({what}): a relaunch would be refused the same way, so the job ends"

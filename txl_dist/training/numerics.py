@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from txl_dist.checkpoints.verify import finite_number, whole_number
 from txl_dist.config import NumericsConfig
 from txl_dist.exit_status import NUMERICAL_FAULT
 from txl_dist.fileio import atomic_write_text, read_json
@@ -78,11 +79,6 @@ def json_number(value: float | None) -> float | str | None:
     return str(value)
 
 
-def finite_number(value: Any) -> bool:
-    """Whether a recorded value (`json_number`'s) is a finite number."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 class StepHealth(NamedTuple):
     """One step's numbers, as the ranks agreed on them (the same on every rank)."""
 
@@ -95,12 +91,18 @@ class StepHealth(NamedTuple):
     bad_rank_sum: int = 0
     """The sum of those ranks' numbers (names the rank when there is one)."""
     overflow: bool = False
-    """fp16: the loss scaler found an overflow and skipped the update."""
+    """The engine found gradients that were not finite and skipped the update (fp16's loss scaler, or ZeRO's check
+    in every precision)."""
     scale_pinned: bool = False
-    """fp16: that overflow came with the loss scale at precision.min_loss_scale."""
+    """fp16: that overflow brought the loss scale down to precision.min_loss_scale (DeepSpeed's scaler ends the
+    run at the next one)."""
 
-    def record(self) -> dict[str, float | str | None]:
-        """The values a checkpoint records (COMPLETE.json ``health``, a snapshot's manifest)."""
+    def record(self) -> dict[str, float | str | bool | None]:
+        """The values a checkpoint records (COMPLETE.json ``health``, a snapshot's manifest). A step whose update
+        the engine skipped left the weights and optimizer as they were: its numbers say nothing of the state saved,
+        so none are recorded (``skipped_update``)."""
+        if self.overflow:
+            return {"loss": None, "grad_norm": None, "skipped_update": True}
         return {"loss": json_number(self.loss), "grad_norm": json_number(self.grad_norm)}
 
 
@@ -163,6 +165,10 @@ class DataSkip:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def key(self) -> str:
+        """Where the window starts: one skip per data position, however many copies record it."""
+        return json.dumps(self.data, sort_keys=True)
+
     @classmethod
     def from_json(cls, value: Any, where: str) -> DataSkip:
         """A skip as `to_json` wrote it; ValueError naming ``where`` and the field otherwise."""
@@ -175,7 +181,7 @@ class DataSkip:
         whole = {"at_step": 0, "failed_step": 1, "steps": 1, "tokens": 0}
         for name, least in whole.items():
             number = getattr(skip, name)
-            if not isinstance(number, int) or isinstance(number, bool) or number < least:
+            if not whole_number(number, least):
                 raise ValueError(f"{where}: a skipped window's {name!r} is {number!r}, not a whole number >= {least}")
         if not isinstance(skip.data, dict) or set(skip.data) != set(DATA_KEY_FIELDS):
             raise ValueError(f"{where}: a skipped window's 'data' must hold {', '.join(DATA_KEY_FIELDS)}")
@@ -212,11 +218,11 @@ class NumericsState:
 
     def add_skips(self, skips: list[DataSkip]) -> None:
         """Skips known elsewhere (a checkpoint, the run's record), each once."""
-        known = {json.dumps(skip.data, sort_keys=True) for skip in self.skips}
+        known = {skip.key() for skip in self.skips}
         for skip in skips:
-            if json.dumps(skip.data, sort_keys=True) not in known:
+            if skip.key() not in known:
                 self.skips.append(skip)
-                known.add(json.dumps(skip.data, sort_keys=True))
+                known.add(skip.key())
 
     def due(self, stream_state: dict[str, Any]) -> DataSkip | None:
         """The skip that starts where the streams stand now, if any."""
@@ -341,7 +347,6 @@ class Incident:
     restored: int
     failed: int
     action: str
-    skip: DataSkip | None = None
 
 
 class Recovery:

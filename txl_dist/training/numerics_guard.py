@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
+from txl_dist.checkpoint_paths import tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.snapshots import Snapshots
 from txl_dist.config import RunConfig
@@ -56,7 +56,8 @@ def gradient_norm(module: torch.nn.Module) -> torch.Tensor:
 def step_numbers(step_loss: torch.Tensor, grad_norm: Any, rank: int) -> torch.Tensor:
     """This rank's part of the agreement that ends a step (summed over the ranks): its loss of the step, the
     gradient norm (the same on every rank; 0 where none is known), and whether its loss was not finite, alone and
-    times its rank. On the loss's device, float64; nothing waits for the device."""
+    times its rank. On the loss's device, float64, queued without waiting; the agreement reads it on the host once
+    the step's kernels are done (on a GPU, one synchronisation a step)."""
     bad = (~torch.isfinite(step_loss)).double()
     norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, dtype=torch.float64)
     return torch.stack([step_loss.double(), norm.to(step_loss.device), bad, bad * rank])
@@ -99,6 +100,8 @@ class NumericsGuard:
         self.logger, self.guard, self.finish_pending = logger, guard, finish_pending
         self.rank = state.rank
         self.watch = Watch(cfg.numerics, state.numerics, fp16=cfg.precision.dtype == "fp16", n_token=cfg.model.n_token)
+        self.resumed: tuple[str, int] | None = None
+        """The checkpoint this start resumed from and its step (`started_from`)."""
         self.recovery = Recovery(cfg.numerics)
         state.numerics.add_skips(record.skips)
         checkpoints.kept |= set(record.kept)
@@ -121,18 +124,23 @@ class NumericsGuard:
         """The fault of the step just taken, None when it is healthy (`Watch.judge`)."""
         return self.watch.judge(self.state.step, health, memoryless)
 
-    def require_finite_after_resume(self, health: StepHealth, resumed_from: str) -> None:
-        """The first step after a start from checkpoint ``resumed_from``: a loss that is not finite means that its
-        weights or optimizer state are, and no rollback cures it (they would otherwise train on with every step
-        skipped, and save more such checkpoints): `NumericalFailure`, whatever numerics.check says."""
-        if math.isfinite(health.loss):
+    def started_from(self, tag: str | None) -> None:
+        """This start resumed from checkpoint ``tag`` (None: a fresh start), at the current step."""
+        self.resumed = (tag, self.state.step) if tag is not None else None
+
+    def require_finite_after_resume(self, loss: float, step: int) -> None:
+        """Step ``step``, the first after a start from a checkpoint, gave a ``loss`` that is not finite (with
+        numerics.check off, or again on the replay): the checkpoint's weights or optimizer state are not finite,
+        and no rollback cures them (they would otherwise train on with every step skipped, and save more such
+        checkpoints): `NumericalFailure`."""
+        if math.isfinite(loss) or self.resumed is None or step != self.resumed[1] + 1:
             return
         verified = "" if self.cfg.checkpoint.verify else " (its files were not verified: checkpoint.verify=false)"
         raise NumericalFailure(
-            f"the training loss is {health.loss} at step {self.state.step}, the first step after resuming from "
-            f"{self.checkpoints.directory / resumed_from}: the checkpoint's weights or optimizer state are not "
+            f"the training loss is {loss} at step {step}, the first step after resuming from "
+            f"{self.checkpoints.directory / self.resumed[0]}: the checkpoint's weights or optimizer state are not "
             f"finite{verified}. Nothing was saved; move that checkpoint aside to resume from the one before",
-            self.state.step,
+            step,
         )
 
     # ---- a fault ------------------------------------------------------------------------------------------------
@@ -153,6 +161,8 @@ class NumericsGuard:
             self._event(fault.step, "fault", **values)
         self._keep(tag_for_step(restored))
         plan = self.recovery.plan(fault, restored)
+        if plan.action == "skip" and self.resumed is not None and restored == self.resumed[1]:
+            self.require_finite_after_resume(fault.loss, fault.step)  # the replay of the first step failed as well
         if plan.action == "stop":
             self._event(fault.step, "stop", restored_step=restored, why=plan.why)
             raise NumericalFailure(
@@ -178,7 +188,6 @@ class NumericsGuard:
             )
         else:
             skip = self._skip_window(restored, fault.step)
-            self.recovery.open.skip = skip
             seconds = time.perf_counter() - began
             self.logger.info(
                 "step %d failed again after the replay from step %d: the fault is in the data or the numerics; rolled "
@@ -212,11 +221,7 @@ class NumericsGuard:
         from_memory = None
         if self.snapshots is not None:
             self.snapshots.wait_for_copy()
-            newest = self.checkpoints.newest_good_tag(self.cfg.checkpoint.verify)
-            newer_than = -1 if newest is None else step_of_tag(newest)
-            from_memory = self.snapshots.restore(self.checkpoints.directory, self.checkpoints.mark_restored, newer_than)
-            if from_memory is not None:  # written back with the checksums of its bytes: as good as verified
-                self.checkpoints.newest_verified = tag_for_step(from_memory)
+            from_memory = self.snapshots.restore_into(self.checkpoints, self.cfg.checkpoint.verify)
         plan = self.checkpoints.plan_resume(
             resume=True,
             verify=self.cfg.checkpoint.verify,
@@ -234,6 +239,7 @@ class NumericsGuard:
         step = self.state.step
         self.guard.progress(step)
         self.guard.checkpointed(step)
+        self.guard.snapshotted(None)
         self.logger.rolled_back(step)
         return step, "memory snapshot" if from_memory == step else "checkpoint"
 
@@ -249,7 +255,7 @@ class NumericsGuard:
 
     def _skip_window(self, restored: int, failed: int) -> DataSkip:
         """The data of steps ``restored`` + 1 to ``failed`` passed over, from where the streams stand once the
-        skips already made from this state are applied again."""
+        skips already made from this state are applied again (and those on the way, as the steps met them)."""
         self.apply_due_skips()
         data = data_key(self.streams.state_dict())
         steps = failed - restored
@@ -257,7 +263,7 @@ class NumericsGuard:
             at_step=restored,
             failed_step=failed,
             steps=steps,
-            tokens=self.streams.skip(steps),
+            tokens=self._pass_over(steps),
             data=data,
             lr_factor=self.cfg.numerics.lr_factor_after_skip,
         )
@@ -281,7 +287,7 @@ class NumericsGuard:
         rollback from before a skip); whether the streams moved (their iterator is then made anew)."""
         moved = False
         while self.state.numerics.skips and (skip := self.state.numerics.due(self.streams.state_dict())):
-            self.streams.skip(skip.steps)
+            self._pass_over(skip.steps)
             self._after_skip(skip)
             moved = True
             self.logger.info(
@@ -295,6 +301,16 @@ class NumericsGuard:
             self._event(self.state.step, "skip_applied", failed_step=skip.failed_step, tokens=skip.tokens)
         return moved
 
+    def _pass_over(self, steps: int) -> int:
+        """The streams moved on by ``steps`` steps, one at a time, each window recorded to start on the way passed
+        over as well (as the steps that made this window met it); the tokens of these ``steps``."""
+        tokens = 0
+        for step in range(steps):
+            tokens += self.streams.skip(1)
+            if step + 1 < steps:  # a window starting where the last step ends is the caller's to apply
+                self.apply_due_skips()
+        return tokens
+
     def _after_skip(self, skip: DataSkip) -> None:
         """The text jumps: every slot's memory starts empty; and the learning rate scaled as the skip says."""
         for slot in range(self.state.streams.grad_accum):
@@ -306,12 +322,11 @@ class NumericsGuard:
     # ---- verdicts -----------------------------------------------------------------------------------------------
 
     def after_healthy_step(self, health: StepHealth) -> None:
-        """A healthy step: the verdict on the fault being answered, once its failed step has passed."""
-        incident = self.recovery.passed(self.state.step)
-        if incident is None:
-            return
+        """A healthy step: the verdict on a replayed fault once its failed step has passed, and every skipped
+        window the run has now trained past recorded for later starts (whatever faults came between)."""
         step = self.state.step
-        if incident.action == "replay":
+        incident = self.recovery.passed(step)
+        if incident is not None and incident.action == "replay":
             self.logger.info(
                 "step %d passed on the replay from step %d (loss %s): the fault was transient (a machine's, not the "
                 "data's); the run goes on as if it had not happened",
@@ -320,20 +335,23 @@ class NumericsGuard:
                 number_text(health.loss),
             )
             self._event(step, "transient", restored_step=incident.restored, loss=json_number(health.loss))
+        recorded = {skip.key() for skip in self.record.skips}
+        passed = [skip for skip in self.state.numerics.skips if skip.failed_step <= step and skip.key() not in recorded]
+        if not passed:
             return
-        skip = incident.skip
-        self.record.skips.append(skip)
+        self.record.skips += passed
         self._write_record()
-        self.logger.info(
-            "step %d passed after the skipped window (loss %s): the data of steps %d-%d is skipped for good, "
-            "recorded in %s for every later resume",
-            step,
-            number_text(health.loss),
-            skip.at_step + 1,
-            skip.failed_step,
-            self.record.path,
-        )
-        self._event(step, "skip_recorded", from_step=skip.at_step + 1, to_step=skip.failed_step, tokens=skip.tokens)
+        for skip in passed:
+            self.logger.info(
+                "step %d passed after the skipped window (loss %s): the data of steps %d-%d is skipped for good, "
+                "recorded in %s for every later resume",
+                step,
+                number_text(health.loss),
+                skip.at_step + 1,
+                skip.failed_step,
+                self.record.path,
+            )
+            self._event(step, "skip_recorded", from_step=skip.at_step + 1, to_step=skip.failed_step, tokens=skip.tokens)
 
     # ---- reports ------------------------------------------------------------------------------------------------
 

@@ -54,9 +54,12 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: ScheduleConfi
     resumed run rebuilds the same curve from its config and continues at the saved step."""
 
     def multiplier_for(peak_lr: float):
-        def multiplier(step: int) -> float:
-            return learning_rate(step, peak_lr, schedule, max_steps) / peak_lr if peak_lr > 0 else 0.0
+        peak = [peak_lr]  # `set_peak` moves it; a function's state is not in the scheduler's state_dict
 
+        def multiplier(step: int) -> float:
+            return learning_rate(step, peak[0], schedule, max_steps) / peak[0] if peak[0] > 0 else 0.0
+
+        multiplier.peak = peak
         return multiplier
 
     peaks = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
@@ -71,5 +74,6 @@ def set_peak(scheduler: LambdaLR, peak: float) -> float:
     before = scheduler.base_lrs[0]
     scheduler.base_lrs = [peak] * len(scheduler.base_lrs)
     for group, multiplier in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        multiplier.peak[0] = peak  # the curve of this peak, its floor schedule.min_lr
         group["lr"] = peak * multiplier(scheduler.last_epoch)
     return before

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import dropout_seed
 from txl_dist.checkpoints.snapshot_files import RUN_ID
@@ -333,11 +332,7 @@ def restore_snapshots(
     if memory_every and not resume:
         why = "checkpoint.resume=false: this start resumes from nothing"
     elif memory_every:
-        newest = checkpoints.newest_good_tag(cfg.checkpoint.verify)
-        newer_than = -1 if newest is None else step_of_tag(newest)
-        restored = snapshots.restore(checkpoints.directory, checkpoints.mark_restored, newer_than)
-        if restored is not None:  # written back with the checksums of its bytes: as good as verified
-            checkpoints.newest_verified = tag_for_step(restored)
+        snapshots.restore_into(checkpoints, cfg.checkpoint.verify)
         why = "the resume reads none of them again"
     snapshots.free(why)
     return snapshots if snapshots.taking else None

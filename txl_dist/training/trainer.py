@@ -141,6 +141,7 @@ class Trainer:
             guard=guard,
             finish_pending=lambda: self._complete_background_save(self.checkpoints.finish_pending()),
         )
+        self.numerics.started_from(self.resumed_from)
         self.health: StepHealth | None = None
         """The last step's numbers, as the ranks agreed on them: what a checkpoint of that step records."""
         # fp32 ZeRO-0 steps torch's optimizer with no DeepSpeed wrapper, which reports no gradient norm: it is
@@ -368,8 +369,8 @@ class Trainer:
                     step_loss, grad_norm, overflow, memoryless = self._train_step(batches, step_log, phase)
                     with phase("stop agreement"):
                         stopping, clock_due, self.health = self._agree(step_loss, grad_norm, overflow)
-                    if self.resumed_from and self.state.step == start_step + 1:
-                        self.numerics.require_finite_after_resume(self.health, self.resumed_from)
+                    if not self.cfg.numerics.check:  # on: a rollback replays it first (`NumericsGuard.recover`)
+                        self.numerics.require_finite_after_resume(self.health.loss, self.state.step)
                     fault = self.numerics.judge(self.health, memoryless)
                     if fault is not None:
                         step_log.reset()
