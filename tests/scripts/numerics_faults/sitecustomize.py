@@ -1,6 +1,6 @@
 """Numerical faults injected from outside the product: a ``sitecustomize`` that a test puts on the ``PYTHONPATH`` of
-the ranks it starts (`tests/numerics_faults.py`, ``fault_environment``). Every Python process that starts with it imports
-it; it changes nothing unless one of its variables is set:
+the ranks it starts (`tests/numerics_faults.py`, ``fault_environment``). Every Python process that starts with it
+imports it; it changes nothing unless one of its variables is set:
 
 - ``TXL_TEST_NAN_AT_CALL=RANK:CALL[,RANK:CALL...]``: the training forward number CALL (counted from 1 in this
   process) of rank RANK returns a NaN loss. The count goes on across a rollback, so a replay does not meet it
