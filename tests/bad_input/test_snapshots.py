@@ -353,14 +353,14 @@ def test_memory_dir_is_an_absolute_path(value):
     assert home == os.path.join(os.path.expanduser("~"), "shm")
 
 
-def _two_ranks(rank: int, store: str, memory: list[str], output: str, verdicts) -> None:
+def _two_ranks(rank: int, store: str, memory: list[str], output: str, verdicts: str) -> None:
     """One rank of `test_the_ranks_agree_whether_snapshots_are_taken`, on a host of its own."""
     # A short timeout: ranks that disagree wait in a collective the other never joins, and fail instead of hanging.
     timeout = datetime.timedelta(seconds=30)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timeout)
     try:
         taker = Snapshots(memory[rank], RUN, Path(output), rank, 2, ["node1", "node2"])
-        verdicts[rank] = taker.taking
+        Path(verdicts, str(rank)).write_text(str(taker.taking))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -373,7 +373,9 @@ def test_the_ranks_agree_whether_snapshots_are_taken(tmp_path):
 
     blocked = tmp_path / "a_file"
     blocked.write_text("in the way\n")
-    verdicts = mp.Manager().dict()
     memory = [str(tmp_path / "memory"), str(blocked)]
-    mp.spawn(_two_ranks, args=(str(tmp_path / "store"), memory, str(tmp_path / "run"), verdicts), nprocs=2)
-    assert dict(verdicts) == {0: False, 1: False}
+    verdicts = tmp_path / "verdicts"
+    verdicts.mkdir()
+    arguments = (str(tmp_path / "store"), memory, str(tmp_path / "run"), str(verdicts))
+    mp.start_processes(_two_ranks, args=arguments, nprocs=2, start_method="fork")  # torch is loaded: fork is quick
+    assert {path.name: path.read_text() for path in verdicts.iterdir()} == {"0": "False", "1": "False"}
