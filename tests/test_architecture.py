@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("txl_dist.supervision", "txl_dist.checkpoints", "txl_dist.plan"),
     ("txl_dist.training", "txl_dist.export"),
     ("txl_dist.convert", "txl_dist"),
-    ("txl_dist.downstream", "txl_dist.plot"),
+    ("txl_dist.downstream", "txl_dist.plot", "txl_dist.plot_records"),
 ]
 """Lowest first: docs/architecture.md, Layers. Layer N is LAYERS[N - 1]. ``txl_dist`` is the package's own API
 (its __init__). Each folder of txl_dist lies in one layer, whole."""

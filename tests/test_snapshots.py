@@ -10,6 +10,7 @@ import pytest
 
 from txl_dist.checkpoints.snapshot_files import (
     SNAPSHOT,
+    Ring,
     crc32,
     pack,
     prune,
@@ -17,7 +18,6 @@ from txl_dist.checkpoints.snapshot_files import (
     verified_snapshots,
     write_snapshot,
 )
-from txl_dist.checkpoints.snapshots import Ring
 
 RUN = "0" * 31 + "1"
 RUN_DIR = "/runs/tiny"

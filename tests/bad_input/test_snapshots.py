@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from tests.test_snapshots import manifest_of
 from txl_dist.checkpoint_paths import COMPLETE
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.snapshot_files import (
@@ -57,21 +58,9 @@ def run(tmp_path) -> SimpleNamespace:
     return SimpleNamespace(path=output, checkpoints=output / "checkpoints", memory=memory, root=root)
 
 
-def manifest(run, step: int, rank: int = 0, world_size: int = 1, **changes) -> dict:
-    return {
-        "run_id": RUN,
-        "output_dir": str(run.path.resolve()),
-        "rank": rank,
-        "step": step,
-        "world_size": world_size,
-        "host": "node1",
-        "streams_per_rank": 8,
-        "architecture": {"n_layer": 2},
-        "zero_stage": 2,
-        "health": {"loss": 3.5, "grad_norm": 0.5},
-        "files": {name: {"bytes": len(data), "crc32": crc32(data)} for name, data in FILES.items()},
-        **changes,
-    }
+def manifest(run, step: int, rank: int = 0, world_size: int = 1) -> dict:
+    """A manifest of this run's snapshot, as `Snapshots.take` writes it (`tests.test_snapshots.manifest_of`)."""
+    return manifest_of(FILES, rank, step, RUN, output_dir=str(run.path.resolve()), world_size=world_size)
 
 
 def take(run, step: int, rank: int = 0, world_size: int = 1) -> Path:
@@ -171,7 +160,7 @@ def test_a_snapshot_is_compared_with_the_newest_checkpoint_that_verifies(world, 
     shutil.rmtree(run.checkpoints / "step00000014")
     assert restore(run, newer_than=10) == 14
     marker = json.loads((run.checkpoints / "step00000014" / COMPLETE).read_text())
-    assert marker["step"] == 14 and marker["health"] == {"loss": 3.5, "grad_norm": 0.5}
+    assert marker["step"] == 14 and marker["health"] == {"loss": 3.5, "grad_norm": 0.25}
     assert [path.name for path in run.checkpoints.iterdir() if path.name.startswith(".")] == []
 
 

@@ -32,6 +32,7 @@ import shutil
 import stat
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -53,6 +54,10 @@ KEEP = 2
 RUN_ID_RE = re.compile(r"[0-9a-f]{32}")
 _RANK_RE = re.compile(r"rank(\d{5})")
 _STEP_RE = re.compile(r"step(\d{8})")
+
+
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+"""File systems that hold their files in memory."""
 
 
 class SnapshotError(ValueError):
@@ -324,3 +329,48 @@ def snapshot_ids_of(memory_dir: Path, output_dir: str) -> list[str]:
                 if identity == manifest["run_id"]:
                     found[identity] = max(found.get(identity, -1), manifest["step"])
     return sorted(found, key=lambda identity: -found[identity])
+
+
+# ---- where snapshots go ----------------------------------------------------------------------------------------
+
+
+def filesystem_of(path: Path) -> str | None:
+    """The type of the file system that holds ``path`` (/proc/self/mounts: the longest mount point above it), None
+    where that cannot be read."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    resolved, best = str(path.resolve()), (None, -1)
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best[1]:
+            best = (fields[2], len(point))
+    return best[0]
+
+
+@dataclass
+class Ring:
+    """Where this rank's snapshot copy goes and whose copies it receives: one rank of the next node, in the order
+    of the nodes by their first rank (none with a single node)."""
+
+    partner: int | None
+    senders: list[int]
+
+    @classmethod
+    def of(cls, hosts: list[str], rank: int) -> Ring:
+        nodes = list(dict.fromkeys(hosts))
+        if len(nodes) < 2:
+            return cls(None, [])
+        ranks_of = {node: [r for r, host in enumerate(hosts) if host == node] for node in nodes}
+
+        def partner_of(r: int) -> int:
+            node = hosts[r]
+            following = ranks_of[nodes[(nodes.index(node) + 1) % len(nodes)]]
+            return following[ranks_of[node].index(r) % len(following)]
+
+        return cls(partner_of(rank), [r for r in range(len(hosts)) if partner_of(r) == rank])

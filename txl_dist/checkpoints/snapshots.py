@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +42,12 @@ from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
 from txl_dist.checkpoints.background import FileJob
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.snapshot_files import (
+    MEMORY_FILESYSTEMS,
     ROOT_PREFIX,
     RUN_ID,
+    Ring,
     crc32,
+    filesystem_of,
     pack,
     prune,
     read_inside,
@@ -68,9 +70,6 @@ from txl_dist.fileio import (
 from txl_dist.rendezvous.ranks import broadcast
 
 log = logging.getLogger("txl_dist.training")
-
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
-"""File systems that hold their files in memory."""
 
 
 def run_id(output_dir: Path, rank: int, memory_dir: str | os.PathLike) -> str:
@@ -104,48 +103,6 @@ def run_id(output_dir: Path, rank: int, memory_dir: str | os.PathLike) -> str:
         if current != record:
             atomic_write_text(path, record)
     return broadcast(identity)
-
-
-def filesystem_of(path: Path) -> str | None:
-    """The type of the file system that holds ``path`` (/proc/self/mounts: the longest mount point above it), None
-    where that cannot be read."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    resolved, best = str(path.resolve()), (None, -1)
-    for line in mounts:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best[1]:
-            best = (fields[2], len(point))
-    return best[0]
-
-
-@dataclass
-class Ring:
-    """Where this rank's snapshot copy goes and whose copies it receives: one rank of the next node, in the order
-    of the nodes by their first rank (none with a single node)."""
-
-    partner: int | None
-    senders: list[int]
-
-    @classmethod
-    def of(cls, hosts: list[str], rank: int) -> Ring:
-        nodes = list(dict.fromkeys(hosts))
-        if len(nodes) < 2:
-            return cls(None, [])
-        ranks_of = {node: [r for r, host in enumerate(hosts) if host == node] for node in nodes}
-
-        def partner_of(r: int) -> int:
-            node = hosts[r]
-            following = ranks_of[nodes[(nodes.index(node) + 1) % len(nodes)]]
-            return following[ranks_of[node].index(r) % len(following)]
-
-        return cls(partner_of(rank), [r for r in range(len(hosts)) if partner_of(r) == rank])
 
 
 class Snapshots:
