@@ -18,7 +18,7 @@ HF_STAMP := $(HF_VENV)/.installed-$(subst ==,-,$(firstword $(HF_SPEC)))
 # CPU runs: DeepSpeed's CPU accelerator, one OpenMP thread per rank (ZeRO-3 is ~5x slower without it).
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 
-.PHONY: venv hf-venv warm lint format test test-quick demo clean-demo clean gpu-check cluster-packages
+.PHONY: venv hf-venv tf-extra warm lint format test test-quick demo clean-demo clean gpu-check cluster-packages
 
 venv: $(STAMP)
 
@@ -28,6 +28,15 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an open range would pull a multi-GB CUDA build.
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
 	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+# The tf extra in .venv: TensorFlow's checkpoint reader, for the conversion of the authors' released models and its
+# tests (tests/test_tf_release.py, in the hf tier); make test-quick and the demo do without it.
+TF_STAMP := $(VENV)/.txl_dist-tf-installed
+tf-extra: $(TF_STAMP)
+
+$(TF_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[test,tf]"
 	touch $@
 
 hf-venv: $(HF_STAMP)
@@ -63,7 +72,7 @@ QUICK := not launcher and not cluster and not hf
 SLOW := launcher or cluster or hf
 # Workers for the quick tier: one per core by default; TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= auto
-test: cluster-packages warm hf-venv
+test: cluster-packages warm hf-venv tf-extra
 	status=0; \
 	$(CPU_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "$(QUICK)" tests || status=$$?; \
 	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q --durations=20 \

@@ -14,6 +14,7 @@ from data_tools.build_settings import Holdout
 from txl_dist.data.format import token_dtype
 from txl_dist.tokenizer import CharTokenizer, Tokenizer, WordTokenizer, load_tokenizer
 from txl_dist.tokenizer.characters import UnknownCharacterError
+from txl_dist.tokenizer.rules import DEFAULT_RULES
 from txl_dist.word_scan import scan_lines
 
 
@@ -74,6 +75,7 @@ def tokenize_chunk(task: Task) -> ChunkResult:
     settings, tokenizer, dtype = _worker
     if (
         isinstance(tokenizer, WordTokenizer)
+        and tokenizer.fast_lines
         and settings.doc_unit == "line"
         and not chunk.jsonl
         and len(streams) == 1
@@ -84,7 +86,13 @@ def tokenize_chunk(task: Task) -> ChunkResult:
         if result is not None:
             return result
     if tokenizer.character_level:
-        if settings.doc_unit == "line" and not chunk.jsonl and len(streams) == 1 and streams[0][1] is not None:
+        if (
+            settings.doc_unit == "line"
+            and not chunk.jsonl
+            and len(streams) == 1
+            and streams[0][1] is not None
+            and tokenizer.rules == DEFAULT_RULES
+        ):
             return _tokenize_characters(chunk, streams[0][0], streams[0][1], tokenizer, dtype)
         # --holdout, --doc-per file|blank-line, .jsonl: documents of their own, every byte (character) kept.
         alphabet = tokenizer if isinstance(tokenizer, CharTokenizer) else None

@@ -12,6 +12,10 @@
     # and AutoTokenizer.from_pretrained("hub/lm1b_base"); generate() carries the memory as the cache
     python launchers/convert.py export-to-hub exports/lm1b_base hub/lm1b_base
 
+    # the authors' released TensorFlow models (pretrained_xl/ of their tf/sota/download.sh); needs TensorFlow:
+    # pip install 'txl_dist[tf]'
+    python launchers/convert.py tf-to-export pretrained_xl/tf_wt103 exports/wt103_authors
+
     # the authors' state dict (their eval.py after model.load_state_dict), and back with a config.json
     python launchers/convert.py export-to-original exports/lm1b_base lm1b_base.pt
     python launchers/convert.py original-to-export model_state.pt exports/lm1b_base/config.json exports/from_original
@@ -106,6 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
         output_help="the .pt file to write",
         output_is_file=True,
     )
+    sub = _add_command(
+        commands,
+        "tf-to-export",
+        "the authors' released TensorFlow model (their tf/sota/download.sh) -> an export folder",
+        inputs=("release",),
+    )
+    sub.add_argument("release", help="the folder of one model, holding model/ and data/ (e.g. pretrained_xl/tf_wt103)")
+    sub.add_argument("output", help="the export folder to write")
+    sub.add_argument("--checkpoint", help="the checkpoint prefix in model/ (default: the only one, or the latest)")
+    sub.add_argument("--tgt-len", type=int, help="tokens per segment (default: their test setting)")
+    sub.add_argument("--mem-len", type=int, help="memory length (default: their test setting)")
+    sub.add_argument("--clamp-len", type=int, help="clamp relative distances (default: their test setting)")
+    sub.add_argument(
+        "--same-length", action=argparse.BooleanOptionalAction, default=None, help="(default: their test setting)"
+    )
+    sub.add_argument("--dropout", type=float, help="dropout for fine-tuning (default: their training's)")
+    sub.add_argument("--dropatt", type=float, help="attention dropout for fine-tuning (default: their training's)")
     sub = _add_command(
         commands,
         "original-to-export",

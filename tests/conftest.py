@@ -23,7 +23,8 @@ from data_tools import benchmark_corpora, build_shards, train_tokenizer
 
 TIER_MARKERS = ("launcher", "cluster", "hf")
 """The markers that keep a test out of the quick tier: it starts a launcher (deepspeed, torchrun, mpirun, srun),
-uses the two-node cluster, or runs the current-transformers interpreter (.venv-hf)."""
+uses the two-node cluster, or needs an interpreter or extra that `make test` installs and the quick tier does not:
+the current-transformers interpreter (.venv-hf), TensorFlow (the tf extra)."""
 
 PATH_MARKERS: dict[str, str] = {
     "tests/cluster/": "cluster",
@@ -41,6 +42,7 @@ PATH_MARKERS: dict[str, str] = {
     "tests/test_hub_export.py": "hf",
     "tests/test_charlm.py::test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses": "hf",
     "tests/bad_input/test_hub_tokenizers.py": "hf",
+    "tests/test_tf_release.py": "hf",
 }
 """Test path (a folder ending in /, a file, or file::test) -> the tier marker every test under it gets."""
 

@@ -111,6 +111,20 @@ def original_to_export(args: argparse.Namespace) -> str:
     return f"{args.original} -> {out}"
 
 
+def tf_to_export(args: argparse.Namespace) -> str:
+    from txl_dist.convert.tf_release import SETTING_NAMES, write_release_export  # lazy: numpy-only until used
+
+    settings = {name: getattr(args, name) for name in SETTING_NAMES}
+    out, converted = write_release_export(
+        args.release, args.output, checkpoint=args.checkpoint, settings=settings, overwrite=args.overwrite
+    )
+    config = converted.config
+    return (
+        f"{converted.release.prefix} ({converted.dataset}: {config.n_layer} layers, d_model {config.d_model}, "
+        f"{config.n_token:,} tokens) -> {out}"
+    )
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
     "zero-to-export": zero_to_export,
     "export-to-hf": export_to_hf,
@@ -118,6 +132,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
     "hf-to-export": hf_to_export,
     "export-to-original": export_to_original,
     "original-to-export": original_to_export,
+    "tf-to-export": tf_to_export,
 }
 """Each subcommand of launchers/convert.py by name: its function of the parsed arguments."""
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from txl_dist.tokenizer.rules import DEFAULT_RULES, ReadingRules
+
 TOKENIZER_JSON = "tokenizer.json"
 KINDS = ("sentencepiece", "word", "byte", "char")
 CHARACTER_KINDS = ("byte", "char")
@@ -41,6 +43,7 @@ class Tokenizer(abc.ABC):
         eos_id: int,
         eod_id: int,
         unk_id: int | None,
+        rules: ReadingRules = DEFAULT_RULES,
     ):
         self.directory = directory
         self.files = files
@@ -49,6 +52,8 @@ class Tokenizer(abc.ABC):
         self.eos_id = eos_id
         self.eod_id = eod_id
         self.unk_id = unk_id
+        self.rules = rules
+        """How text is read where it departs from the kind's defaults (`txl_dist.tokenizer.rules`)."""
         self._entries = self._load()
 
     @abc.abstractmethod
@@ -63,6 +68,10 @@ class Tokenizer(abc.ABC):
     def encode_batch(self, lines: Sequence[str]) -> list[list[int]]:
         """`encode` of each line; subclasses make it faster than a loop."""
         return [self.encode(line) for line in lines]
+
+    def line_prefix(self) -> list[int]:
+        """Ids put before every line (a word tokenizer's ``line_start`` rule); none by default."""
+        return []
 
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
@@ -84,6 +93,9 @@ class Tokenizer(abc.ABC):
         if len(documents) and lines_per_document.min() == 0:
             raise ValueError("a document needs at least one line")
         encoded = self.encode_batch([line for document in documents for line in document])
+        prefix = self.line_prefix()
+        if prefix:
+            encoded = [prefix + line_ids for line_ids in encoded]
         if len(encoded) == len(documents):  # one line each (PTB, One Billion Word): the fast path
             for line_ids in encoded:
                 line_ids.append(self.eod_id)

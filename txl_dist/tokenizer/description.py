@@ -12,6 +12,7 @@ from typing import Any
 from txl_dist.fileio import atomic_write_text, read_json, sha256_files
 from txl_dist.tokenizer.base import KINDS, TOKENIZER_JSON, Tokenizer, TokenizerError
 from txl_dist.tokenizer.characters import ByteTokenizer, CharTokenizer
+from txl_dist.tokenizer.rules import DEFAULT_RULES, RULES_FILE, read_rules
 from txl_dist.tokenizer.words import SentencePieceTokenizer, WordTokenizer
 
 
@@ -96,8 +97,15 @@ def _checked_description(directory: str | os.PathLike) -> _Description:
     if kind not in _CLASSES:
         raise TokenizerError(f"{path}: key 'kind' is {kind!r}, expected one of {list(KINDS)}")
     files = description.field("files", list)
-    if len(files) != 1 or not isinstance(files[0], str) or Path(files[0]).name != files[0]:
-        raise TokenizerError(f"{path}: key 'files' must list one file name of the directory, got {files!r}")
+    if (
+        not 1 <= len(files) <= 2
+        or any(not isinstance(name, str) or Path(name).name != name for name in files)
+        or (len(files) == 2 and files[1] != RULES_FILE)
+    ):
+        raise TokenizerError(
+            f"{path}: key 'files' must list the vocabulary's file name, and {RULES_FILE!r} after it when the "
+            f"tokenizer has rules, got {files!r}"
+        )
     for name in files:
         if not (directory / name).is_file():
             raise TokenizerError(f"{directory / name}: missing tokenizer file (listed in {path})")
@@ -123,8 +131,10 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     vocab_size = field("vocab_size", int)
     eos_id, eod_id = field("eos_id", int), field("eod_id", int)
     unk_id = field("unk_id", (int, type(None)))
-    tokenizer = _CLASSES[description.contents["kind"]](
-        directory, description.files, description.fingerprint, vocab_size, eos_id, eod_id, unk_id
+    kind = description.contents["kind"]
+    rules = read_rules(directory / RULES_FILE, kind) if len(description.files) == 2 else DEFAULT_RULES
+    tokenizer = _CLASSES[kind](
+        directory, description.files, description.fingerprint, vocab_size, eos_id, eod_id, unk_id, rules
     )
     vocabulary = directory / description.files[0]
     if tokenizer._entries != vocab_size:

@@ -10,6 +10,7 @@ import numpy as np
 import sentencepiece
 
 from txl_dist.tokenizer.base import Tokenizer, TokenizerError
+from txl_dist.tokenizer.rules import DEFAULT_RULES, RULES_FILE
 from txl_dist.tokenizer.vocab_files import read_word_vocab
 from txl_dist.word_scan import PackedVocabulary
 
@@ -54,8 +55,19 @@ class WordTokenizer(Tokenizer):
     kind = "word"
 
     def _load(self) -> int:
-        self.words, self.counts = read_word_vocab(self.directory / self.files[0])
+        path = self.directory / self.files[0]
+        self.words, self.counts = read_word_vocab(path)
+        self._line_start: list[int] = []
+        if self.rules.line_start is not None:
+            if self.rules.line_start not in self.words:
+                raise TokenizerError(
+                    f"{self.directory / RULES_FILE}: 'line_start' {self.rules.line_start!r} is not in {path}"
+                )
+            self._line_start = [self.words.index(self.rules.line_start)]
         return len(self.words)
+
+    def line_prefix(self) -> list[int]:
+        return list(self._line_start)
 
     @functools.cached_property
     def _ids(self) -> dict[str, int]:
@@ -68,6 +80,8 @@ class WordTokenizer(Tokenizer):
         return PackedVocabulary(self.words, missing=-1 if self.unk_id is None else self.unk_id)
 
     def encode(self, text: str) -> list[int]:
+        if self.rules.lower_case:
+            text = text.lower()
         lookup, unk_id = self._ids.get, self.unk_id
         ids = [lookup(word, unk_id) for word in text.split()]
         if unk_id is None and None in ids:
@@ -75,7 +89,7 @@ class WordTokenizer(Tokenizer):
         return ids
 
     def encode_batch(self, lines: Sequence[str]) -> list[list[int]]:
-        if self.unk_id is None:
+        if self.unk_id is None or self.rules.lower_case:
             return [self.encode(line) for line in lines]
         lookup, unk_id = self._ids.get, self.unk_id
         return [[lookup(word, unk_id) for word in line.split()] for line in lines]
@@ -84,7 +98,9 @@ class WordTokenizer(Tokenizer):
         """The token stream of the lines of a chunk scanned by `txl_dist.word_scan.scan_lines`, each non-empty
         line a document of one line: exactly ``encode_documents([[line] for line in lines if line.split()])``,
         faster: the words are looked up as arrays (`txl_dist.word_scan.PackedVocabulary`), not one Python string
-        at a time. Returns ``(tokens, tokens_per_document)``."""
+        at a time. Returns ``(tokens, tokens_per_document)``. Only for a tokenizer without rules (`fast_lines`)."""
+        if not self.fast_lines:
+            raise ValueError(f"{self.directory}: a tokenizer with rules {self.rules.to_json()} reads lines one by one")
         ids = self._packed.lookup(scan)
         if self.unk_id is None and len(ids) and ids.min() < 0:
             self._raise_unknown(scan.words(np.flatnonzero(ids < 0)[:1])[0].decode("utf-8"))
@@ -97,6 +113,11 @@ class WordTokenizer(Tokenizer):
         tokens[is_word] = ids
         tokens[ends] = self.eod_id
         return tokens, tokens_per_document
+
+    @property
+    def fast_lines(self) -> bool:
+        """`encode_scanned_lines` reads this tokenizer's lines (it has no rules)."""
+        return self.rules == DEFAULT_RULES
 
     def _raise_unknown(self, word: str) -> None:
         raise ValueError(f"word {word!r} is not in {self.directory / self.files[0]} and it has no unk token")
