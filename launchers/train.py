@@ -48,13 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_intermixed_args(argv)  # --help and a refused flag: before torch is imported
         # lazy: --help stays under 1 s; torch and DeepSpeed (about 4 s) load once the guard above is in place
+        from txl_dist.convert.sources import open_source
         from txl_dist.training import startup
     except BaseException:
         # Nothing started: give the caller (a test calling main in-process) its own signal handlers back and stop
         # the guard's watch thread.
         guard.close()
         raise
-    return startup.run(parser, args, guard)  # the start-up sequence, in reading order, then the run
+    # The start-up sequence, in reading order, then the run; train.init_from's model read by the conversions' reader.
+    return startup.run(parser, args, guard, open_source)
 
 
 if __name__ == "__main__":

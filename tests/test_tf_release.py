@@ -34,8 +34,12 @@ SMALL = dict(n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32)
 WORD_SYMBOLS = ["<eos>", *(f"w{i}" for i in range(296)), "<unk>", "the", "The"]
 WORD_CASES = {
     # WikiText-103's layout: div_val 4, every tail projection tied to the embedding's (proj_share_all_but_first)
-    "div_val4_tied_tails_untie_r": dict(div_val=4, d_embed=64, cutoffs=[40, 120, 200], tie_projs=[False, True, True, True], untie_r=True),
-    "div_val2_untied_shared_r": dict(div_val=2, d_embed=16, cutoffs=[60, 180], tie_projs=[False, False, False], untie_r=False),
+    "div_val4_tied_tails_untie_r": dict(
+        div_val=4, d_embed=64, cutoffs=[40, 120, 200], tie_projs=[False, True, True, True], untie_r=True
+    ),
+    "div_val2_untied_shared_r": dict(
+        div_val=2, d_embed=16, cutoffs=[60, 180], tie_projs=[False, False, False], untie_r=False
+    ),
     "div_val2_mixed_ties_shared_r": dict(div_val=2, d_embed=32, cutoffs=[100], tie_projs=[True, False], untie_r=False),
 }
 TGT_LEN, MEM_LEN = 6, 8
@@ -47,8 +51,19 @@ def _settings(case: dict, n_token: int, seed: int = 0) -> dict:
 
 def _convert(tmp_path, name: str, *extra: str) -> int:
     return convert.main(
-        ["tf-to-export", str(tmp_path / name), str(tmp_path / f"{name}_export"), "--tgt-len", str(TGT_LEN),
-         "--mem-len", str(MEM_LEN), "--clamp-len", "-1", "--no-same-length", *extra]
+        [
+            "tf-to-export",
+            str(tmp_path / name),
+            str(tmp_path / f"{name}_export"),
+            "--tgt-len",
+            str(TGT_LEN),
+            "--mem-len",
+            str(MEM_LEN),
+            "--clamp-len",
+            "-1",
+            "--no-same-length",
+            *extra,
+        ]
     )
 
 
@@ -98,7 +113,10 @@ def test_word_model_gives_transformers_losses_of_the_same_tensorflow_checkpoint(
     model = load_model(tmp_path / "tf_wt103_export")
     config = model.config
     assert (config.div_val, config.cutoffs, config.tie_projs, config.untie_r) == (
-        settings["div_val"], settings["cutoffs"], settings["tie_projs"], settings["untie_r"],
+        settings["div_val"],
+        settings["cutoffs"],
+        settings["tie_projs"],
+        settings["untie_r"],
     )
     assert (config.layer_norm_eps, config.tie_weight, config.d_embed) == (1e-12, True, settings["d_embed"])
     _compare(tmp_path, "tf_wt103", settings, len(WORD_SYMBOLS))

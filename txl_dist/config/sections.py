@@ -75,6 +75,13 @@ class TrainConfig:
 
     output_dir: NonEmpty | None = None
     """Directory of the run: checkpoints, TensorBoard events, the resolved config. Required to train."""
+    init_from: NonEmpty | None = None
+    """A trained model to start from (fine-tuning): an export folder, a training run or one of its checkpoints
+    (any ZeRO stage and world size), a transformers TransfoXL folder, a folder of export-to-hub, the authors'
+    state dict (a .pt with config.json beside it) or the authors' TensorFlow release. The run starts with its
+    weights and a fresh optimizer, schedule, step count and data position; its architecture is the model's (a
+    model key that would change a weight's shape is refused); its shards must be built with the model's tokenizer.
+    A rerun resumes from the run's own checkpoints. docs/fine-tuning.md."""
     seed: Annotated[int, Field(ge=0, le=SEED_MAX)] = 1111
     """Seed of parameter initialisation, dropout and the per-epoch block order: 0 to 2**32 - 1, the seeds that
     every generator involved takes (numpy's, and torch's once each rank and step is added to it)."""

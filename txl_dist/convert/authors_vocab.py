@@ -31,6 +31,7 @@ For the character data a document ends with the space, the one separator their a
 
 from __future__ import annotations
 
+import _compat_pickle
 import dataclasses
 import pickle
 from collections.abc import Mapping
@@ -153,6 +154,11 @@ class _RefusingUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
+        # Python 2's names (copy_reg, __builtin__, ...), as pickle's own find_class maps them for protocols < 3.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        else:
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         stand_in = _ALLOWED.get((module, name))
         if stand_in is None:
             raise VocabularyPickleError(

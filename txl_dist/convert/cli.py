@@ -115,12 +115,12 @@ def tf_to_export(args: argparse.Namespace) -> str:
     from txl_dist.convert.tf_release import SETTING_NAMES, write_release_export  # lazy: numpy-only until used
 
     settings = {name: getattr(args, name) for name in SETTING_NAMES}
-    out, converted = write_release_export(
+    out, opened = write_release_export(
         args.release, args.output, checkpoint=args.checkpoint, settings=settings, overwrite=args.overwrite
     )
-    config = converted.config
+    config = opened.config
     return (
-        f"{converted.release.prefix} ({converted.dataset}: {config.n_layer} layers, d_model {config.d_model}, "
+        f"{opened.release.prefix} ({opened.dataset}: {config.n_layer} layers, d_model {config.d_model}, "
         f"{config.n_token:,} tokens) -> {out}"
     )
 

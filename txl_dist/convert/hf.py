@@ -222,11 +222,34 @@ def read_hf_folder(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, to
     """(config, our state dict, tokenizer identity or None, tokenizer directory or None) of a HuggingFace
     TransfoXL folder (``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``)."""
     hf_dir = Path(hf_dir)
+    config, identity, tokenizer_dir = read_hf_config(hf_dir)
+    return config, read_hf_weights(hf_dir, config), identity, tokenizer_dir
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict | None, Path | None]:
+    """(config, tokenizer identity or None, tokenizer directory or None) of a HuggingFace TransfoXL folder, from
+    its ``config.json`` alone."""
+    hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     hf_config = read_json_object(config_path, "not a HuggingFace model folder")
     if hf_config.get("model_type") not in (None, "transfo-xl"):
         raise ValueError(f"{config_path}: model_type is {hf_config.get('model_type')!r}, expected 'transfo-xl'")
     config = from_hf_config(hf_config, **hf_config.get(HF_SETTINGS_KEY, {}))
+    tokenizer_dir = hf_dir / "tokenizer"
+    return config, hf_config.get(HF_TOKENIZER_KEY), tokenizer_dir if tokenizer_dir.is_dir() else None
+
+
+def hf_weights_file(hf_dir: Path) -> Path:
+    """The folder's weights: model.safetensors, else pytorch_model.bin."""
+    for name in (HF_WEIGHTS, HF_LEGACY_WEIGHTS):
+        if (hf_dir / name).is_file():
+            return hf_dir / name
+    raise FileNotFoundError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_LEGACY_WEIGHTS}")
+
+
+def read_hf_weights(hf_dir: str | os.PathLike, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from a HuggingFace TransfoXL folder's weights (safetensors, or a weights-only pickle)."""
+    hf_dir = Path(hf_dir)
     if (hf_dir / HF_WEIGHTS).is_file():
         try:
             state = load_file(str(hf_dir / HF_WEIGHTS))
@@ -250,11 +273,5 @@ def read_hf_folder(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, to
         if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
             raise ValueError(f"{path}: not a state dict of tensors")
     else:
-        raise FileNotFoundError(f"{hf_dir}: neither {HF_WEIGHTS} nor {HF_LEGACY_WEIGHTS}")
-    tokenizer_dir = hf_dir / "tokenizer"
-    return (
-        config,
-        from_hf_state_dict(state, config),
-        hf_config.get(HF_TOKENIZER_KEY),
-        tokenizer_dir if tokenizer_dir.is_dir() else None,
-    )
+        hf_weights_file(hf_dir)  # raises: neither file
+    return from_hf_state_dict(state, config)

@@ -33,6 +33,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
 from txl_dist.config.model import MODEL_FIELD_ROLES, ModelConfig
 from txl_dist.convert.fast_tokenizer import fast_tokenizer_files
 from txl_dist.convert.keymap import KeyMap
@@ -44,6 +47,7 @@ from txl_dist.export import (
     require_export_folder,
     unique_weights,
 )
+from txl_dist.export.config_file import read_json_object
 from txl_dist.export.weights import save_safetensors
 from txl_dist.output_folders import check_output_path, staged_output
 
@@ -123,3 +127,26 @@ def write_hub_folder(
         for name, content in texts.items():
             (staging / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return out_dir
+
+
+def read_hub_config(hub_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any] | None]:
+    """(config, tokenizer identity or None) of a folder `write_hub_folder` wrote, from its config.json."""
+    path = Path(hub_dir) / "config.json"
+    data = read_json_object(path, "not a model folder of export-to-hub")
+    if data.get("model_type") != MODEL_TYPE:
+        raise ValueError(f"{path}: model_type is {data.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    missing = [name for name in MODEL_FIELD_ROLES.hub if name not in data]
+    if missing:
+        raise ValueError(f"{path}: missing key(s) {missing}")
+    config = ModelConfig.from_dict({name: data[name] for name in MODEL_FIELD_ROLES.hub}, where=str(path))
+    return config, data.get("txl_dist_tokenizer")
+
+
+def read_hub_weights(hub_dir: str | os.PathLike, config: ModelConfig) -> dict[str, Any]:
+    """Our state dict (each tied tensor once) from the folder's model.safetensors."""
+    path = Path(hub_dir) / WEIGHTS_FILE
+    try:
+        stored = load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+    return unique_weights(KEY_MAP.backward(stored), config, str(path))

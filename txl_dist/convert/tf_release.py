@@ -30,10 +30,12 @@ checkpoint cannot say, the evaluation settings and the dropout of their training
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,8 @@ import numpy as np
 import torch
 
 from txl_dist.config.model import ModelConfig
-from txl_dist.convert.authors_vocab import DATASETS, read_cache
+from txl_dist.convert.authors_vocab import DATASETS, AuthorsVocabulary, read_cache, write_authors_tokenizer
+from txl_dist.export import write_export
 from txl_dist.fileio import sha256_files
 
 TF_LAYER_NORM_EPS = 1e-12
@@ -95,7 +98,9 @@ def locate(root: str | os.PathLike, checkpoint: str | None = None) -> Release:
     prefix (``model.ckpt-0``) where ``model/`` holds several."""
     root = Path(root)
     if not root.is_dir():
-        raise ReleaseError(f"{root}: no such folder (expected the folder download.sh made, e.g. pretrained_xl/tf_wt103)")
+        raise ReleaseError(
+            f"{root}: no such folder (expected the folder download.sh made, e.g. pretrained_xl/tf_wt103)"
+        )
     model_dir, data_dir = root / "model", root / "data"
     for folder in (model_dir, data_dir):
         if not folder.is_dir():
@@ -150,47 +155,73 @@ def read_corpus_info(path: Path) -> dict[str, Any]:
     return info
 
 
-def read_variables(prefix: Path) -> dict[str, np.ndarray]:
-    """The model's variables of a TensorFlow checkpoint (optimizer slots and counters left out)."""
+def read_variables(prefix: Path) -> _Variables:
+    """The model's variables of a TensorFlow checkpoint (optimizer slots and counters left out): their shapes
+    now, each value when it is taken."""
     tf = tensorflow()
     try:
         reader = tf.train.load_checkpoint(str(prefix))
-        names = reader.get_variable_to_shape_map()
-        return {name: np.asarray(reader.get_tensor(name)) for name in sorted(names) if not _IGNORED.search(name)}
+        shapes = {
+            name: tuple(shape)
+            for name, shape in reader.get_variable_to_shape_map().items()
+            if not _IGNORED.search(name)
+        }
     except (tf.errors.OpError, ValueError, OSError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ReleaseError(f"{prefix}: not a readable TensorFlow checkpoint ({message})") from None
+        raise ReleaseError(f"{prefix}: not a readable TensorFlow checkpoint ({_first_line(error)})") from None
+
+    def fetch(name: str) -> np.ndarray:
+        try:
+            return np.asarray(reader.get_tensor(name))
+        except (tf.errors.OpError, ValueError, OSError) as error:
+            raise ReleaseError(f"{prefix}: variable {name!r} cannot be read ({_first_line(error)})") from None
+
+    return _Variables(shapes, fetch, str(prefix))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class _Variables:
-    """The checkpoint's variables, each taken once; `require` names a missing or misshapen one."""
+    """A checkpoint's variables: each shape known, each value read when taken (once); `require` names a missing
+    or misshapen one."""
 
-    def __init__(self, variables: Mapping[str, np.ndarray], where: str):
-        self.values, self.where, self.taken = dict(variables), where, set()
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], fetch: Callable[[str], np.ndarray], where: str):
+        self.shapes, self.fetch, self.where, self.taken = dict(shapes), fetch, where, set()
 
     def has(self, name: str) -> bool:
-        return SCOPE + name in self.values
+        return SCOPE + name in self.shapes
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.require(name).shape)
+        self._require_present(name)
+        return self.shapes[SCOPE + name]
+
+    def _require_present(self, name: str) -> None:
+        if SCOPE + name not in self.shapes:
+            raise ReleaseError(
+                f"{self.where}: no variable {SCOPE + name!r}, which the authors' model has for this architecture"
+            )
 
     def require(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        self._require_present(name)
         full = SCOPE + name
-        if full not in self.values:
-            raise ReleaseError(f"{self.where}: no variable {full!r}, which the authors' model has for this architecture")
-        value = self.values[full]
-        if shape is not None and tuple(value.shape) != tuple(shape):
-            raise ReleaseError(f"{self.where}: variable {full!r} has shape {list(value.shape)}, expected {list(shape)}")
+        if shape is not None and self.shapes[full] != tuple(shape):
+            raise ReleaseError(
+                f"{self.where}: variable {full!r} has shape {list(self.shapes[full])}, expected {list(shape)}"
+            )
         self.taken.add(full)
-        return value
+        return self.fetch(full)
 
     def untaken(self) -> list[str]:
-        return sorted(set(self.values) - self.taken)
+        return sorted(set(self.shapes) - self.taken)
 
 
 def architecture(variables: _Variables, info: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The model fields the checkpoint's shapes say (and corpus-info.json's vocabulary and cutoffs)."""
-    layers = sorted({int(m.group(1)) for name in variables.values if (m := re.match(r"transformer/layer_(\d+)/", name))})
+    layers = sorted(
+        {int(m.group(1)) for name in variables.shapes if (m := re.match(r"transformer/layer_(\d+)/", name))}
+    )
     if not layers or layers != list(range(len(layers))):
         raise ReleaseError(f"{where}: its layers are {layers or 'none'}; expected transformer/layer_0 .. layer_N")
     n_layer = len(layers)
@@ -286,7 +317,9 @@ def state_dict(variables: _Variables, config: ModelConfig) -> dict[str, torch.Te
     for layer in range(config.n_layer):
         ours, theirs = f"layers.{layer}.", f"layer_{layer}/"
         hd = config.n_head * config.d_head
-        put(ours + "dec_attn.qkv_net.weight", variables.require(theirs + "rel_attn/qkv/kernel", (d_model, 3 * hd)), True)
+        put(
+            ours + "dec_attn.qkv_net.weight", variables.require(theirs + "rel_attn/qkv/kernel", (d_model, 3 * hd)), True
+        )
         put(ours + "dec_attn.r_net.weight", variables.require(theirs + "rel_attn/r/kernel", (d_model, hd)), True)
         put(ours + "dec_attn.o_net.weight", variables.require(theirs + "rel_attn/o/kernel", (hd, d_model)), True)
         for norm, scope in (("dec_attn.layer_norm", "rel_attn/LayerNorm"), ("pos_ff.layer_norm", "ff/LayerNorm")):
@@ -308,7 +341,9 @@ def state_dict(variables: _Variables, config: ModelConfig) -> dict[str, torch.Te
     return state
 
 
-def _softmax(variables: _Variables, config: ModelConfig, widths: list[int], put: Callable, projection: Callable) -> None:
+def _softmax(
+    variables: _Variables, config: ModelConfig, widths: list[int], put: Callable, projection: Callable
+) -> None:
     """The adaptive softmax's own variables: biases, the head's cluster rows, untied projections."""
     n_token, cutoffs, d_model = config.n_token, config.cutoffs, config.d_model
     tied = config.tie_projs_resolved
@@ -316,7 +351,9 @@ def _softmax(variables: _Variables, config: ModelConfig, widths: list[int], put:
         put("crit.out_layers.0.bias", variables.require("adaptive_softmax/bias", (n_token,)))
         return
     ends = [0, *cutoffs, n_token]
-    biases = [variables.require(f"adaptive_softmax/cutoff_{i}/b", (ends[i + 1] - ends[i],)) for i in range(len(ends) - 1)]
+    biases = [
+        variables.require(f"adaptive_softmax/cutoff_{i}/b", (ends[i + 1] - ends[i],)) for i in range(len(ends) - 1)
+    ]
     put("crit.cluster_weight", variables.require("adaptive_softmax/cutoff_0/cluster_W", (len(cutoffs), widths[0])))
     put("crit.cluster_bias", variables.require("adaptive_softmax/cutoff_0/cluster_b", (len(cutoffs),)))
     if config.div_val == 1:
@@ -324,7 +361,11 @@ def _softmax(variables: _Variables, config: ModelConfig, widths: list[int], put:
         if config.d_embed_resolved != d_model:
             for i in range(len(biases)):
                 if not tied[i]:
-                    put(f"crit.out_projs.{i}", variables.require(f"adaptive_softmax/cutoff_{i}/proj", (widths[0], d_model)), True)
+                    put(
+                        f"crit.out_projs.{i}",
+                        variables.require(f"adaptive_softmax/cutoff_{i}/proj", (widths[0], d_model)),
+                        True,
+                    )
         return
     for i, (bias, width) in enumerate(zip(biases, widths)):
         put(f"crit.out_layers.{i}.bias", bias)
@@ -333,52 +374,66 @@ def _softmax(variables: _Variables, config: ModelConfig, widths: list[int], put:
 
 
 @dataclass
-class ConvertedRelease:
-    """A release read into our terms."""
+class OpenedRelease:
+    """A release read up to its weights: the config from the checkpoint's shapes, the variables still unread."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
     dataset: str
     release: Release
-    source: dict[str, Any]
-    """What `training.json` records of it: the files and their sha256."""
+    variables: _Variables
+    given: dict[str, Any]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Our state dict, every variable of the checkpoint's model read and used."""
+        weights = state_dict(self.variables, self.config)
+        left = [name for name in self.variables.untaken() if name.startswith(SCOPE)]
+        if left:
+            raise ReleaseError(
+                f"{self.variables.where}: variable {left[0]!r} ({len(left)} in all) has no place in the authors' "
+                f"model as read"
+            )
+        return weights
+
+    def source(self) -> dict[str, Any]:
+        """What an export's training.json records of it: the files and their sha256."""
+        release = self.release
+        files = sorted(release.prefix.parent.glob(release.prefix.name + ".*")) + [release.cache, release.corpus_info]
+        given = f", given {sorted(self.given)}" if self.given else ""
+        return {
+            "converted_from": "tensorflow",
+            "source": str(release.root.resolve()),
+            "checkpoint": str(release.prefix.resolve()),
+            "dataset": self.dataset,
+            "settings_from": "the authors' tf/sota and tf/scripts settings" + given,
+            "sha256": sha256_files(files),
+        }
 
 
-def read_release(
+def open_release(
     root: str | os.PathLike, checkpoint: str | None = None, settings: Mapping[str, Any] | None = None
-) -> ConvertedRelease:
-    """The model of a release folder: config (architecture from the shapes, `RELEASE_SETTINGS` completed by
-    ``settings``) and our weights, every variable of the checkpoint used."""
+) -> OpenedRelease:
+    """The config of a release folder's model: the architecture from the checkpoint's shapes, `RELEASE_SETTINGS`
+    completed by ``settings``; its weights are read by `OpenedRelease.weights`."""
     release = locate(root, checkpoint)
     info = read_corpus_info(release.corpus_info)
     dataset = info.get("dataset")
     if dataset not in DATASETS:
-        raise ReleaseError(f"{release.corpus_info}: key 'dataset' is {dataset!r}; the authors' code knows {list(DATASETS)}")
+        raise ReleaseError(
+            f"{release.corpus_info}: key 'dataset' is {dataset!r}; the authors' code knows {list(DATASETS)}"
+        )
     given = {name: value for name, value in (settings or {}).items() if value is not None}
     chosen = {**RELEASE_SETTINGS.get(dataset, {}), **given}
     missing = [name for name in ("tgt_len", "mem_len", "clamp_len", "same_length") if name not in chosen]
     if missing:
         flags = ", ".join("--" + name.replace("_", "-") for name in missing)
-        raise ReleaseError(f"the authors released no {dataset} model, so its evaluation settings are unknown: give {flags}")
-    where = str(release.prefix)
-    variables = _Variables(read_variables(release.prefix), where)
-    fields = architecture(variables, info, where)
+        raise ReleaseError(
+            f"the authors released no {dataset} model, so its evaluation settings are unknown: give {flags}"
+        )
+    variables = read_variables(release.prefix)
+    fields = architecture(variables, info, variables.where)
     fields.update({"dropout": 0.0, "dropatt": 0.0, **chosen})
-    config = ModelConfig.from_dict(fields, where=where)
-    weights = state_dict(variables, config)
-    left = [name for name in variables.untaken() if name.startswith(SCOPE)]
-    if left:
-        raise ReleaseError(f"{where}: variable {left[0]!r} ({len(left)} in all) has no place in the authors' model as read")
-    files = sorted(release.prefix.parent.glob(release.prefix.name + ".*")) + [release.cache, release.corpus_info]
-    source = {
-        "converted_from": "tensorflow",
-        "source": str(release.root.resolve()),
-        "checkpoint": str(release.prefix.resolve()),
-        "dataset": dataset,
-        "settings_from": "the authors' tf/sota and tf/scripts settings" + (f", given {sorted(given)}" if given else ""),
-        "sha256": sha256_files(files),
-    }
-    return ConvertedRelease(config, weights, dataset, release, source)
+    config = ModelConfig.from_dict(fields, where=variables.where)
+    return OpenedRelease(config, dataset, release, variables, given)
 
 
 def vocabulary_of(release: Release):
@@ -393,28 +448,32 @@ def write_release_export(
     checkpoint: str | None = None,
     settings: Mapping[str, Any] | None = None,
     overwrite: bool = False,
-) -> tuple[Path, ConvertedRelease]:
+) -> tuple[Path, OpenedRelease]:
     """A release folder -> an export folder with the authors' vocabulary as its tokenizer."""
-    import tempfile
-
-    from txl_dist.convert.authors_vocab import write_authors_tokenizer
-    from txl_dist.export import write_export
-
-    converted = read_release(root, checkpoint, settings)
-    vocabulary = vocabulary_of(converted.release)
-    if len(vocabulary.symbols) != converted.config.n_token:
-        raise ReleaseError(
-            f"{converted.release.cache}: {len(vocabulary.symbols)} symbols, but the model has n_token "
-            f"{converted.config.n_token} ({converted.release.corpus_info})"
-        )
-    with tempfile.TemporaryDirectory(prefix="txl_dist-authors-vocab-") as folder:
-        write_authors_tokenizer(vocabulary, converted.dataset, folder, converted.release.cache)
+    # The vocabulary first: a refused cache.pkl stops the conversion before TensorFlow is even imported.
+    vocabulary = vocabulary_of(locate(root, checkpoint))
+    opened = open_release(root, checkpoint, settings)
+    with authors_tokenizer(opened, vocabulary) as folder:
         out = write_export(
-            converted.weights,
-            converted.config,
+            opened.weights(),
+            opened.config,
             out_dir,
             tokenizer_dir=folder,
-            training_info=converted.source,
+            training_info=opened.source(),
             overwrite=overwrite,
         )
-    return out, converted
+    return out, opened
+
+
+@contextlib.contextmanager
+def authors_tokenizer(opened: OpenedRelease, vocabulary: AuthorsVocabulary | None = None) -> Iterator[Path]:
+    """The release's vocabulary written as a txl_dist tokenizer in a temporary folder (removed on leaving)."""
+    vocabulary = vocabulary or vocabulary_of(opened.release)
+    if len(vocabulary.symbols) != opened.config.n_token:
+        raise ReleaseError(
+            f"{opened.release.cache}: {len(vocabulary.symbols)} symbols, but the model has n_token "
+            f"{opened.config.n_token} ({opened.release.corpus_info})"
+        )
+    with tempfile.TemporaryDirectory(prefix="txl_dist-authors-vocab-") as folder:
+        write_authors_tokenizer(vocabulary, opened.dataset, folder, opened.release.cache)
+        yield Path(folder)

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from txl_dist.convert.zero import (
@@ -146,15 +145,7 @@ def _consolidate_once(checkpoint, consolidate, device) -> dict:
     rank reading every partition would multiply the reads and the host memory by the number of ranks)."""
     if not dist.is_initialized():
         return consolidate(checkpoint)
-    weights = consolidate(checkpoint) if dist.get_rank() == 0 else None
-    layout = [{name: (tensor.shape, tensor.dtype) for name, tensor in weights.items()} if weights else None]
-    dist.broadcast_object_list(layout, src=0)
-    received = {}
-    for name, (shape, dtype) in sorted(layout[0].items()):
-        tensor = weights[name].to(device) if weights is not None else torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(tensor, src=0)
-        received[name] = tensor
-    return received
+    return ranks.broadcast_tensors(consolidate(checkpoint) if dist.get_rank() == 0 else None, device)
 
 
 def tokens_are_characters(tokenizer) -> bool:

@@ -63,3 +63,17 @@ def broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """Collective: rank 0's ``tensors`` (None elsewhere) on every rank, on ``device``: their names, shapes and
+    dtypes first, then each tensor. Without a process group, ``tensors`` itself."""
+    if not dist.is_initialized():
+        return dict(tensors or {})
+    layout = broadcast({name: (t.shape, t.dtype) for name, t in tensors.items()} if tensors is not None else None)
+    received = {}
+    for name, (shape, dtype) in sorted(layout.items()):
+        tensor = tensors[name].to(device) if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=0)
+        received[name] = tensor
+    return received

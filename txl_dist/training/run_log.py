@@ -289,12 +289,16 @@ class RunLogger:
 
         self._guarded("_events", step, scalars)
 
-    def start(self, step: int, texts: dict[str, str], hparams: dict[str, Any]) -> None:
-        """This start of the run: a "start" line in metrics.jsonl (with the hyperparameters, for plots), the
-        Text tab's entries ``{tag: markdown}`` at ``step`` and the HParams session's start."""
+    def start(
+        self, step: int, texts: dict[str, str], hparams: dict[str, Any], facts: dict[str, Any] | None = None
+    ) -> None:
+        """This start of the run: a "start" line in metrics.jsonl (with the hyperparameters, for plots, and
+        ``facts``: where the run started from), the Text tab's entries ``{tag: markdown}`` at ``step`` and the
+        HParams session's start."""
         if not self.enabled:
             return
         record = {"step": step, "kind": "start", "wall_time": time.time(), "start": self.earlier_starts + 1}
+        record.update(facts or {})
         self._guarded("_metrics", step, lambda m: m.line({**record, "hparams": hparams}))
 
         def write(events) -> None:

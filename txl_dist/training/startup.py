@@ -39,6 +39,7 @@ from deepspeed.accelerator import get_accelerator
 
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import dropout_seed
+from txl_dist.checkpoints.resume_choice import ResumePlan
 from txl_dist.checkpoints.snapshot_files import RUN_ID
 from txl_dist.checkpoints.snapshots import Snapshots, run_id
 from txl_dist.checkpoints.verify import preflight
@@ -56,6 +57,14 @@ from txl_dist.supervision.guard import RunGuard
 from txl_dist.tokenizer import load_tokenizer
 from txl_dist.training.arguments import build_arg_parser
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
+from txl_dist.training.init_from import (
+    InitRecord,
+    InitSource,
+    OpenSource,
+    broadcast_source_weights,
+    load_source_weights,
+    resolve_init_from,
+)
 from txl_dist.training.numerics import NumericsRecord
 from txl_dist.training.profiling import start_memory_history
 from txl_dist.training.run_dir import RunDirectory, require_writable
@@ -86,6 +95,12 @@ class ResolvedRun:
     """--deepspeed_config: a JSON overlay of DeepSpeed's config."""
     numerics_record: NumericsRecord
     """The run folder's numerics.json: the data windows skipped and the checkpoints kept after numerical faults."""
+    init_source: InitSource | None = None
+    """train.init_from, opened (`txl_dist.training.init_from`): the model the run starts from."""
+    init_warning: str | None = None
+    """What could not be checked of it (a model that records no tokenizer)."""
+    open_source: OpenSource | None = None
+    """The reader of models that the launcher gave (`txl_dist.convert.sources.open_source`)."""
 
     @property
     def world_size(self) -> int:
@@ -124,6 +139,7 @@ def resolve(
     *,
     world_size: int | None = None,
     device: str | None = None,
+    open_source: OpenSource | None = None,
 ) -> ResolvedRun:
     """Step 1: the `ResolvedRun` of the parsed command line ``args`` (refusals as ``parser.prog``).
 
@@ -141,6 +157,9 @@ def resolve(
             raise ValueError("--deepscale_config is DeepSpeed's deprecated spelling; use --deepspeed_config")
         cfg = load_config(args.config, args.overrides)
         manifest = shards_manifest(cfg)
+        init_source = init_warning = None
+        if cfg.train.init_from is not None:  # the model's architecture, its tokenizer checked against the shards'
+            cfg, init_source, init_warning = resolve_init_from(cfg, manifest, open_source)
         cfg = with_shards_vocab(cfg, manifest)
         device = device or detect_device()
         build_deepspeed_config(
@@ -178,6 +197,9 @@ def resolve(
         launch_error=launch_error,
         deepspeed_overlay=args.deepspeed_config,
         numerics_record=record,
+        init_source=init_source,
+        init_warning=init_warning,
+        open_source=open_source,
     )
 
 
@@ -278,13 +300,22 @@ def configure_logging(rank: int) -> None:
 # ---- 3-7. ranks, run directory, resume plan, engine, streams --------------------------------------------------
 
 
-def build_engine(run: ResolvedRun, place: ranks.Place, checkpoints: CheckpointManager):
+def build_engine(
+    run: ResolvedRun,
+    place: ranks.Place,
+    checkpoints: CheckpointManager,
+    initial_weights: dict[str, torch.Tensor] | None = None,
+):
     """Step 6: the model and DeepSpeed's engine around it (whichever way the resume plan's checkpoint loads:
-    `CheckpointManager.load`); returns the engine and the model's number of parameters."""
+    `CheckpointManager.load`); returns the engine and the model's number of parameters. ``initial_weights``: the
+    weights of train.init_from, for a run that starts fresh from them."""
     cfg = run.cfg
     # Identical initial weights on every rank, then a different dropout stream per rank.
     torch.manual_seed(cfg.train.seed)
     model = TransformerXLLM(cfg.model)
+    if initial_weights is not None:  # before DeepSpeed partitions the parameters (ZeRO-3), on every rank alike
+        load_source_weights(model, initial_weights, f"train.init_from={cfg.train.init_from}")
+        initial_weights.clear()
     num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
     if cfg.model.compile:
         model.compile_body()  # the module itself stays: no "_orig_mod." keys in checkpoints
@@ -373,7 +404,8 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         zero_stage=cfg.zero.stage,
     )
 
-    engine, num_parameters = build_engine(run, place, checkpoints)  # 6. the engine
+    init_record, initial_weights = start_from(run, place, resume_plan)
+    engine, num_parameters = build_engine(run, place, checkpoints, initial_weights)  # 6. the engine
 
     streams = TrainStreams(  # 7. the streams
         cfg.data.shards,
@@ -405,7 +437,33 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         num_parameters=num_parameters,
         streams=streams,
         numerics_record=run.numerics_record,
+        init_from=init_record.summary() if init_record is not None else None,
     )
+
+
+def start_from(
+    run: ResolvedRun, place: ranks.Place, resume_plan: ResumePlan | None
+) -> tuple[InitRecord | None, dict[str, torch.Tensor] | None]:
+    """Step 5's second half, collective, for train.init_from: a fresh start takes the model's weights (read by
+    rank 0, broadcast) and records where they came from; a resume takes none (its checkpoint has the run's own)
+    and names the record."""
+    source, output_dir = run.init_source, run.cfg.train.output_dir
+    if source is None:
+        return None, None
+    log = logging.getLogger("txl_dist.training")
+    if run.init_warning is not None and place.rank == 0:
+        log.warning("%s", run.init_warning)
+    if resume_plan is not None:
+        record = InitRecord.read(output_dir)
+        if place.rank == 0:
+            log.info("train.init_from=%s: not read, the run resumes from its own %s", source.path, resume_plan.tag)
+        return record, None
+    weights = broadcast_source_weights(source, run.open_source, place)
+    record = InitRecord.of(source)
+    if place.rank == 0:
+        record.write(output_dir)
+        log.info("starting from %s %s (sha256 %s)", source.kind, source.path, source.sha256)
+    return record, weights
 
 
 def train(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironment | None = None) -> dict[str, Any]:
@@ -419,12 +477,15 @@ def train(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
     return summary
 
 
-def run(parser: argparse.ArgumentParser, args: argparse.Namespace, guard: RunGuard) -> int:
+def run(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, guard: RunGuard, open_source: OpenSource | None = None
+) -> int:
     """The whole sequence for `launchers/train.py`: steps 1-7 and the run; 0 when it ends (a stop request
     included), 2 for a refused command line or launch (a SystemExit from `resolve`, or returned), 1 for an output
     folder the surroundings refuse (`resolve`). A failure on any rank ends every rank through ``guard``."""
     try:
-        resolved = resolve(parser, args)  # exits 2 with the offending key before any process group exists
+        # exits 2 with the offending key before any process group exists
+        resolved = resolve(parser, args, open_source=open_source)
     except BaseException:
         # Nothing started: give the caller (a test calling main in-process) its own signal handlers back and stop
         # the guard's watch thread.

@@ -350,6 +350,7 @@ def log_start(
     device_type: str,
     step: int,
     tokenizer_kind: str = "",
+    init_from: dict[str, Any] | None = None,
 ) -> None:
     """Collective (the ranks' host names): the run's first lines (its model, batch layout and steps, then the
     memory plan of a rank), and this start's TensorBoard text and HParams session (`txl_dist.training.step_log`)."""
@@ -374,10 +375,13 @@ def log_start(
     logger.info("%s", plan)
     if logger.enabled:
         rows = environment(world_size, hosts, logger.earlier_starts)
+        if init_from is not None:
+            rows["init from"] = f"{init_from['kind']} {init_from['path']} (sha256 {init_from['sha256']})"
         logger.start(
             step,
             texts(cfg, num_parameters, world_size, device_type, rows, plan),
             hparams(cfg, world_size, tokenizer_kind),
+            {"init_from": init_from} if init_from is not None else {},
         )
 
 

@@ -79,8 +79,11 @@ class Trainer:
         num_parameters: int,
         streams: TrainStreams,
         numerics_record: NumericsRecord,
+        init_from: dict[str, Any] | None = None,
     ):
         self.cfg = cfg
+        self.init_from = init_from
+        """Where the run started from (train.init_from's record), named in every start's logs."""
         self.manifest = manifest
         self.fingerprint = tokenizer_fingerprint
         self.rank, self.world_size, self.device = place.rank, place.world_size, place.device
@@ -311,6 +314,7 @@ class Trainer:
             self.device_type,
             self.state.step,
             self.manifest.tokenizer.kind,
+            self.init_from,
         )
         self.engine.train()
         start_step, run_start = self.state.step, time.perf_counter()
