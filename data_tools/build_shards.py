@@ -17,6 +17,8 @@
     python -m data_tools.build_shards --tokenizer tok_enwik8/ --output enwik8/ --format enwik8 --input enwik8.zip
     python -m data_tools.build_shards --tokenizer tok_text8/ --output text8/ --format text8 --input text8.zip
     python -m data_tools.build_shards --tokenizer tok_wt103/ --output wt103/ --format wikitext --input wikitext-103/
+    # shards to fine-tune a model on (train.init_from): its export folder's tokenizer (tokenizer/ inside it)
+    python -m data_tools.build_shards --tokenizer exports/wt103_authors --output mine/ --split train=mine.txt
 
     # continue an interrupted build (each finished shard is checked by its sha256)
     python -m data_tools.build_shards ... --resume
@@ -94,7 +96,7 @@ from data_tools.workers import WorkerError
 from txl_dist.data.format import ManifestError
 from txl_dist.exit_status import os_error_status, run_command
 from txl_dist.fileio import describe_os_error, read_json
-from txl_dist.tokenizer import TokenizerError
+from txl_dist.tokenizer import TokenizerError, tokenizer_dir_of
 
 # STATE_NAME: the journal that --resume reads, a file a user of this command sees in the output.
 __all__ = ["STATE_NAME", "benchmark_sources", "main", "parse_args", "settings_from_args"]
@@ -130,7 +132,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     """What is tokenised, and how it is read."""
     parser.add_argument(
-        "--tokenizer", required=True, type=Path, help="tokenizer directory (data_tools.train_tokenizer)"
+        "--tokenizer",
+        required=True,
+        type=Path,
+        help="tokenizer directory (data_tools.train_tokenizer), or a folder with one in tokenizer/: an export "
+        "folder (a model to fine-tune), a training run",
     )
     parser.add_argument("--output", required=True, type=Path, help="directory for the shards and manifest.json")
     parser.add_argument(
@@ -254,7 +260,7 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
     if args.chunk_bytes is not None and args.doc_per == "file":
         raise BuildError(f"--chunk-bytes {args.chunk_bytes}: with --doc-per file each file is one unit of work")
     return BuildSettings(
-        tokenizer_directory=args.tokenizer.resolve(),
+        tokenizer_directory=tokenizer_dir_of(args.tokenizer).resolve(),
         sources=sources,
         input_format=args.format,
         doc_unit=args.doc_per or "line",

@@ -7,6 +7,9 @@
     # across ranks (any launcher; each rank scores its own streams)
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launchers/evaluate.py exports/ptb_small --split test
     torchrun --nproc_per_node 8 launchers/evaluate.py exports/lm1b_base --split test --shards /data/lm1b/shards
+    # any text files, with the model's tokenizer, without building shards first (any model txl_dist reads)
+    python launchers/evaluate.py exports/wt103_authors --text my_notes.txt --output my_notes.json
+    python launchers/evaluate.py runs/finetuned --text held_out.txt --eval-settings
     # the run config's eval section: for configs/enwik8_large.yaml the paper's tgt_len 128, mem_len 3800,
     # clamp_len 1000 with same_length, reporting bits per character
     python launchers/evaluate.py runs/enwik8_large --split test --eval-settings
@@ -24,9 +27,11 @@ rank whose launcher is gone (the deepspeed runner killed) stops as on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import glob
 import sys
+from pathlib import Path
 
-from txl_dist.exit_status import run_command
+from txl_dist.exit_status import USAGE_ERROR, describe_error, print_error, run_command
 from txl_dist.supervision.interrupts import one_line_on_stop, stop_this_process
 from txl_dist.supervision.launcher_watch import watching_launcher
 
@@ -38,7 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="an export folder, a training run folder or one checkpoint folder")
+    parser.add_argument(
+        "model",
+        help="an export folder, a training run folder or one checkpoint folder; with --text also a transformers "
+        "TransfoXL folder, a folder of export-to-hub, the authors' state dict or TensorFlow release",
+    )
+    parser.add_argument(
+        "--text",
+        nargs="+",
+        metavar="FILE",
+        help="score these plain text files (tokenised with the model's tokenizer, as build_shards would) "
+        "instead of a split of shards",
+    )
+    parser.add_argument(
+        "--doc-per",
+        choices=("line", "blank-line", "file"),
+        help="with --text: what one document of the files is (build_shards' --doc-per; default: line)",
+    )
     parser.add_argument("--split", default="test", help="the split of the shards to score (default: test)")
     parser.add_argument("--shards", help="shard folder (default: the one the model was trained on)")
     parser.add_argument("--tgt-len", type=int, help="tokens per segment (default: the model's)")
@@ -79,7 +100,47 @@ def main(argv: list[str] | None = None) -> int:
         # lazy: --help stays under 1 s (torch and DeepSpeed take seconds to import)
         from txl_dist.downstream.evaluate import evaluate_and_write
 
+        if args.text:
+            return _score_text(args, evaluate_and_write)
+        if args.doc_per is not None:
+            print_error("evaluate.py", "--doc-per: reads the files of --text; give --text FILE...")
+            return USAGE_ERROR
         return evaluate_and_write(args)
+
+
+def _score_text(args: argparse.Namespace, evaluate_and_write) -> int:
+    """--text: the files made into shards of one split, in a folder of this process's own (each rank makes its
+    own: the same shards, on any node), with the model's tokenizer; then scored as a split is."""
+    import tempfile
+
+    from data_tools import build_shards as builder  # the shard builder: only --text needs it
+    from txl_dist.downstream.evaluate import model_tokenizer
+
+    if args.shards is not None or args.split != "test":
+        print_error("evaluate.py", "--text scores the files given: --shards and --split do not apply")
+        return USAGE_ERROR
+    for name in args.text:
+        if "," in name:
+            print_error("evaluate.py", f"--text {name}: a comma in a file name is not read (rename the file)")
+            return USAGE_ERROR
+        if not Path(name).is_file():
+            print_error("evaluate.py", f"--text {name}: no such file")
+            return USAGE_ERROR
+    try:
+        with model_tokenizer(args.model, args.tokenizer) as tokenizer_dir, tempfile.TemporaryDirectory(
+            prefix="txl_dist-text-"
+        ) as folder:
+            shards = Path(folder) / "shards"
+            flags = ["--tokenizer", str(tokenizer_dir), "--output", str(shards), "--no-progress", "--workers", "1"]
+            flags += ["--split", "text=" + ",".join(glob.escape(str(Path(name).resolve())) for name in args.text)]
+            flags += ["--doc-per", args.doc_per] if args.doc_per else []
+            settings = builder.settings_from_args(builder.parse_args(flags))
+            builder.build_shards(settings, shards, workers=1, resume=False, overwrite=False, progress=False)
+            args.shards, args.split = str(shards), "text"
+            return evaluate_and_write(args)
+    except (ValueError, builder.BuildError, builder.InputError, builder.ManifestError) as error:
+        print_error("evaluate.py", describe_error(error))
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

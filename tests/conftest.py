@@ -43,6 +43,7 @@ PATH_MARKERS: dict[str, str] = {
     "tests/test_charlm.py::test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses": "hf",
     "tests/bad_input/test_hub_tokenizers.py": "hf",
     "tests/test_tf_release.py": "hf",
+    "tests/test_init_from.py": "launcher",
 }
 """Test path (a folder ending in /, a file, or file::test) -> the tier marker every test under it gets."""
 

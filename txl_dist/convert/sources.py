@@ -19,6 +19,7 @@ Anything else is refused in one line that lists these.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,8 @@ from txl_dist.checkpoint_paths import COMPLETE
 from txl_dist.convert.hf import hf_weights_file, read_hf_config, read_hf_weights
 from txl_dist.convert.hub import MODEL_TYPE, WEIGHTS_FILE, read_hub_config, read_hub_weights
 from txl_dist.convert.original import from_original_state_dict, load_original
-from txl_dist.convert.zero import CheckpointError, consolidate_weights, read_training_checkpoint
-from txl_dist.export import CONFIG_FILE, load_model, read_config_file
+from txl_dist.convert.zero import CheckpointError, consolidate_weights, find_tokenizer, read_training_checkpoint
+from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file
 from txl_dist.export.config_file import read_json_object
 from txl_dist.fileio import sha256_files
 from txl_dist.run_paths import CHECKPOINTS
@@ -83,6 +84,11 @@ def _identity_of(tokenizer_dir: Path | None) -> dict[str, Any] | None:
     return load_tokenizer(tokenizer_dir).identity() if tokenizer_dir is not None else None
 
 
+def _folder(tokenizer_dir: Path | None):
+    """`InitSource.tokenizer_directory` for a tokenizer folder that exists (or none)."""
+    return lambda: contextlib.nullcontext(tokenizer_dir)
+
+
 def _export(path: str, where: Path) -> InitSource:
     config, identity = read_config_file(where / CONFIG_FILE)
     return InitSource(
@@ -93,6 +99,7 @@ def _export(path: str, where: Path) -> InitSource:
         sha256_files([where / WEIGHTS_FILE]),
         {},
         lambda: load_model(where).state_dict(),  # checks the files against checksums.json first
+        _folder(where / TOKENIZER_DIR if identity is not None else None),
     )
 
 
@@ -110,6 +117,7 @@ def _training_checkpoint(path: str, where: Path) -> InitSource:
         sha256_files([checkpoint.tag_dir / COMPLETE]),  # it lists every file of the checkpoint with its checksum
         {"checkpoint": str(checkpoint.tag_dir.resolve()), "step": client.get("step")},
         lambda: consolidate_weights(read_training_checkpoint(where, verify=True), progress=False),
+        lambda: contextlib.nullcontext(find_tokenizer(checkpoint)),
     )
 
 
@@ -124,6 +132,7 @@ def _hf_folder(path: str, where: Path) -> InitSource:
         sha256_files([hf_weights_file(where)]),
         {},
         lambda: read_hf_weights(where, config),
+        _folder(tokenizer_dir),
     )
 
 
@@ -157,6 +166,7 @@ def _authors_state_dict(path: str, weights: Path, config_path: Path) -> InitSour
         sha256_files([weights]),
         {},
         lambda: from_original_state_dict(load_original(weights), config),
+        _folder(tokenizer_dir if tokenizer_dir.is_dir() else None),
     )
 
 
@@ -175,4 +185,5 @@ def _tf_release(path: str, where: Path) -> InitSource:
         source["sha256"],
         {"checkpoint": source["checkpoint"], "dataset": opened.dataset},
         opened.weights,
+        lambda: tf_release.authors_tokenizer(opened),
     )

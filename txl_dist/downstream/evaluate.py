@@ -7,17 +7,20 @@ lines and what is reported).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from txl_dist.convert.sources import open_source
 from txl_dist.convert.zero import (
     CheckpointError,
     consolidate_weights,
@@ -32,6 +35,7 @@ from txl_dist.exit_status import describe_error, exit_status, os_error_status, p
 from txl_dist.export import (
     CONFIG_FILE,
     TRAINING_FILE,
+    WEIGHTS_FILE,
     apply_eval_overrides,
     load_export_tokenizer,
     load_model,
@@ -106,6 +110,15 @@ def _load(
     progress: bool = True,
 ) -> tuple[Any, Any, str | None, Path]:
     """(model, tokenizer or None, recorded shards or None, default output file)."""
+    if not _ours(path):  # a transformers folder, the authors' state dict or release: read as train.init_from reads
+        if eval_settings:
+            raise ValueError(f"{path}: records no run config, so --eval-settings has nothing to take")
+        source = open_source(path)
+        config = apply_eval_overrides(source.config, overrides)
+        model = model_from_state_dict(source.read_weights(), config, device=device, where=str(path))
+        with source.tokenizer_directory() if source.tokenizer_directory else contextlib.nullcontext() as folder:
+            tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else load_tokenizer(folder) if folder else None
+        return model, tokenizer, None, path / f"eval_{split}.json"
     if (path / CONFIG_FILE).is_file():
         training = read_json(path / TRAINING_FILE) if (path / TRAINING_FILE).is_file() else {}
         if eval_settings:
@@ -138,6 +151,48 @@ def _load(
         checkpoint.run_config.data.shards,
         checkpoint.run_dir / f"eval_{split}_{checkpoint.tag}.json",
     )
+
+
+def _ours(path: Path) -> bool:
+    """An export folder or a training run or checkpoint: what the evaluation reads itself (verifying once)."""
+    if (path / CONFIG_FILE).is_file():
+        return (path / WEIGHTS_FILE).is_file() and "format" in read_json(path / CONFIG_FILE)
+    try:
+        locate_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def model_tokenizer(model: str, tokenizer_dir: str | None = None) -> Iterator[Path]:
+    """The folder of the tokenizer the model at ``model`` was trained with (``tokenizer_dir`` when given, checked
+    against the model's record); a folder made for the while where the model keeps its vocabulary otherwise (the
+    authors' TensorFlow release)."""
+    path = Path(model)
+    if (path / CONFIG_FILE).is_file() and _ours(path):
+        tokenizer = load_export_tokenizer(path)
+        if tokenizer is None and tokenizer_dir is None:
+            raise ValueError(f"{path}: records no tokenizer; give --tokenizer DIR")
+        yield Path(tokenizer_dir) if tokenizer_dir else tokenizer.directory
+        return
+    if _ours(path):
+        yield find_tokenizer(read_training_checkpoint(path, verify=False), tokenizer_dir)
+        return
+    source = open_source(path)
+    if tokenizer_dir is not None:
+        found = load_tokenizer(tokenizer_dir).fingerprint
+        if source.tokenizer is not None and source.tokenizer["fingerprint"] != found:
+            raise ValueError(
+                f"--tokenizer {tokenizer_dir}: fingerprint {found}, but {path} was trained with "
+                f"{source.tokenizer['fingerprint']}"
+            )
+        yield Path(tokenizer_dir)
+        return
+    with source.tokenizer_directory() if source.tokenizer_directory else contextlib.nullcontext() as folder:
+        if folder is None:
+            raise ValueError(f"{path}: holds no txl_dist tokenizer (its kind: {source.kind}); give --tokenizer DIR")
+        yield folder
 
 
 def _consolidate_once(checkpoint, consolidate, device) -> dict:
@@ -205,7 +260,8 @@ def evaluate_split(args: argparse.Namespace) -> dict[str, Any]:
     _require_a_score(result.loss, args.split, shards)
     summary = _summary(args, shards, manifest.splits[args.split], model.config, result, world_size, per_rank)
     summary.update(_scores(result, manifest.splits[args.split], manifest.tokenizer.kind, tokenizer))
-    summary["output"] = args.output or str(default_output)
+    # Scores of --text go to a file only where --output names one: the model's folder may not be ours to write.
+    summary["output"] = args.output or (None if getattr(args, "text", None) else str(default_output))
     return summary if rank == 0 else {}
 
 
@@ -228,8 +284,7 @@ def _summary(args, shards, split, config, result, world_size: int, per_rank: int
     """The result's record: what was scored, with which settings, and its loss, perplexities and bits."""
     summary: dict[str, Any] = {
         "model": str(args.model),
-        "shards": str(shards),
-        "split": args.split,
+        **({"text": list(args.text)} if getattr(args, "text", None) else {"shards": str(shards), "split": args.split}),
         "ranks": world_size,
         "settings": {
             "tgt_len": config.tgt_len,
@@ -293,19 +348,21 @@ def evaluate_and_write(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     if summary:
         try:
-            atomic_write_text(summary["output"], json.dumps(summary, indent=1, allow_nan=False) + "\n")
+            if summary["output"] is not None:
+                atomic_write_text(summary["output"], json.dumps(summary, indent=1, allow_nan=False) + "\n")
         except OSError as error:
             print_error(
                 "evaluate.py",
                 f"{describe_os_error(error)} (the result was: {summary['split']} loss {summary['loss']:.4f})",
             )
             return os_error_status(error)
-        line = f"{summary['split']}: {summary['tokens']} tokens, loss {summary['loss']:.4f}"
+        scored = summary.get("split") or ", ".join(summary["text"])
+        line = f"{scored}: {summary['tokens']} tokens, loss {summary['loss']:.4f}"
         if "ppl" in summary:
             line += f", ppl {summary['ppl']:.2f}"
         if "word_ppl" in summary:
             line += f", word ppl {summary['word_ppl']:.2f}"
         if "bits_per_character" in summary:
             line += f", {summary['bits_per_character']:.4f} bits/char"
-        print(f"{line}  ({summary['output']})")
+        print(f"{line}  ({summary['output']})" if summary["output"] else line)
     return 0

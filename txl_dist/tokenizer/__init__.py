@@ -50,6 +50,7 @@ from txl_dist.tokenizer.description import (
     find_tokenizer_dir,
     fingerprint_files,
     load_tokenizer,
+    tokenizer_dir_of,
     verified_fingerprint,
     write_tokenizer_json,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "fingerprint_files",
     "load_tokenizer",
     "read_word_vocab",
+    "tokenizer_dir_of",
     "verified_fingerprint",
     "write_tokenizer_json",
     "write_word_vocab",

@@ -184,3 +184,13 @@ def find_tokenizer_dir(fingerprint: str, candidates: Iterable[str | os.PathLike 
         f"no tokenizer with fingerprint {fingerprint} among the candidates "
         f"({'; '.join(passed_over) or 'none given'}); pass its directory"
     )
+
+
+def tokenizer_dir_of(path: str | os.PathLike) -> Path:
+    """The tokenizer directory a path names: the path itself when it holds ``tokenizer.json``, else its
+    ``tokenizer/`` folder when that does (an export folder, a training run folder, a transformers folder that
+    export-to-hf wrote); otherwise the path as given, for `load_tokenizer` to name in its error."""
+    path = Path(path)
+    if not (path / TOKENIZER_JSON).is_file() and (path / "tokenizer" / TOKENIZER_JSON).is_file():
+        return path / "tokenizer"
+    return path

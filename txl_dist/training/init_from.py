@@ -21,6 +21,7 @@ decides:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -62,6 +63,9 @@ class InitSource:
     """What else identifies it (a checkpoint's tag and step, a release's dataset, ...)."""
     read_weights: Callable[[], dict[str, torch.Tensor]] | None
     """Our state dict (tied keys may be left out); None for a source known only from a run's record."""
+    tokenizer_directory: Callable[[], contextlib.AbstractContextManager[Path | None]] | None = None
+    """A context giving the folder of its tokenizer (made for the while where the model has none as such: the
+    authors' vocabulary), or None where it keeps none (a folder of export-to-hub holds transformers' files)."""
 
 
 OpenSource = Callable[[str], InitSource]
