@@ -51,9 +51,9 @@ def sources(reference, tmp_path_factory):
     }
 
 
-def _first_batch_loss(model, shards, overrides: list[str]) -> float:
-    """The mean loss of the source model over the first step's micro-batches of a one-rank run."""
-    cfg = load_config("configs/tiny_cpu.yaml", [f"data.shards={shards}", *overrides])
+def _first_batch_loss(model, shards, overrides: list[str], config: str = "configs/tiny_cpu.yaml") -> float:
+    """The mean loss of the source model over the first step's micro-batches of a one-rank run of ``config``."""
+    cfg = load_config(config, [f"data.shards={shards}", *overrides])
     split = cfg.train.batch_split(1)
     losses = []
     with TrainStreams(

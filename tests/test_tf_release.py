@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 
 import pytest
 import torch
 
+from data_tools import build_shards
 from launchers import convert
 from tests.authors_release import hf_model, write_release
+from tests.launcher import TRAIN, in_process, records, run, tiny_args
 from txl_dist.export import load_model, load_pretrained
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -197,3 +201,75 @@ def test_a_checkpoint_missing_a_variable_is_refused_in_one_line(name, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and repr(name) in err, err
     assert not (tmp_path / "tf_wt103_export").exists()
+
+
+def _release_with_shards(tmp_path):
+    """A wt103-layout release, its export, and shards of a text in its vocabulary built with the export's
+    tokenizer (what docs/fine-tuning.md has a user do)."""
+    settings = _settings(WORD_CASES["div_val4_tied_tails_untie_r"], len(WORD_SYMBOLS))
+    write_release(tmp_path / "tf_wt103", "wt103", WORD_SYMBOLS, settings, special=["<eos>"])
+    assert convert.main(["tf-to-export", str(tmp_path / "tf_wt103"), str(tmp_path / "export")]) == 0
+    rng = torch.Generator().manual_seed(3)
+    words = [WORD_SYMBOLS[1 + int(i)] for i in torch.randint(0, 40, (3000,), generator=rng)]
+    lines = [" ".join(words[i : i + 15]) for i in range(0, len(words), 15)]
+    for split, part in (("train", lines[:150]), ("valid", lines[150:])):
+        (tmp_path / f"{split}.txt").write_text("".join(line + "\n" for line in part))
+    flags = ["--split", f"train={tmp_path / 'train.txt'}", "--split", f"valid={tmp_path / 'valid.txt'}"]
+    assert (
+        build_shards.main(
+            ["--tokenizer", str(tmp_path / "export"), "--output", str(tmp_path / "shards"), *flags, "--no-progress"]
+        )
+        == 0
+    )
+    return tmp_path / "tf_wt103", tmp_path / "export", tmp_path / "shards"
+
+
+def test_a_run_starts_from_the_tensorflow_release_and_text_scores_with_it(tmp_path):
+    """train.init_from names the release folder itself: the first step's loss is the converted model's on that
+    batch; evaluate.py --text scores with the release as with its export."""
+    release, export, shards = _release_with_shards(tmp_path)
+    output = tmp_path / "run"
+    args = tiny_args(
+        shards,
+        output,
+        f"train.init_from={release}",
+        "train.max_steps=1",
+        "model.tgt_len=8",
+        "model.mem_len=8",
+        "model.same_length=false",
+        "model.clamp_len=-1",
+    )
+    run(
+        [sys.executable, TRAIN, *args[:1], "configs/finetune_cpu.yaml", *args[2:], "model.dropout=0", "model.dropatt=0"]
+    )
+    model = load_model(export, dropout=0.0, dropatt=0.0, tgt_len=8, mem_len=8, same_length=False, clamp_len=-1)
+    from tests.test_init_from import _first_batch_loss
+
+    expected = _first_batch_loss(model, shards, ["model.tgt_len=8"], config="configs/finetune_cpu.yaml")
+    assert records(output)[1]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert records(output, "start")[0]["init_from"]["kind"] == "the authors' TensorFlow release"
+    text = tmp_path / "valid.txt"
+    by_release = in_process("launchers/evaluate.py", str(release), "--text", str(text), "--no-progress")
+    by_export = in_process("launchers/evaluate.py", str(export), "--text", str(text), "--no-progress")
+    last = [result.stdout.strip().splitlines()[-1] for result in (by_release, by_export)]
+    assert last[0] == last[1] and "ppl" in last[0], last
+
+
+def test_init_from_a_release_missing_a_variable_is_refused_in_one_line(tmp_path):
+    release, _, shards = _release_with_shards(tmp_path)
+    name = "transformer/layer_1/rel_attn/o/kernel"
+    shutil.rmtree(release)
+    settings = _settings(WORD_CASES["div_val4_tied_tails_untie_r"], len(WORD_SYMBOLS))
+    write_release(release, "wt103", WORD_SYMBOLS, settings, special=["<eos>"], drop=(name,))
+    result = in_process(
+        "launchers/train.py",
+        "--config",
+        "configs/finetune_cpu.yaml",
+        f"data.shards={shards}",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.init_from={release}",
+        check=False,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.strip().splitlines() if "warning" not in line.lower()]
+    assert len(lines) == 1 and repr(name) in lines[0], result.stderr

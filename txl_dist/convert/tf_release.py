@@ -287,15 +287,17 @@ def _tied_projections(variables: _Variables, n_tails: int) -> list[bool]:
     return [not variables.has(f"adaptive_softmax/cutoff_{i}/proj") for i in range(n_tails + 1)]
 
 
-def state_dict(variables: _Variables, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict (`TransformerXLLM(config)`, tied keys left out) from the checkpoint's variables."""
+def state_dict(variables: _Variables, config: ModelConfig, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Our state dict (`TransformerXLLM(config)`, tied keys left out) from the checkpoint's variables. Without
+    ``keep``, every variable is only checked for presence and shape (`check_variables`)."""
     state: dict[str, torch.Tensor] = {}
     d_model = config.d_model
     widths = [config.d_embed_resolved // config.div_val**i for i in range(len(config.cutoffs) + 1)]
 
     def put(key: str, value: np.ndarray, transpose: bool = False) -> None:
-        array = np.ascontiguousarray(value.T if transpose else value, dtype=np.float32)
-        state[key] = torch.from_numpy(array.copy())
+        if keep:
+            array = np.ascontiguousarray(value.T if transpose else value, dtype=np.float32)
+            state[key] = torch.from_numpy(array.copy())
 
     def projection(name: str, width: int) -> np.ndarray:
         """[width, d_model] as TensorFlow stores it; the identity where their model has none."""
@@ -385,14 +387,7 @@ class OpenedRelease:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Our state dict, every variable of the checkpoint's model read and used."""
-        weights = state_dict(self.variables, self.config)
-        left = [name for name in self.variables.untaken() if name.startswith(SCOPE)]
-        if left:
-            raise ReleaseError(
-                f"{self.variables.where}: variable {left[0]!r} ({len(left)} in all) has no place in the authors' "
-                f"model as read"
-            )
-        return weights
+        return state_dict(self.variables, self.config)
 
     def source(self) -> dict[str, Any]:
         """What an export's training.json records of it: the files and their sha256."""
@@ -433,7 +428,22 @@ def open_release(
     fields = architecture(variables, info, variables.where)
     fields.update({"dropout": 0.0, "dropatt": 0.0, **chosen})
     config = ModelConfig.from_dict(fields, where=variables.where)
+    check_variables(variables, config)
     return OpenedRelease(config, dataset, release, variables, given)
+
+
+def check_variables(variables: _Variables, config: ModelConfig) -> None:
+    """Every variable the model of ``config`` has is present with its shape, and no other (from the shapes
+    alone: nothing read); `ReleaseError` naming the first that is not."""
+    dry = _Variables(
+        variables.shapes, lambda name: np.broadcast_to(np.float32(0), variables.shapes[name]), variables.where
+    )
+    state_dict(dry, config, keep=False)
+    left = [name for name in dry.untaken() if name.startswith(SCOPE)]
+    if left:
+        raise ReleaseError(
+            f"{variables.where}: variable {left[0]!r} ({len(left)} in all) has no place in the authors' model as read"
+        )
 
 
 def vocabulary_of(release: Release):

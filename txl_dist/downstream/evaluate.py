@@ -131,7 +131,9 @@ def _load(
             )
         model = load_model(path, device=device, verify=verify, **overrides)
         tokenizer = load_export_tokenizer(path)
-        shards = training["data"]["shards"] if training else None
+        # An export converted from elsewhere (transformers, the authors' files) records no shards.
+        data = training.get("data") if isinstance(training, dict) else None
+        shards = data.get("shards") if isinstance(data, dict) else None
         return model, tokenizer, shards, path / f"eval_{split}.json"
     _verify_once(path, verify)
     checkpoint = read_training_checkpoint(path, verify=False)  # verified just above

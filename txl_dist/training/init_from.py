@@ -107,9 +107,10 @@ def model_from_source(cfg: RunConfig, source: InitSource) -> RunConfig:
             theirs, ours = source.config.tie_projs_resolved, cfg.model.tie_projs_resolved
         if name in given and ours != theirs:
             what = "what the weights compute" if name == "layer_norm_eps" else "the shape of the weights"
+            key = "model.preset" if given[name].startswith("by model.preset") else f"model.{name}"
             raise ValueError(
                 f"model.{name}={ours!r} (set {given[name]}) would change {what} of train.init_from={source.path}, "
-                f"whose {name} is {theirs!r}: leave model.{name} out of the config (the architecture is the model's)"
+                f"whose {name} is {theirs!r}: leave {key} out of the config (the architecture is the model's)"
             )
         fields[name] = theirs
     for name in MODEL_SETTINGS:
