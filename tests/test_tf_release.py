@@ -273,3 +273,45 @@ def test_init_from_a_release_missing_a_variable_is_refused_in_one_line(tmp_path)
     assert result.returncode == 2
     lines = [line for line in result.stderr.strip().splitlines() if "warning" not in line.lower()]
     assert len(lines) == 1 and repr(name) in lines[0], result.stderr
+
+
+def test_the_authors_vocabularies_export_to_current_transformers_with_their_ids(tmp_path):
+    """export-to-hub of a model with each of the authors' vocabularies: AutoTokenizer gives txl_dist's ids (their
+    ids), lower-casing, <S> framing and dropped line breaks included."""
+    from tests.authors_release import write_cache
+    from tests.test_hub_export import _tokenizer_only_folder, require_hf_python, run_hub_worker
+    from txl_dist.convert.authors_vocab import read_cache, write_authors_tokenizer
+    from txl_dist.tokenizer import load_tokenizer
+
+    require_hf_python()
+    text = "The cat sat on the mat .\nA zebra IS here\nthe end"
+    words = ["the", "cat", "sat", "on", "mat", ".", "a", "is", "here", "end", "The", "A", "IS"]
+    cases = {
+        "wt103": (["<eos>", *words, "<unk>"], dict(special=["<eos>"])),
+        "ptb": (["<eos>", *words[:10], "<unk>"], dict(special=["<eos>"], lower_case=True)),
+        "lm1b": (["<S>", "</S>", "<UNK>", *words], dict(unk_idx=2)),
+        "enwik8": ([str(b) for b in sorted(set(text.encode()) - {10})], {}),
+        "text8": (["_", *sorted(set(text.lower()) - {" ", "\n", "."})], {}),
+    }
+    jobs, references = {"models": [], "tokenizers": []}, {}
+    for dataset, (symbols, options) in cases.items():
+        path = write_cache(tmp_path / f"{dataset}.pkl", dataset, symbols, **options)
+        (tmp_path / f"tok_{dataset}").mkdir()
+        write_authors_tokenizer(read_cache(path), dataset, tmp_path / f"tok_{dataset}")
+        tokenizer = load_tokenizer(tmp_path / f"tok_{dataset}")
+        document = text.lower().replace(".", "") if dataset == "text8" else text
+        _tokenizer_only_folder(tmp_path / f"hub_{dataset}", tokenizer, tmp_path)
+        lines = document.split("\n")
+        jobs["tokenizers"].append(
+            {"name": dataset, "folder": str(tmp_path / f"hub_{dataset}"), "lines": lines, "document": document}
+        )
+        references[dataset] = {
+            "lines": tokenizer.encode_batch(lines),
+            "document": [tokenizer.eod_id] + tokenizer.encode_document(document)[:-1],
+            "decoded": tokenizer.decode_document(tokenizer.encode_document(document)[:-1]),
+        }
+    results = run_hub_worker(jobs, tmp_path)
+    for dataset, reference in references.items():
+        result = results["tokenizers"][dataset]
+        for key in ("lines", "document", "decoded"):
+            assert result[key] == reference[key], (dataset, key, result[key], reference[key])

@@ -33,9 +33,15 @@ token's string glued to other characters (e.g. "word<eod>"), which txl_dist read
   (tokenizers raises ``Unk token `a character outside the alphabet ...` not found in the vocabulary``).
 - ``byte``: GPT-2's ByteLevel mapping of each UTF-8 byte to a printable character, then a BPE model without
   merges whose vocabulary maps the character of byte b to id b: the ids are the text's UTF-8 bytes, the newline
-  byte (10) being eos = eod. Decoding maps them back to bytes (bytes that are not UTF-8 become U+FFFD: text
-  cannot hold them). The eod token is named by byte 10's ByteLevel character "Ċ" (U+010A), so that character
-  written in the text is read as a newline (its own UTF-8 bytes are 0xC4 0x8A in txl_dist).
+  byte (10) being eos = eod (where the ids are listed, as the authors' enwik8 vocabulary, the character of each
+  listed byte maps to its id, and a byte not listed is an error). Decoding maps them back to bytes (bytes that
+  are not UTF-8 become U+FFFD: text cannot hold them). The eod token is named by byte 10's ByteLevel character
+  "Ċ" (U+010A), so that character written in the text is read as a newline (its own UTF-8 bytes are 0xC4 0x8A
+  in txl_dist).
+
+The rules of a tokenizer (`txl_dist.tokenizer.rules`, the authors' vocabularies) are kept: lower-casing as a
+Lowercase normaliser, a line_start word after every line break and after the leading eod (the template), dropped
+line breaks as a normaliser that removes them (the eod, then a space, leads the text).
 
 What cannot be expressed is refused with a `FastTokenizerError` naming the file and the setting: SentencePiece
 models of type word or char, byte fallback, whitespace as suffix, unescaped whitespace, BPE models with unused
@@ -91,6 +97,8 @@ def _replace(pattern: str, content: str, regex: bool = False) -> dict[str, Any]:
 # strips ("\n" alone, or nothing), which is what a lone separator or an empty sequence decodes to. \A and \z, not
 # ^ and $, which Oniguruma reads as the start and end of any line.
 _STRIP_OUTER_SEPARATORS = _replace("\\A\n|\n\\z", "", regex=True)
+# Where line breaks are dropped, the separator is a space: the one the document starts with is not the text's.
+_STRIP_LEADING_SPACE = _replace("\\A ", "", regex=True)
 
 
 def _added(token_id: int, content: str, special: bool) -> dict[str, Any]:
@@ -105,19 +113,21 @@ def _added(token_id: int, content: str, special: bool) -> dict[str, Any]:
     }
 
 
-def _template(bos: str, bos_id: int) -> dict[str, Any]:
-    """The post-processor that puts the document separator before a text (and before each text of a pair)."""
-    special = {"SpecialToken": {"id": bos, "type_id": 0}}
+def _template(bos: str, bos_id: int, start: str | None = None, start_id: int | None = None) -> dict[str, Any]:
+    """The post-processor that puts the document separator before a text (and before each text of a pair), and
+    ``start`` after it where every line begins with a token (a word tokenizer's line_start rule)."""
+    first = [{"SpecialToken": {"id": bos, "type_id": 0}}]
+    second = [{"SpecialToken": {"id": bos, "type_id": 1}}]
+    tokens = {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}
+    if start is not None:
+        first.append({"SpecialToken": {"id": start, "type_id": 0}})
+        second.append({"SpecialToken": {"id": start, "type_id": 1}})
+        tokens[start] = {"id": start, "ids": [start_id], "tokens": [start]}
     return {
         "type": "TemplateProcessing",
-        "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [
-            special,
-            {"Sequence": {"id": "A", "type_id": 0}},
-            {"SpecialToken": {"id": bos, "type_id": 1}},
-            {"Sequence": {"id": "B", "type_id": 1}},
-        ],
-        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+        "single": [*first, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [*first, {"Sequence": {"id": "A", "type_id": 0}}, *second, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": tokens,
     }
 
 
@@ -142,16 +152,22 @@ def _word_tokenizer(tokenizer: WordTokenizer) -> tuple[dict[str, Any], str]:
     # Without an unk id an unknown word must be an error, as in txl_dist: name an unk token that cannot be a word.
     unk = words[tokenizer.unk_id] if tokenizer.unk_id is not None else "\n"
     separators = [_replace(f"^{_regex_escape(piece)}$", "\n", regex=True) for piece in dict.fromkeys([eos, eod])]
+    # Its rules (the authors' vocabularies): lower-casing first; a line_start word after every line break, and
+    # after the document separator (the template's second token).
+    line_start = tokenizer.rules.line_start
+    normalizers = [{"type": "Lowercase"}] if tokenizer.rules.lower_case else []
+    normalizers.append(_replace("\n", f" {eos} {line_start} " if line_start else f" {eos} "))
+    template = _template(eod, tokenizer.eod_id, line_start, tokenizer.line_prefix()[0] if line_start else None)
     data = _tokenizer_json(
         [_added(tokenizer.eod_id, eod, special=True)],
-        _replace("\n", f" {eos} "),
+        normalizers[0] if len(normalizers) == 1 else {"type": "Sequence", "normalizers": normalizers},
         {
             "type": "Split",
             "pattern": {"Regex": _python_whitespace_class() + "+"},
             "behavior": "Removed",
             "invert": False,
         },
-        _template(eod, tokenizer.eod_id),
+        template,
         # Words joined by single spaces, separators as line breaks without spaces around them.
         separators
         + [
@@ -342,13 +358,13 @@ names it (``Unk token `a character outside ...` not found in the vocabulary``)."
 
 def _char_tokenizer(tokenizer: CharTokenizer) -> tuple[dict[str, Any], str]:
     characters = tokenizer.characters
-    eod = characters[tokenizer.eod_id]  # the newline, eos = eod
+    eod = characters[tokenizer.eod_id]  # the newline, eos = eod (or the space, where line breaks are dropped)
     data = _tokenizer_json(
         [_added(tokenizer.eod_id, eod, special=True)],
-        None,
+        _replace("\n", "") if tokenizer.rules.drops_line_breaks else None,
         {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
         _template(eod, tokenizer.eod_id),
-        [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS],
+        [{"type": "Fuse"}, _STRIP_LEADING_SPACE if tokenizer.rules.drops_line_breaks else _STRIP_OUTER_SEPARATORS],
         # No unknown character, as in txl_dist: the unk token named is not in the vocabulary, so such text is an
         # error. A BPE model (without merges, so each one-character pre-token is looked up whole) because its error
         # names that token, which says what happened; WordLevel's says "Missing [UNK] token from the vocabulary".
@@ -371,17 +387,26 @@ def byte_level_characters() -> list[str]:
     return [table[value] for value in range(256)]
 
 
+BYTE_OUTSIDE_VOCABULARY = "a byte outside the vocabulary of this byte tokenizer, which has no unknown token"
+"""As `CHAR_OUTSIDE_ALPHABET`, for a byte tokenizer that lists some byte values only (the authors' enwik8)."""
+
+
 def _byte_tokenizer(tokenizer: ByteTokenizer) -> tuple[dict[str, Any], str]:
     characters = byte_level_characters()
-    eod = characters[tokenizer.eod_id]
+    values = tokenizer.decode_bytes(range(tokenizer.vocab_size))  # the byte of each id, in id order
+    eod = characters[values[tokenizer.eod_id]]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    every_byte = tokenizer.vocab_size == 256
     data = _tokenizer_json(
         [_added(tokenizer.eod_id, eod, special=True)],
-        None,
+        _replace("\n", "") if tokenizer.rules.drops_line_breaks else None,
         byte_level,
         _template(eod, tokenizer.eod_id),
-        [byte_level, _STRIP_OUTER_SEPARATORS],
-        _bpe_without_merges({c: i for i, c in enumerate(characters)}, unk_token=None),
+        [byte_level, _STRIP_LEADING_SPACE if tokenizer.rules.drops_line_breaks else _STRIP_OUTER_SEPARATORS],
+        _bpe_without_merges(
+            {characters[value]: i for i, value in enumerate(values)},
+            unk_token=None if every_byte else BYTE_OUTSIDE_VOCABULARY,
+        ),
     )
     return data, eod
 

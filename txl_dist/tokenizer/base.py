@@ -116,7 +116,10 @@ class Tokenizer(abc.ABC):
         return self.encode_documents([text.split("\n")])[0].tolist()
 
     def decode_document(self, ids: Sequence[int]) -> str:
-        """Text of a document's ids: lines end at ``eos_id``/``eod_id`` and are joined with ``\\n``."""
+        """Text of a document's ids: lines end at ``eos_id``/``eod_id`` and are joined with ``\\n`` (where the
+        rules drop line breaks, the separator is a character of the text, decoded as it is)."""
+        if self.rules.drops_line_breaks:
+            return self.decode(list(ids))
         lines, line = [], []
         for token_id in ids:
             if token_id in (self.eos_id, self.eod_id):
