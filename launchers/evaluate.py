@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import glob
 import sys
+import tempfile
 from pathlib import Path
 
 from txl_dist.exit_status import USAGE_ERROR, describe_error, print_error, run_command
@@ -98,23 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     # instead of computing on as an orphan.
     with watching_launcher(stop_this_process):
         # lazy: --help stays under 1 s (torch and DeepSpeed take seconds to import)
-        from txl_dist.downstream.evaluate import evaluate_and_write
+        from txl_dist.downstream.evaluate import evaluate_and_write, model_tokenizer
 
         if args.text:
-            return _score_text(args, evaluate_and_write)
+            return _score_text(args, evaluate_and_write, model_tokenizer)
         if args.doc_per is not None:
             print_error("evaluate.py", "--doc-per: reads the files of --text; give --text FILE...")
             return USAGE_ERROR
         return evaluate_and_write(args)
 
 
-def _score_text(args: argparse.Namespace, evaluate_and_write) -> int:
+def _score_text(args: argparse.Namespace, evaluate_and_write, model_tokenizer) -> int:
     """--text: the files made into shards of one split, in a folder of this process's own (each rank makes its
     own: the same shards, on any node), with the model's tokenizer; then scored as a split is."""
-    import tempfile
-
-    from data_tools import build_shards as builder  # the shard builder: only --text needs it
-    from txl_dist.downstream.evaluate import model_tokenizer
+    # lazy: the shard builder, which only --text needs
+    from data_tools import build_shards as builder
 
     if args.shards is not None or args.split != "test":
         print_error("evaluate.py", "--text scores the files given: --shards and --split do not apply")
@@ -127,9 +126,10 @@ def _score_text(args: argparse.Namespace, evaluate_and_write) -> int:
             print_error("evaluate.py", f"--text {name}: no such file")
             return USAGE_ERROR
     try:
-        with model_tokenizer(args.model, args.tokenizer) as tokenizer_dir, tempfile.TemporaryDirectory(
-            prefix="txl_dist-text-"
-        ) as folder:
+        with (
+            model_tokenizer(args.model, args.tokenizer) as tokenizer_dir,
+            tempfile.TemporaryDirectory(prefix="txl_dist-text-") as folder,
+        ):
             shards = Path(folder) / "shards"
             flags = ["--tokenizer", str(tokenizer_dir), "--output", str(shards), "--no-progress", "--workers", "1"]
             flags += ["--split", "text=" + ",".join(glob.escape(str(Path(name).resolve())) for name in args.text)]

@@ -185,7 +185,9 @@ def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
 COMMAND_FOLDERS = ("txl_dist", "data_tools", "launchers")
 REASONS = ("# lazy:", "# optional dependency")
 REASON = re.compile(r"#\s*(lazy:|optional dependency)")
-MOST_LOCAL_IMPORTS = 20
+MOST_LOCAL_IMPORTS = 22
+"""The budget: 22 since TensorFlow (the tf extra, for the authors' released models) and the model reader that
+launchers/train.py hands the start-up (it lies above training) joined the 20 before them."""
 
 
 def local_imports(path: Path) -> list[tuple[int, bool]]:

@@ -194,6 +194,12 @@ def test_a_command_that_reads_an_export_given_a_folder_of_something_else_says_wh
                 f"{name.split(' --')[0]}: error: {path}: {what}"
             ], (name, path, result.stderr)
             assert "checksums.json" not in caplog.text, (name, path, caplog.text)
+    # evaluate.py reads a transformers folder as train.init_from does; it records no shards to score.
     result = in_process("launchers/evaluate.py", str(hf), check=False)
-    assert result.returncode == 2 and result.stderr.splitlines()[-1] == f"evaluate.py: error: {hf}: {folders[hf]}"
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == f"evaluate.py: error: {hf} does not record its shards: pass --shards DIR"
+    for path, what in ((small_shards, "a shards folder (manifest.json)"), (empty, None)):
+        result = in_process("launchers/evaluate.py", str(path), check=False)
+        assert result.returncode == 2
+        _one_line(result, f"{path}: {what + ', which ' if what else ''}holds no model txl_dist reads")
     assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 from txl_dist.convert.hf import read_hf_folder, write_hf_folder
 from txl_dist.convert.hub import write_hub_folder
 from txl_dist.convert.original import from_original_state_dict, load_original, save_original, to_original_state_dict
+from txl_dist.convert.tf_release import SETTING_NAMES, write_release_export
 from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
 from txl_dist.export import load_model, read_config_file, write_export
 
@@ -112,8 +113,6 @@ def original_to_export(args: argparse.Namespace) -> str:
 
 
 def tf_to_export(args: argparse.Namespace) -> str:
-    from txl_dist.convert.tf_release import SETTING_NAMES, write_release_export  # lazy: numpy-only until used
-
     settings = {name: getattr(args, name) for name in SETTING_NAMES}
     out, opened = write_release_export(
         args.release, args.output, checkpoint=args.checkpoint, settings=settings, overwrite=args.overwrite

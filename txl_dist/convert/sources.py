@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from txl_dist.checkpoint_paths import COMPLETE
+from txl_dist.convert import tf_release
 from txl_dist.convert.hf import hf_weights_file, read_hf_config, read_hf_weights
 from txl_dist.convert.hub import MODEL_TYPE, WEIGHTS_FILE, read_hub_config, read_hub_weights
 from txl_dist.convert.original import from_original_state_dict, load_original
 from txl_dist.convert.zero import CheckpointError, consolidate_weights, find_tokenizer, read_training_checkpoint
 from txl_dist.export import CONFIG_FILE, TOKENIZER_DIR, load_model, read_config_file
-from txl_dist.export.config_file import read_json_object
+from txl_dist.export.config_file import describe_folder, read_json_object
 from txl_dist.fileio import sha256_files
 from txl_dist.run_paths import CHECKPOINTS
 from txl_dist.tokenizer import load_tokenizer
@@ -77,7 +78,11 @@ def open_source(path: str | os.PathLike) -> InitSource:
 
 
 def _no_model(path: str | os.PathLike) -> str:
-    return f"{path}: holds no model txl_dist reads (it reads {', '.join(KINDS[:-1])}, or {KINDS[-1]})"
+    what = describe_folder(Path(path)) if Path(path).is_dir() else "a file"
+    return (
+        f"{path}: {what + ', which ' if what else ''}holds no model txl_dist reads (it reads "
+        f"{', '.join(KINDS[:-1])}, or {KINDS[-1]})"
+    )
 
 
 def _identity_of(tokenizer_dir: Path | None) -> dict[str, Any] | None:
@@ -171,8 +176,6 @@ def _authors_state_dict(path: str, weights: Path, config_path: Path) -> InitSour
 
 
 def _tf_release(path: str, where: Path) -> InitSource:
-    from txl_dist.convert import tf_release  # numpy and TensorFlow's reader: only for a release
-
     opened = tf_release.open_release(where)
     with tf_release.authors_tokenizer(opened) as folder:
         identity = load_tokenizer(folder).identity()

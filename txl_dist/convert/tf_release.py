@@ -74,7 +74,7 @@ def tensorflow():
     """TensorFlow, imported quietly; a `ReleaseError` saying how to install it when it is missing."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
-        import tensorflow as tf
+        import tensorflow as tf  # optional dependency (the tf extra)
     except ImportError as error:
         raise ReleaseError(
             f"reading the authors' TensorFlow checkpoints needs TensorFlow ({error}): pip install "

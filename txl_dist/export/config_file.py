@@ -101,6 +101,20 @@ HUB_MODEL_TYPE = "txl_dist_transformer_xl"
 """The model_type of the config.json that ``convert.py export-to-hub`` writes."""
 
 
+def describe_folder(folder: Path) -> str | None:
+    """What a folder that holds no model is, in words ("a shards folder (manifest.json)", "the tokenizer folder
+    of the export E"); None when nothing in it says."""
+    kind = _training_folder_kind(folder)
+    if kind is not None:
+        return kind
+    if (folder / MANIFEST_NAME).is_file():
+        return f"a shards folder ({MANIFEST_NAME})"
+    found = next((name for name in TOKENIZER_FILES if (folder / name).is_file()), None)
+    if found and (folder.parent / CONFIG_FILE).is_file():
+        return f"the tokenizer folder of the export {folder.parent}"
+    return f"a tokenizer folder ({found})" if found else None
+
+
 def _not_an_export(folder: Path) -> str | None:
     """The one line saying what ``folder`` (a folder) is when it is not an export folder, and what to give
     instead; None when it may be one (a config.json that is not a transformers folder's: its reader judges it)."""

@@ -4,14 +4,13 @@ tokenizer directory's files)."""
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from txl_dist.tokenizer.rules import DEFAULT_RULES, ReadingRules
 
 TOKENIZER_JSON = "tokenizer.json"
 KINDS = ("sentencepiece", "word", "byte", "char")
@@ -25,6 +24,32 @@ CHAR_VOCAB = "chars.txt"
 
 class TokenizerError(ValueError):
     """A tokenizer directory that is missing, damaged or inconsistent; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadingRules:
+    """The settings of a ``rules.json`` (each its kind's default when absent)."""
+
+    lower_case: bool = False
+    line_start: str | None = None
+    line_breaks: str = "separator"
+    ids: str = "byte_values"
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings that differ from the defaults (what ``rules.json`` holds)."""
+        defaults = ReadingRules()
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != getattr(defaults, field.name)
+        }
+
+    @property
+    def drops_line_breaks(self) -> bool:
+        return self.line_breaks == "dropped"
+
+
+DEFAULT_RULES = ReadingRules()
 
 
 class Tokenizer(abc.ABC):

@@ -18,12 +18,13 @@ that `data_tools.train_tokenizer` makes have none; the vocabularies of the autho
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 from txl_dist.fileio import atomic_write_text
+from txl_dist.tokenizer.base import DEFAULT_RULES, ReadingRules, TokenizerError
+
+__all__ = ["DEFAULT_RULES", "RULES_FILE", "ReadingRules", "read_rules", "write_rules"]
 
 RULES_FILE = "rules.json"
 
@@ -36,37 +37,9 @@ _KEYS_OF_KIND = {
 _CHOICES = {"line_breaks": ("separator", "dropped"), "ids": ("byte_values", "listed")}
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadingRules:
-    """The settings of a ``rules.json`` (each its kind's default when absent)."""
-
-    lower_case: bool = False
-    line_start: str | None = None
-    line_breaks: str = "separator"
-    ids: str = "byte_values"
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings that differ from the defaults (what ``rules.json`` holds)."""
-        defaults = ReadingRules()
-        return {
-            field.name: getattr(self, field.name)
-            for field in dataclasses.fields(self)
-            if getattr(self, field.name) != getattr(defaults, field.name)
-        }
-
-    @property
-    def drops_line_breaks(self) -> bool:
-        return self.line_breaks == "dropped"
-
-
-DEFAULT_RULES = ReadingRules()
-
-
 def read_rules(path: Path, kind: str) -> ReadingRules:
     """The rules of ``path`` for a tokenizer of ``kind``; a key another kind uses, an unknown key or a bad value
     is a `TokenizerError` naming the file and the key."""
-    from txl_dist.tokenizer.base import TokenizerError  # base imports this module for the defaults
-
     try:
         contents = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
