@@ -61,6 +61,12 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_the_job_ends_non_z
     stopped.send_signal(signal.SIGSTOP)  # a hung GPU or a dead NIC, as far as the other ranks can tell
     since = time.monotonic()
     try:
+        # Once rank 0 has recorded the stall, the stopped rank is killed, as a hung host is once its job ends:
+        # torchrun would otherwise wait its 30 s for the stopped process to act on SIGTERM, which it cannot.
+        faults = output / "faults.jsonl"
+        while time.monotonic() - since < 60 and not (faults.is_file() and faults.read_text().strip()):
+            time.sleep(0.1)
+        stopped.kill()
         out = finish(process, timeout=90)
     finally:
         if stopped.is_running():

@@ -327,7 +327,8 @@ def iter_generate(
     greedy: bool = False,
 ) -> Iterator[str]:
     """The text that follows ``prompt``, piece by piece as tokens are decoded (see `generate`)."""
-    prompt_ids = [tokenizer.eod_id] + tokenizer.encode(prompt)
+    # After the separator, as a document starts; a tokenizer that begins lines with a word (the authors' <S>) too.
+    prompt_ids = [tokenizer.eod_id] + tokenizer.line_prefix() + tokenizer.encode(prompt)
     stream = TextStream(tokenizer)
     for token in iter_generate_ids(
         model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy
@@ -379,7 +380,7 @@ def score(
     (how many were scored), ``ppl`` = exp(-logprob / tokens) and ``unknown``: how many of its tokens are the
     unknown token. Text the vocabulary does not know scores as the unknown token, which a model usually finds
     likely: such perplexities are not comparable with those of known text. See `score_ids`."""
-    encoded = [tokenizer.encode(text) for text in texts]
+    encoded = [tokenizer.line_prefix() + tokenizer.encode(text) for text in texts]
     scored = score_ids(model, encoded, tokenizer.eod_id, batch_size=batch_size)
     unk = getattr(tokenizer, "unk_id", None)
     return [
