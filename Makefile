@@ -79,8 +79,8 @@ test: cluster-packages warm hf-venv tf-extra
 		-m "$(SLOW)" tests || status=$$?; \
 	exit $$status
 
-# The quick tier: every test that starts no launcher, no cluster and no .venv-hf (markers applied by path in
-# tests/conftest.py; docs/architecture.md, Tests), on every core. Needs only .venv (and its compiled DeepSpeed op).
+# The quick tier: every test that starts no launcher, no cluster and no .venv-hf (markers in each slow file or test;
+# docs/architecture.md, Tests), on every core. Needs only .venv (and its compiled DeepSpeed op).
 test-quick: warm
 	$(CPU_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "$(QUICK)" tests
 

@@ -4,10 +4,10 @@ and the test tiers (docs/architecture.md, Tests).
 Session-scoped and built through the real command-line entry points; treat their directories as read-only
 (copy one before damaging it).
 
-Tiers: ``make test-quick`` runs ``-m "not launcher and not cluster and not hf"``. The markers are applied here by
-path (`PATH_MARKERS`), so a new test in a slow file is marked with it; and a test that starts a launcher, a
-cluster command or the current-transformers interpreter without its marker fails (`_starts_without_marker`), so
-that a new slow test cannot slip into the quick tier.
+Tiers: ``make test-quick`` runs ``-m "not launcher and not cluster and not hf"``. A slow test says its tier where
+it lies: its file's ``pytestmark`` (every file under tests/cluster/ is ``cluster``) or its own decorator. A test
+that starts a launcher, a cluster command or the current-transformers interpreter without its marker fails
+(`_starts_without_marker`), so that a new slow test cannot slip into the quick tier.
 """
 
 from __future__ import annotations
@@ -26,42 +26,11 @@ TIER_MARKERS = ("launcher", "cluster", "hf")
 uses the two-node cluster, or needs an interpreter or extra that `make test` installs and the quick tier does not:
 the current-transformers interpreter (.venv-hf), TensorFlow (the tf extra)."""
 
-PATH_MARKERS: dict[str, str] = {
-    "tests/cluster/": "cluster",
-    "tests/test_liveness.py": "launcher",
-    "tests/test_train_launcher.py": "launcher",
-    "tests/test_train_paths.py": "launcher",
-    "tests/test_run_integrity.py": "launcher",
-    "tests/test_zero_stages.py": "launcher",
-    "tests/test_lm1b_shape.py": "launcher",
-    "tests/test_lm1b_scale.py": "launcher",
-    "tests/test_tensorboard.py": "launcher",
-    "tests/test_downstream.py": "launcher",
-    "tests/test_profiling.py::test_each_rank_writes_a_trace_of_the_window_that_names_every_phase": "launcher",
-    "tests/test_profiling.py::test_the_profiled_steps_are_marked_in_the_metrics_and_the_log": "launcher",
-    "tests/test_hub_export.py": "hf",
-    "tests/test_charlm.py::test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses": "hf",
-    "tests/bad_input/test_hub_tokenizers.py": "hf",
-    "tests/test_tf_release.py": "hf",
-    "tests/test_init_from.py": "launcher",
-}
-"""Test path (a folder ending in /, a file, or file::test) -> the tier marker every test under it gets."""
-
 LAUNCH_PROGRAMS = ("deepspeed", "torchrun", "mpirun", "srun", "sbatch", "salloc", "ip", "unshare", "nsenter")
 """Programs whose start marks a test as slow: the launchers, Slurm's commands and the cluster's namespace tools."""
 
 _REPO = Path(__file__).resolve().parents[1]
 _current: dict[str, object] = {"item": None, "unmarked": []}
-
-
-def _path_markers(nodeid: str) -> list[str]:
-    return [marker for path, marker in PATH_MARKERS.items() if nodeid == path or nodeid.startswith(path)]
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        for marker in _path_markers(item.nodeid):
-            item.add_marker(marker)
 
 
 def _hf_python() -> str:
@@ -114,7 +83,7 @@ def pytest_runtest_call(item):
         first = _current["unmarked"][0]
         pytest.fail(
             f"{item.nodeid} started a slow process without a tier marker ({first}): mark it "
-            f"@pytest.mark.{first.split(':')[0]} or add its path to tests/conftest.py PATH_MARKERS",
+            f"@pytest.mark.{first.split(':')[0]} (or its file: pytestmark = pytest.mark.{first.split(':')[0]})",
             pytrace=False,
         )
 
@@ -193,6 +162,23 @@ def ptb_sentencepiece_tokenizer(tmp_path_factory) -> Path:
         == 0
     )
     return directory
+
+
+@pytest.fixture(scope="session")
+def ptb_export(ptb_word_tokenizer, tmp_path_factory) -> Path:
+    """An export of a tiny untrained model (two cluster cutoffs) with the PTB word tokenizer."""
+    import torch
+
+    from txl_dist.export import write_export
+    from txl_dist.model import TransformerXLLM, preset
+    from txl_dist.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)  # the same weights whichever tests this process ran before (a pytest-xdist worker)
+    vocab_size = load_tokenizer(ptb_word_tokenizer).vocab_size
+    model = TransformerXLLM(preset("tiny", n_token=vocab_size, cutoffs=[2000, 6000]))
+    return write_export(
+        model, model.config, tmp_path_factory.mktemp("exports") / "ptb_tiny", tokenizer_dir=ptb_word_tokenizer
+    )
 
 
 @pytest.fixture(scope="session")

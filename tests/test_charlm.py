@@ -434,6 +434,7 @@ def test_the_planner_counts_the_long_evaluation_memory():
     )
 
 
+@pytest.mark.hf
 def test_export_to_hub_of_byte_and_char_models_gives_the_same_ids_and_losses(enwik8, tmp_path):
     """The fast tokenizers of a byte and a character model, and the byte model's losses, in current transformers."""
     import os

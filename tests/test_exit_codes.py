@@ -199,22 +199,6 @@ def test_verdicts_have_a_status_of_their_own(ptb_word_shards, tmp_path, capsys):
 # ---- a reader that leaves: `| head -1` ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ptb_export(ptb_word_tokenizer, tmp_path_factory) -> Path:
-    """An export of a tiny untrained model with the PTB word tokenizer."""
-    import torch
-
-    from txl_dist.export import write_export
-    from txl_dist.model import TransformerXLLM, preset
-    from txl_dist.tokenizer import load_tokenizer
-
-    torch.manual_seed(0)  # the same weights whichever tests this process ran before (a pytest-xdist worker)
-    model = TransformerXLLM(preset("tiny", n_token=load_tokenizer(ptb_word_tokenizer).vocab_size))
-    return write_export(
-        model, model.config, tmp_path_factory.mktemp("exports") / "tiny", tokenizer_dir=ptb_word_tokenizer
-    )
-
-
 def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess:
     """``python ARGS`` writing into a pipe whose reader has gone, as ``| head -1`` leaves it after its line (here
     before the first write, so that every write meets the closed pipe)."""

@@ -23,6 +23,8 @@ from txl_dist.inference import generate_ids
 from txl_dist.model import TransformerXLLM, preset
 from txl_dist.tokenizer import load_tokenizer, write_tokenizer_json
 
+pytestmark = pytest.mark.hf
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "hub_worker.py"
 # Absolute but not resolved: a virtual environment's python is a link that must stay inside the environment.

@@ -28,6 +28,8 @@ from txl_dist.config import load_config
 from txl_dist.data import TrainStreams
 from txl_dist.export import load_model
 
+pytestmark = pytest.mark.launcher
+
 NO_DROPOUT = ("model.dropout=0", "model.dropatt=0")
 
 

@@ -26,6 +26,8 @@ from tests.launcher import (
     wait_for_step,
 )
 
+pytestmark = pytest.mark.launcher
+
 TRAIN = "launchers/train.py"
 
 

@@ -2,8 +2,8 @@
 marked in the log, the out-of-memory snapshot hook, and the values refused in one line
 (txl_dist/training/profiling.py; docs/profiling.md).
 
-The 2-rank run (torchrun, tests/launcher.py) is the launcher tier's (tests/conftest.py, PATH_MARKERS); the rest
-runs in the quick tier.
+The 2-rank run (torchrun, tests/launcher.py) is the launcher tier's (its two tests are marked); the rest runs in
+the quick tier.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def profiled_run(ptb_word_shards, tmp_path_factory) -> dict:
     return {"output": output, "log": result.stderr}
 
 
+@pytest.mark.launcher
 def test_each_rank_writes_a_trace_of_the_window_that_names_every_phase(profiled_run):
     output = profiled_run["output"]
     folder = trace_path(output, (3, 4), 0).parent
@@ -64,6 +65,7 @@ def test_each_rank_writes_a_trace_of_the_window_that_names_every_phase(profiled_
         assert "aten::mm" in names or "aten::addmm" in names
 
 
+@pytest.mark.launcher
 def test_the_profiled_steps_are_marked_in_the_metrics_and_the_log(profiled_run):
     train = records(profiled_run["output"])
     assert sorted(train) == [1, 2, 3, 4, 5, 6]

@@ -27,6 +27,8 @@ from txl_dist.checkpoints import weights_only
 from txl_dist.checkpoints.verify import preflight, verify_checkpoint
 from txl_dist.supervision.lock import LOCK_NAME, LockHolder, RunDirectoryBusy, RunLock, read_holder
 
+pytestmark = pytest.mark.launcher
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -565,7 +567,6 @@ def test_a_rank_asks_to_stop_when_its_launcher_or_the_reader_of_its_output_is_go
         assert reason == f"DeepSpeed's per-node launcher (PID {launch.pid}) exited"
 
 
-@pytest.mark.launcher
 def test_a_full_disk_during_a_checkpoint_stops_every_rank_with_one_line(small_tmpfs, ptb_word_shards):
     """Training into a 2 MB filesystem: the second checkpoint does not fit. One rank's write fails; every rank
     stops, the message is printed once (no traceback, no gloo error), the half-written checkpoint is removed, the
@@ -606,7 +607,6 @@ def _files_bytes(folder: Path) -> int:
     return sum(-(-path.stat().st_size // 4096) * 4096 for path in folder.rglob("*") if path.is_file())
 
 
-@pytest.mark.launcher
 def test_a_full_disk_during_the_universal_conversion_fails_with_one_line_and_leaves_nothing(ptb_word_shards, tmp_path):
     """A ZeRO-2 checkpoint resumed at ZeRO-3 is converted through DeepSpeed's ``ds_to_universal``, which saves
     by path: on a full disk torch's writer raised "unexpected pos 704 vs 598" (a traceback, then that line,
@@ -668,7 +668,6 @@ def test_an_output_dir_that_is_a_file_is_refused_before_anything_starts(ptb_word
     assert capsys.readouterr().err.endswith(f"train.output_dir='{tmp_path / 'run'}': a file, not a directory\n")
 
 
-@pytest.mark.launcher
 def test_evaluate_and_convert_refuse_a_damaged_checkpoint_and_no_verify_reads_it(ptb_word_shards, tmp_path):
     """The tools agree with resume about a checkpoint. Damaged in place (4 KiB overwritten, same size, as in the
     issue): evaluate.py and zero-to-export refuse it in one line naming the file, and write nothing, where before

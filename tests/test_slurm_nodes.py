@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -85,17 +86,13 @@ def test_a_failure_on_healthy_nodes_is_retried_on_the_same_nodes():
     ]
 
 
-def with_(case: Situation, **changes) -> Situation:
-    return Situation(**{**case.__dict__, **changes})
-
-
 @pytest.mark.parametrize(
     "changes",
     [{"status": 2}, {"failures": [fault("refused", 0, "n1", message="train.py: error: data.shards: no manifest")]}],
     ids=["exit-2", "refused-record"],
 )
 def test_a_rank_that_refused_its_input_is_never_retried(changes):
-    decision, said = run_decide(with_(situation(healthy(), requeueable=True), **changes))
+    decision, said = run_decide(replace(situation(healthy(), requeueable=True), **changes))
     assert decision == "end" and len(said) == 1, said
     assert said[0].startswith("a rank refused its input (") and "so the job ends" in said[0], said
 
@@ -112,11 +109,11 @@ def test_a_rank_that_refused_its_input_is_never_retried(changes):
 def test_a_run_stopped_by_its_own_numbers_is_never_retried_even_beside_a_lost_node(changes, lost):
     """A relaunch would meet the same fault, whatever the nodes: the job ends, neither relaunched on the nodes left
     nor requeued (a refused input likewise, which was relaunched before when a node was lost too)."""
-    decision, said = run_decide(with_(situation(healthy(*lost), requeueable=True), **changes))
+    decision, said = run_decide(replace(situation(healthy(*lost), requeueable=True), **changes))
     assert decision == "end" and len(said) == 1, said
     assert said[0].startswith("the run stopped on its own numbers (") and "the newest healthy checkpoint" in said[0]
     refused = fault("refused", 0, "n1", message="train.py: error: data.shards: no manifest")
-    decision, said = run_decide(with_(situation(healthy(*lost), requeueable=True), failures=[refused]))
+    decision, said = run_decide(replace(situation(healthy(*lost), requeueable=True), failures=[refused]))
     assert decision == "end" and said[0].startswith("a rank refused its input ("), said
 
 
@@ -124,7 +121,7 @@ def test_a_failure_that_comes_back_at_the_same_step_ends_the_job_in_one_line():
     """Relaunched once after a failure at step 61, the run fails at step 61 again: the job ends with one line
     naming the step, the rank and its error, instead of relaunching (or requeueing) into the same failure."""
     error = fault("died", 1, "n2", message="train.py: error: rank 1 (n2, PID 9) died without reporting an error")
-    case = with_(situation(healthy(), relaunches=1, requeueable=True), failures=[error], previous_failure=61)
+    case = replace(situation(healthy(), relaunches=1, requeueable=True), failures=[error], previous_failure=61)
     decision, said = run_decide(case)
     assert decision == "end"
     assert said == [
@@ -132,15 +129,15 @@ def test_a_failure_that_comes_back_at_the_same_step_ends_the_job_in_one_line():
         "PID 9) died without reporting an error): not retrying it again, the job ends; the same command resumes "
         "from the newest checkpoint once the cause is fixed"
     ]
-    assert run_decide(with_(case, previous_failure=59))[0] == "relaunch 4 n1,n2,n3,n4 -"
+    assert run_decide(replace(case, previous_failure=59))[0] == "relaunch 4 n1,n2,n3,n4 -"
     # The rank that reports a death may stand one step past the dead rank: still the same fault.
-    assert run_decide(with_(case, previous_failure=60))[0] == "end"
+    assert run_decide(replace(case, previous_failure=60))[0] == "end"
     # Without a record of the ranks, the step reached (the log and the checkpoints) tells.
-    assert run_decide(with_(case, failures=[], previous_failure=63))[0] == "end"
+    assert run_decide(replace(case, failures=[], previous_failure=63))[0] == "end"
 
 
 def test_failures_on_healthy_nodes_past_the_bound_end_the_job():
-    decision, said = run_decide(with_(situation(healthy(), relaunches=3, requeueable=True)))
+    decision, said = run_decide(replace(situation(healthy(), relaunches=3, requeueable=True)))
     assert decision == "end"
     assert said[-1].endswith("after 3 relaunch(es) in this job, TXL_MAX_RELAUNCHES=3: the job ends"), said
 
@@ -151,7 +148,7 @@ def test_a_rank_named_stalled_leaves_its_node_out_whatever_slurm_says():
     stalled = fault("stalled", 1, "n2", message="train.py: error: rank 1 (n2, PID 7) has made no progress for 20 s")
     named = slurm_view.named_by_the_ranks([stalled], NODES, 1, answers=lambda node: pytest.fail("no probe"))
     assert named == {"n2": "named by the ranks: rank 1 (n2) at step 61: " + stalled["message"]}
-    decision, said = run_decide(with_(situation(healthy()), failures=[stalled], named=named))
+    decision, said = run_decide(replace(situation(healthy()), failures=[stalled], named=named))
     assert decision == "relaunch 3 n1,n3,n4 -"
     assert said[0].startswith("lost n2 (named by the ranks: rank 1 (n2) at step 61: ") and "at step 63;" in said[0]
 
@@ -179,7 +176,7 @@ def test_a_rank_whose_host_is_unknown_is_placed_by_slurms_block_distribution():
 
 def spares_case(states: dict[str, str], spares=("n5", "n6"), job_nodes=None) -> Situation:
     job = list(NODES) + list(spares) if job_nodes is None else job_nodes
-    return with_(situation({**states}, job_nodes=job), spares=list(spares))
+    return replace(situation({**states}, job_nodes=job), spares=list(spares))
 
 
 def test_a_spare_takes_the_place_of_a_lost_node_and_the_world_keeps_its_size():

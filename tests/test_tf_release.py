@@ -20,7 +20,7 @@ from tests.authors_release import hf_model, write_release
 from tests.launcher import TRAIN, in_process, records, run, tiny_args
 from txl_dist.export import load_model, load_pretrained
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+pytestmark = [pytest.mark.hf, pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")]
 
 
 @pytest.fixture(autouse=True, scope="module")

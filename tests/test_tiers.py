@@ -1,5 +1,5 @@
-"""The test tiers of docs/architecture.md (Tests): the markers applied by path in tests/conftest.py, and the guard
-that fails a test starting a launcher, a cluster command or .venv-hf without its marker."""
+"""The test tiers of docs/architecture.md (Tests): the markers each slow test file or test carries, and the guard in
+tests/conftest.py that fails a test starting a launcher, a cluster command or .venv-hf without its marker."""
 
 from __future__ import annotations
 
@@ -17,21 +17,26 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = "not launcher and not cluster and not hf"
 
 
-@pytest.mark.parametrize("path", sorted(conftest.PATH_MARKERS))
-def test_every_marked_path_names_a_folder_file_or_test_that_exists(path):
-    """A renamed file or test would silently leave the quick tier's table: each entry must still name one."""
-    file, _, test = path.partition("::")
-    assert (ROOT / file).exists(), f"tests/conftest.py PATH_MARKERS: {file} does not exist"
-    if test:
-        tree = ast.parse((ROOT / file).read_text(encoding="utf-8"))
-        names = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
-        assert any(name.startswith(test) for name in names), f"PATH_MARKERS: no test {test} in {file}"
+def _file_markers(path: Path) -> set[str]:
+    """The markers a test file's module-level ``pytestmark`` names (pytest.mark.X, alone or in a list)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            return {v.attr for v in values if isinstance(v, ast.Attribute)}
+    return set()
 
 
-def test_markers_follow_the_path():
-    assert conftest._path_markers("tests/cluster/test_elastic.py::test_x") == ["cluster"]
-    assert conftest._path_markers("tests/test_liveness.py::test_y[a]") == ["launcher"]
-    assert conftest._path_markers("tests/test_model.py::test_z") == []
+@pytest.mark.parametrize("path", sorted((ROOT / "tests" / "cluster").glob("test_*.py")), ids=lambda p: p.name)
+def test_every_file_of_the_cluster_folder_says_its_tier(path):
+    """The folder is the cluster tier: each of its test files says so in its own pytestmark."""
+    assert "cluster" in _file_markers(path), f"{path.relative_to(ROOT)}: no pytestmark = pytest.mark.cluster"
+
+
+def test_a_files_marker_reaches_its_tests():
+    assert _file_markers(ROOT / "tests" / "test_liveness.py") == {"launcher"}
+    assert "hf" in _file_markers(ROOT / "tests" / "test_tf_release.py")
+    assert _file_markers(ROOT / "tests" / "test_model.py") == set()
 
 
 @pytest.mark.parametrize(

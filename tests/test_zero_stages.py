@@ -24,6 +24,8 @@ import pytest
 from tests.launcher import copy_at_step, records, run, torchrun_command
 from txl_dist.config import load_config
 
+pytestmark = pytest.mark.launcher
+
 TRAIN = "launchers/train.py"
 STEPS = 8
 
@@ -99,7 +101,6 @@ def runs(ptb_word_shards, tmp_path_factory) -> Runs:
     return Runs(ptb_word_shards, tmp_path_factory.mktemp("zero_stages"))
 
 
-@pytest.mark.launcher
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_checkpoint_resumes_under_another_zero_stage_and_world_size(runs, name):
     case = CASES[name]
@@ -169,7 +170,6 @@ def test_a_world_that_cannot_hold_the_global_batch_is_refused_naming_those_that_
         assert layout.micro_batch * layout.grad_accum * size == train.global_batch
 
 
-@pytest.mark.launcher
 def test_a_resumed_world_that_cannot_hold_the_global_batch_stops_before_training(runs, tmp_path):
     """The one-rank run's global batch of 8 streams, in micro-batches of 8, fits one rank only: resumed on two,
     the ranks stop before any process group starts, with one line naming the world sizes that can hold it."""

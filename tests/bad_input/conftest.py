@@ -1,5 +1,5 @@
-"""Fixtures of the bad-input tests, built once for the package: small PTB shards, an export of a tiny untrained
-model with the PTB word tokenizer, and byte and char models. Treat their folders as read-only (copy one before
+"""Fixtures of the bad-input tests, built once for the package: small PTB shards and byte and char models (the
+export of a tiny PTB model, `ptb_export`, is tests/conftest.py's). Treat their folders as read-only (copy one before
 damaging it)."""
 
 from __future__ import annotations
@@ -27,17 +27,6 @@ def small_shards(ptb_word_tokenizer, tmp_path_factory) -> Path:
         args += ["--split", f"{split}={root / f'{split}.txt'}"]
     assert build_shards.main(args) == 0
     return root / "shards"
-
-
-@pytest.fixture(scope="package")
-def ptb_export(ptb_word_tokenizer, tmp_path_factory) -> Path:
-    """An export of a tiny untrained model with the PTB word tokenizer."""
-    vocab_size = load_tokenizer(ptb_word_tokenizer).vocab_size
-    torch.manual_seed(0)
-    model = TransformerXLLM(preset("tiny", n_token=vocab_size, cutoffs=[2000, 6000]))
-    return write_export(
-        model, model.config, tmp_path_factory.mktemp("exports") / "ptb_tiny", tokenizer_dir=ptb_word_tokenizer
-    )
 
 
 @pytest.fixture(scope="package")

@@ -14,6 +14,8 @@ from tests.test_hub_export import _tokenizer_only_folder, require_hf_python, run
 from txl_dist.convert.fast_tokenizer import CHAR_OUTSIDE_ALPHABET
 from txl_dist.tokenizer import ByteTokenizer, load_tokenizer
 
+pytestmark = pytest.mark.hf
+
 assert unigram_tokenizer  # a fixture of test_hub_export, used here too
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from tests.cluster.host import ClusterError
 
+pytestmark = pytest.mark.cluster
+
 
 def slurm(cluster, argv: list[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
     """Runs a Slurm client command from the root namespace against CLUSTER."""

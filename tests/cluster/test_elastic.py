@@ -25,7 +25,7 @@ from tests.cluster.runs import (
 )
 from tests.launcher import REPO, TORCHRUN, free_port, rank_processes, records
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("slurm_cluster")]
 
 
 def _print_cost_of_the_loss(directory: Path, lost_at: int, timeout: float = 240) -> None:

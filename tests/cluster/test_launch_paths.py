@@ -30,7 +30,7 @@ from tests.cluster.runs import (
 )
 from tests.launcher import REPO, environment, free_port
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("slurm_cluster")]
 
 
 def deepspeed_on_first_node(

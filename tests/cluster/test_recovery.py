@@ -29,7 +29,7 @@ from tests.cluster.runs import (
 )
 from tests.launcher import records
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("slurm_cluster")]
 
 SLURM_DEFAULT_SLURMD_TIMEOUT = 300
 K = 5
