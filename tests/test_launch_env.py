@@ -92,6 +92,19 @@ def test_the_batch_script_itself_is_not_a_rank_of_its_allocation():
         assert launch_env.single_task_in_multi_task_allocation(environ) == 2
 
 
+def test_the_run_names_the_program_that_started_it():
+    """The name the run's environment report gives (`LaunchEnvironment.name`), read once from the variables: torch's
+    variables tell torchrun and DeepSpeed's per-node launcher apart by their own ones."""
+    torch_world = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert resolve({**torch_world, "TORCHELASTIC_RUN_ID": "none", "LOCAL_RANK": "1"}).name == "torchrun"
+    assert resolve({**torch_world, "LOCAL_SIZE": "2", "CROSS_RANK": "0", "LOCAL_RANK": "1"}).name == "deepspeed"
+    assert resolve(torch_world).name == "torch's variables (RANK, WORLD_SIZE)"
+    assert resolve(SRUN_TASK_1).name == "slurm"
+    assert resolve({}).name == "single process"
+    launched = launch_env.apply({**torch_world, "TORCHELASTIC_RUN_ID": "none"})
+    assert launched.name == "torchrun"  # a world of one's free port or not, apply keeps what resolve found
+
+
 def test_torch_variables_win_over_the_allocation_they_run_in():
     """deepspeed or torchrun started inside an sbatch script (or by mpirun) set torch's variables for their own
     ranks: those count, not SLURM_PROCID/OMPI_* of the process that started the launcher."""

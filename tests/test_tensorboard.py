@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from tests.launcher import finish, in_process, records, run, start, torchrun_command, wait_for_step
-from txl_dist.training import step_log
+from txl_dist.training import run_environment
 
 pytestmark = pytest.mark.launcher
 
@@ -188,9 +188,9 @@ def test_every_scalar_once_per_step_after_a_kill_and_a_resume(resumed_run, serve
 
 def test_the_text_tab_has_one_entry_per_start(resumed_run, served):
     server, run_name = served
-    assert set(server.get("/data/plugin/text/tags")[run_name]) == set(step_log.TEXT_TAGS)
+    assert set(server.get("/data/plugin/text/tags")[run_name]) == set(run_environment.TEXT_TAGS)
     resume_step = resumed_run["resume_step"]
-    entries = {tag: server.get("/data/plugin/text/text", run=run_name, tag=tag) for tag in step_log.TEXT_TAGS}
+    entries = {tag: server.get("/data/plugin/text/text", run=run_name, tag=tag) for tag in run_environment.TEXT_TAGS}
     for tag, texts in entries.items():
         assert [entry["step"] for entry in texts] == [0, resume_step], tag
     first, second = (entry["text"] for entry in entries["run/config"])

@@ -222,7 +222,7 @@ BATCH_STEP = {  # the batch script of `sbatch --ntasks 4 --nodes 2`: the job's v
 
 def _launch_variables_cleared(monkeypatch) -> None:
     """No launcher's variable in this process, and every variable `apply` writes given back after the test."""
-    written = (*launch_env.LaunchEnvironment("single", 0, 1, 0, 1, "", 0).torch_variables(), "TXL_LAUNCHER")
+    written = tuple(launch_env.LaunchEnvironment("single", 0, 1, 0, 1, "", 0).torch_variables())
     for key in (*written, launch_env.SINGLE_RANK_VARIABLE, launch_env.RENDEZVOUS_TIMEOUT_VARIABLE):
         monkeypatch.setenv(key, "")  # records the original value (or its absence) for the test's end
         monkeypatch.delenv(key)
@@ -246,8 +246,8 @@ def test_train_py_in_the_batch_script_of_a_4_task_allocation_is_refused_unless_a
     with pytest.raises(LaunchError, match=r"an allocation of 4 tasks"):
         _apply_launch()
     monkeypatch.setenv(launch_env.SINGLE_RANK_VARIABLE, "1")
-    _apply_launch()
-    assert os.environ["WORLD_SIZE"] == "1" and os.environ["TXL_LAUNCHER"] == "single"
+    launch = _apply_launch()
+    assert os.environ["WORLD_SIZE"] == "1" and launch.launcher == "single" and launch.name == "single process"
     _launch_variables_cleared(monkeypatch)
     for key, value in {**BATCH_STEP, "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}.items():
         monkeypatch.setenv(key, value)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -194,7 +193,7 @@ class Snapshots:
             "output_dir": self.output_dir,
             "rank": self.rank,
             "world_size": self.world_size,
-            "host": socket.gethostname(),
+            "host": self.hosts[self.rank],
             "files": {name: {"bytes": len(data), "crc32": crc32(data)} for name, data in files.items()},
         }
         folder = self.rank_dir / tag_for_step(meta["step"])

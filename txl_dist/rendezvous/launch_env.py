@@ -59,6 +59,15 @@ class LaunchEnvironment:
     master_port: int
     address_from: str = dataclasses.field(default="MASTER_ADDR", compare=False, repr=False)
     """Where master_addr came from (a variable's name), for the messages."""
+    started_by: str = dataclasses.field(default="", compare=False, repr=False)
+    """For torch's variables, the program that wrote them, as its own variables tell: "torchrun", "deepspeed"."""
+
+    @property
+    def name(self) -> str:
+        """The launcher as a run's reports name it: torchrun, deepspeed, slurm, openmpi, ..., single process."""
+        if self.launcher == "torch":
+            return self.started_by or "torch's variables (RANK, WORLD_SIZE)"
+        return "single process" if self.launcher == "single" else self.launcher
 
     def torch_variables(self) -> dict[str, str]:
         return {
@@ -181,8 +190,14 @@ def _torch(environ: Mapping[str, str]) -> LaunchEnvironment:
     # DeepSpeed's per-node launcher does not set LOCAL_WORLD_SIZE.
     local_world = env_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else local_rank + 1
     rank, world = env_int(environ, "RANK"), env_int(environ, "WORLD_SIZE")
+    started_by = ""
+    if "TORCHELASTIC_RUN_ID" in environ:
+        started_by = "torchrun"
+    elif "LOCAL_SIZE" in environ and "CROSS_RANK" in environ:  # DeepSpeed's per-node launcher
+        started_by = "deepspeed"
+    master_addr, master_port = environ["MASTER_ADDR"], env_int(environ, "MASTER_PORT")
     return LaunchEnvironment(
-        "torch", rank, world, local_rank, local_world, environ["MASTER_ADDR"], env_int(environ, "MASTER_PORT")
+        "torch", rank, world, local_rank, local_world, master_addr, master_port, started_by=started_by
     )
 
 

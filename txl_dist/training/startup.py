@@ -4,11 +4,12 @@
 1. The run, resolved (`resolve`, on every rank, before any process group exists): the launch environment read once
    (`txl_dist.rendezvous.launch_env`: which launcher, this rank, the world), the config files and
    ``key.path=value`` overrides, the shards' manifest (read once; the vocabulary taken from it), the batch split
-   for that world, the device, the ``--deepspeed_config`` overlay, the tokenizer's fingerprint and the run
-   directory. A bad value fails on every rank at once with one line naming the key (exit 2), not after minutes of
-   start-up; the node's first rank prints it. The result, `ResolvedRun`, holds each of those facts, and nothing
-   after this step resolves them again (rank 0 still reads the tokenizer's files once, to copy them into a new
-   run folder).
+   for that world, the device, DeepSpeed's config (the ``--deepspeed_config`` overlay merged, the buckets sized by
+   the model's parameters counted from its shape), the tokenizer's fingerprint and the run directory. A bad value
+   fails on every rank at once with one line naming the key (exit 2), not after minutes of start-up; the node's
+   first rank prints it. The result, `ResolvedRun` (`txl_dist.training.resolved`), holds each of those facts, and
+   nothing after this step resolves them again (rank 0 still reads the tokenizer's files once, to copy them into
+   a new run folder).
 2. The launch environment applied (`apply_launch`): torch's variables written from the launch resolved in 1.
 3. The ranks (`txl_dist.rendezvous.ranks.join`): the device, the rendezvous, the process group; the guard joins
    the other ranks' watch.
@@ -17,13 +18,17 @@
    (`txl_dist.checkpoints.snapshots`), then `CheckpointManager.plan_resume` chooses the checkpoint and how it loads.
 6. The engine (`build_engine`): the model and DeepSpeed's engine.
 7. The streams (`TrainStreams`), on the manifest of step 1.
+8. The state (`resumed_state`): the `TrainState` over those streams, loaded with the engine from the resume plan's
+   checkpoint.
 
-The `Trainer` is built from those parts, loads the resumed state, trains, and the ranks leave the process group.
+The `Trainer` is built from the facts of step 1 and those parts (`RunParts`), trains, and the ranks leave the
+process group.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import logging
 import os
@@ -43,13 +48,14 @@ from txl_dist.checkpoints.resume_choice import ResumePlan
 from txl_dist.checkpoints.snapshot_files import RUN_ID
 from txl_dist.checkpoints.snapshots import Snapshots, run_id
 from txl_dist.checkpoints.verify import preflight
-from txl_dist.config import BatchSplit, RunConfig, load_config
+from txl_dist.config import RunConfig, load_config
 from txl_dist.data import TrainStreams
 from txl_dist.data.format import MANIFEST_NAME, Manifest
 from txl_dist.data.run_vocab import shards_manifest, with_shards_vocab
 from txl_dist.exit_status import FAILURE, USAGE_ERROR, CommandFailure, print_error
 from txl_dist.fileio import dangling_link
 from txl_dist.model import TransformerXLLM
+from txl_dist.plan.counts import ModelShape
 from txl_dist.plan.report import device_memory_of, plan_comment, require_memory_fits
 from txl_dist.rendezvous import launch_env, ranks
 from txl_dist.run_paths import checkpoints_dir, fault_log, numerics_record
@@ -59,52 +65,20 @@ from txl_dist.training.arguments import build_arg_parser
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.init_from import (
     InitRecord,
-    InitSource,
     OpenSource,
     broadcast_source_weights,
     load_source_weights,
     resolve_init_from,
 )
-from txl_dist.training.numerics import NumericsRecord
+from txl_dist.training.numerics import NumericsRecord, NumericsState
 from txl_dist.training.profiling import start_memory_history
+from txl_dist.training.resolved import ResolvedRun
 from txl_dist.training.run_dir import RunDirectory, require_writable
 from txl_dist.training.schedule import build_lr_scheduler
-from txl_dist.training.trainer import Trainer
+from txl_dist.training.train_state import SlotMemories, TrainState
+from txl_dist.training.trainer import RunParts, Trainer
 
 PROG = "train.py"
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedRun:
-    """What step 1 resolves, once, from the command line, the launcher's variables and the files."""
-
-    cfg: RunConfig
-    """The validated config, its vocabulary taken from the shards' manifest."""
-    manifest: Manifest
-    """data.shards' manifest."""
-    batch_split: BatchSplit
-    """The global batch over the launcher's world (`TrainConfig.batch_split`)."""
-    tokenizer_fingerprint: str
-    """The tokenizer's fingerprint: data.tokenizer's, checked whole against the manifest's, else the manifest's."""
-    device_type: str
-    """DeepSpeed's accelerator: "cuda", "cpu", ..."""
-    launch: launch_env.LaunchEnvironment | None
-    """The launcher's world as its variables say; None when they do not make one (`launch_error` says why)."""
-    launch_error: launch_env.LaunchError | None
-    deepspeed_overlay: str | None
-    """--deepspeed_config: a JSON overlay of DeepSpeed's config."""
-    numerics_record: NumericsRecord
-    """The run folder's numerics.json: the data windows skipped and the checkpoints kept after numerical faults."""
-    init_source: InitSource | None = None
-    """train.init_from, opened (`txl_dist.training.init_from`): the model the run starts from."""
-    init_warning: str | None = None
-    """What could not be checked of it (a model that records no tokenizer)."""
-    open_source: OpenSource | None = None
-    """The reader of models that the launcher gave (`txl_dist.convert.sources.open_source`)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.batch_split.world_size
 
 
 def detect_device() -> str:
@@ -162,7 +136,8 @@ def resolve(
             cfg, init_source, init_warning = resolve_init_from(cfg, manifest, open_source)
         cfg = with_shards_vocab(cfg, manifest)
         device = device or detect_device()
-        build_deepspeed_config(
+        num_parameters = ModelShape.of(cfg.model).parameters
+        ds_config = build_deepspeed_config(
             train=cfg.train,
             optim=cfg.optim,
             precision=cfg.precision,
@@ -170,6 +145,7 @@ def resolve(
             world_size=world_size,
             device=device,
             overlay_path=args.deepspeed_config,
+            num_parameters=num_parameters,
         )
         if args.print_config:
             sys.stdout.write(cfg.dump_yaml() + plan_comment(cfg, world_size, device, device_memory_of(device)))
@@ -196,6 +172,8 @@ def resolve(
         launch=launch,
         launch_error=launch_error,
         deepspeed_overlay=args.deepspeed_config,
+        deepspeed_config=ds_config,
+        num_parameters=num_parameters,
         numerics_record=record,
         init_source=init_source,
         init_warning=init_warning,
@@ -283,8 +261,6 @@ def apply_launch(
         raise launch_error
     launch = launch_env.apply(launch=launch)
     launch_env.require_resolvable_address(launch)
-    if launch.launcher != "torch":
-        os.environ.setdefault("TXL_LAUNCHER", launch.launcher)
     return launch
 
 
@@ -297,7 +273,7 @@ def configure_logging(rank: int) -> None:
     )
 
 
-# ---- 3-7. ranks, run directory, resume plan, engine, streams --------------------------------------------------
+# ---- 3-8. ranks, run directory, resume plan, engine, streams, state --------------------------------------------------
 
 
 def build_engine(
@@ -306,30 +282,22 @@ def build_engine(
     checkpoints: CheckpointManager,
     initial_weights: dict[str, torch.Tensor] | None = None,
 ):
-    """Step 6: the model and DeepSpeed's engine around it (whichever way the resume plan's checkpoint loads:
-    `CheckpointManager.load`); returns the engine and the model's number of parameters. ``initial_weights``: the
-    weights of train.init_from, for a run that starts fresh from them."""
+    """Step 6: the model and DeepSpeed's engine around it, from the config step 1 built (whichever way the resume
+    plan's checkpoint loads: `CheckpointManager.load`). ``initial_weights``: the weights of train.init_from, for a
+    run that starts fresh from them."""
     cfg = run.cfg
     # Identical initial weights on every rank, then a different dropout stream per rank.
     torch.manual_seed(cfg.train.seed)
     model = TransformerXLLM(cfg.model)
+    if model.num_parameters() != run.num_parameters:  # the count of step 1 sized DeepSpeed's buckets
+        raise RuntimeError(f"the model has {model.num_parameters()} parameters, its shape counted {run.num_parameters}")
     if initial_weights is not None:  # before DeepSpeed partitions the parameters (ZeRO-3), on every rank alike
         load_source_weights(model, initial_weights, f"train.init_from={cfg.train.init_from}")
         initial_weights.clear()
-    num_parameters = model.num_parameters()  # before ZeRO-3 partitions the parameters
     if cfg.model.compile:
         model.compile_body()  # the module itself stays: no "_orig_mod." keys in checkpoints
     torch.manual_seed(dropout_seed(cfg.train.seed, place.rank))
-    ds_config = build_deepspeed_config(
-        train=cfg.train,
-        optim=cfg.optim,
-        precision=cfg.precision,
-        zero=cfg.zero,
-        world_size=place.world_size,
-        device=place.device.type,
-        overlay_path=run.deepspeed_overlay,
-        num_parameters=num_parameters,
-    )
+    ds_config = copy.deepcopy(run.deepspeed_config)  # DeepSpeed may write into the dict it is given
     # No optimizer section: torch's fused Adam, built here (see build_deepspeed_config).
     optimizer = build_torch_optimizer(cfg.optim, model.parameters()) if "optimizer" not in ds_config else None
     engine, _, _, _ = deepspeed.initialize(
@@ -340,7 +308,7 @@ def build_engine(
         lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, cfg.schedule, cfg.train.max_steps),
     )
     checkpoints.install(engine)
-    return engine, num_parameters
+    return engine
 
 
 def restore_snapshots(
@@ -370,7 +338,7 @@ def restore_snapshots(
 
 
 def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironment | None = None) -> Trainer:
-    """Steps 3-7, collective: the `Trainer` of ``run``, its resumed state loaded. ``launch``: what `apply_launch`
+    """Steps 3-8, collective: the `Trainer` of ``run``, its resumed state loaded. ``launch``: what `apply_launch`
     returned (None: a launcher that wrote torch's variables itself, read again here)."""
     cfg = run.cfg
     place = ranks.join(launch, run.device_type)  # 3. the ranks
@@ -405,7 +373,7 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
     )
 
     init_record, initial_weights = start_from(run, place, resume_plan)
-    engine, num_parameters = build_engine(run, place, checkpoints, initial_weights)  # 6. the engine
+    engine = build_engine(run, place, checkpoints, initial_weights)  # 6. the engine
 
     streams = TrainStreams(  # 7. the streams
         cfg.data.shards,
@@ -421,24 +389,63 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         verify_sha256=cfg.data.verify_sha256,
         manifest=run.manifest,
     )
-    return Trainer(
-        run.cfg,
-        run.manifest,
-        run.tokenizer_fingerprint,
-        run.batch_split,
+    state = resumed_state(run, place, guard, checkpoints, engine, streams, resume_plan)  # 8. the state
+    parts = RunParts(
         place=place,
         guard=guard,
         flag_group=flag_group,
         run_dir=run_dir,
         checkpoints=checkpoints,
         snapshots=snapshots,
-        resume_plan=resume_plan,
         engine=engine,
-        num_parameters=num_parameters,
-        streams=streams,
-        numerics_record=run.numerics_record,
+        state=state,
+        resumed_from=resume_plan.tag if resume_plan is not None else None,
         init_from=init_record.summary() if init_record is not None else None,
     )
+    return Trainer(run, parts)
+
+
+def resumed_state(
+    run: ResolvedRun,
+    place: ranks.Place,
+    guard: RunGuard,
+    checkpoints: CheckpointManager,
+    engine: Any,
+    streams: TrainStreams,
+    resume_plan: ResumePlan | None,
+) -> TrainState:
+    """Step 8, collective: the run's `TrainState` over ``streams``, loaded into it and ``engine`` from the
+    checkpoint ``resume_plan`` chose (fresh without one)."""
+    cfg = run.cfg
+    state = TrainState(
+        streams,
+        SlotMemories(run.batch_split.grad_accum, place.device),
+        seed=cfg.train.seed,
+        rank=place.rank,
+        world_size=place.world_size,
+        run_record={
+            "config": cfg.to_dict(),
+            "architecture": cfg.model.architecture(),
+            "tokenizer": dataclasses.asdict(run.manifest.tokenizer),
+            "batch_split": run.batch_split._asdict(),
+        },
+        numerics=NumericsState(cfg.numerics),
+        peak_lr=cfg.optim.lr,
+    )
+    if resume_plan is None:
+        return state
+    kind = state.load(checkpoints, engine, resume_plan)
+    guard.progress(state.step)
+    guard.checkpointed(state.step)
+    if place.rank == 0:
+        logging.getLogger("txl_dist.training").info(
+            "resumed from %s at step %d (%s, %d tokens seen)",
+            checkpoints.directory / resume_plan.tag,
+            state.step,
+            kind.value,
+            state.tokens_seen,
+        )
+    return state
 
 
 def start_from(
@@ -467,7 +474,7 @@ def start_from(
 
 
 def train(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironment | None = None) -> dict[str, Any]:
-    """Steps 3-7, then the run, then the process group left; the run's summary. A failure propagates: the caller
+    """Steps 3-8, then the run, then the process group left; the run's summary. A failure propagates: the caller
     hands it to ``guard.fail``, which ends every rank."""
     summary = start(run, guard, launch).run()
     # Every rank done before any tears gloo down: rank 1 of a 2-rank run aborted once at exit ("terminate called
@@ -480,7 +487,7 @@ def train(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
 def run(
     parser: argparse.ArgumentParser, args: argparse.Namespace, guard: RunGuard, open_source: OpenSource | None = None
 ) -> int:
-    """The whole sequence for `launchers/train.py`: steps 1-7 and the run; 0 when it ends (a stop request
+    """The whole sequence for `launchers/train.py`: steps 1-8 and the run; 0 when it ends (a stop request
     included), 2 for a refused command line or launch (a SystemExit from `resolve`, or returned), 1 for an output
     folder the surroundings refuse (`resolve`). A failure on any rank ends every rank through ``guard``."""
     try:

@@ -6,28 +6,19 @@ The loss and the checksum of the data seen are summed on the device, micro-batch
 synchronisation; a log line all-reduces them once. The checksum (each row's token sum, weighted by its stream id)
 lets a test compare the data two runs trained on, step window by step window.
 
-What a run is, as TensorBoard shows it: the Text tab's entries written at every start (the resolved config, the
-environment, the model and its memory plan) and the HParams dashboard's hyperparameters (its metrics are the
-run's scalars: ``eval/*``, the last evaluation, and ``best/*``, the best full pass).
-
-The tags are stable (`TEXT_TAGS`), so that a run's starts line up as entries of one tag, each at the step it
-started from.
+At every start, `log_start` also writes what the run is, as TensorBoard shows it (`txl_dist.training.
+run_environment`: the Text tab's entries and the HParams dashboard's hyperparameters, whose metrics are the run's
+scalars: ``eval/*``, the last evaluation, and ``best/*``, the best full pass).
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import os
-import platform
 import resource
-import socket
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -35,133 +26,11 @@ from deepspeed.accelerator import get_accelerator
 from txl_dist.config import RunConfig
 from txl_dist.model.flops import cluster_counts
 from txl_dist.plan import describe, device_memory_of
+from txl_dist.rendezvous.ranks import Place
+from txl_dist.training.run_environment import environment, hparams, texts
 from txl_dist.training.run_log import RunLogger
 from txl_dist.training.throughput import FlopsMeter
 from txl_dist.training.train_state import SlotMemories
-
-TEXT_TAGS = ("run/config", "run/environment", "run/model")
-
-RESTART_VARIABLES = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
-"""What Slurm (a requeued job) and torchrun's elastic agent count; the run's own starts come from metrics.jsonl."""
-
-
-def host_names() -> list[str]:
-    """Collective: every rank's host name, by rank (one name in a world of one)."""
-    name = socket.gethostname()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [name]
-    names: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, name)
-    return names
-
-
-def launcher(environ: os._Environ | dict[str, str] = os.environ) -> str:
-    """The launcher that started this rank. `txl_dist.training.startup.apply_launch` writes torch's variables for
-    every launcher and records the others' name in TXL_LAUNCHER; torchrun and DeepSpeed's per-node launcher are
-    told apart by their own variables."""
-    if environ.get("TXL_LAUNCHER"):
-        return environ["TXL_LAUNCHER"]
-    if "TORCHELASTIC_RUN_ID" in environ:
-        return "torchrun"
-    if "LOCAL_SIZE" in environ and "CROSS_RANK" in environ:
-        return "deepspeed"
-    return "torch's variables (RANK, WORLD_SIZE)" if "RANK" in environ else "single process"
-
-
-def git_commit(source: Path | None = None) -> str | None:
-    """The commit of the checkout this code runs from ("+ local changes" when it differs), None outside one."""
-    source = source or Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, timeout=10)
-
-    try:
-        top = git("rev-parse", "--show-toplevel")
-        # An installed package may sit inside someone else's repository: only this project's checkout counts.
-        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != source.resolve():
-            return None
-        commit = git("rev-parse", "HEAD").stdout.strip()
-        changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return f"{commit} + local changes" if changed else commit or None
-
-
-def _versions() -> dict[str, str]:
-    accelerator = get_accelerator()
-    versions = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "accelerator": accelerator.device_name(),
-    }
-    if torch.cuda.is_available():
-        versions["device"] = torch.cuda.get_device_name(torch.cuda.current_device())
-        versions["cuda"] = str(torch.version.cuda)
-        try:
-            versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except (AttributeError, RuntimeError):  # a build without NCCL
-            pass
-    return versions
-
-
-def environment(world_size: int, hosts: list[str], earlier_starts: int) -> dict[str, str]:
-    """The environment entry's rows: versions, world, launcher, hosts, restarts, commit."""
-    per_host = collections.Counter(hosts)
-    restarts = {key: os.environ[key] for key in RESTART_VARIABLES if key in os.environ}
-    rows = {
-        **_versions(),
-        "world size": str(world_size),
-        "ranks per node": ", ".join(f"{count} on {host}" for host, count in per_host.items()),
-        "launcher": launcher(),
-        "hosts": ", ".join(per_host),
-        "start": f"{earlier_starts + 1} (resumed {earlier_starts} time(s))"
-        + "".join(f", {key}={value}" for key, value in restarts.items()),
-        "git commit": git_commit() or "not a git checkout",
-    }
-    return rows
-
-
-def _table(rows: dict[str, str]) -> str:
-    lines = ["| | |", "|---|---|"]
-    lines += [f"| {key} | {str(value).replace('|', '/')} |" for key, value in rows.items()]
-    return "\n".join(lines)
-
-
-def _preformatted(text: str) -> str:
-    """Markdown code: TensorBoard's Markdown renders indented lines as they are."""
-    return "\n".join("    " + line for line in text.splitlines())
-
-
-def texts(
-    cfg: RunConfig, num_parameters: int, world_size: int, device_type: str, rows: dict[str, str], plan: str
-) -> dict[str, str]:
-    """The Text tab's entries: `TEXT_TAGS` -> Markdown."""
-    model = (
-        f"{cfg.model_preset or 'model'}: {num_parameters:,} parameters, {cfg.model.n_layer} layers, d_model "
-        f"{cfg.model.d_model}, {cfg.model.n_head} heads, n_token {cfg.model.n_token:,}; {world_size} rank(s) of "
-        f"{device_type}\n\n{_preformatted(plan)}"
-    )
-    return dict(zip(TEXT_TAGS, (_preformatted(cfg.dump_yaml()), _table(rows), model)))
-
-
-def hparams(cfg: RunConfig, world_size: int, tokenizer_kind: str) -> dict[str, float | int | str]:
-    """The hyperparameters a sweep varies, under their config keys."""
-    model = cfg.model
-    return {
-        "model.n_layer": model.n_layer,
-        "model.d_model": model.d_model,
-        "model.n_head": model.n_head,
-        "model.tgt_len": model.tgt_len,
-        "model.mem_len": model.mem_len,
-        "model.dropout": model.dropout,
-        "optim.lr": cfg.optim.lr,
-        "train.global_batch": cfg.train.global_batch,
-        "precision.dtype": cfg.precision.dtype,
-        "zero.stage": cfg.zero.stage,
-        "world_size": world_size,
-        "tokenizer": tokenizer_kind,
-    }
 
 
 def _resident_memory_mb() -> float:
@@ -346,16 +215,16 @@ def log_start(
     logger: RunLogger,
     cfg: RunConfig,
     num_parameters: int,
-    world_size: int,
-    device_type: str,
+    place: Place,
+    launcher: str,
     step: int,
     tokenizer_kind: str = "",
     init_from: dict[str, Any] | None = None,
 ) -> None:
-    """Collective (the ranks' host names): the run's first lines (its model, batch layout and steps, then the
-    memory plan of a rank), and this start's TensorBoard text and HParams session (`txl_dist.training.step_log`)."""
-    hosts = host_names()
-
+    """The run's first lines (its model, batch layout and steps, then the memory plan of a rank), and this start's
+    TensorBoard text and HParams session (`txl_dist.training.run_environment`), from the facts resolved once:
+    ``place`` (the ranks, their host names), ``launcher`` (`LaunchEnvironment.name`)."""
+    world_size, device_type = place.world_size, place.device.type
     layout = cfg.train.batch_split(world_size)
     logger.info(
         "training %s (%d parameters) on %d rank(s): global batch %d = %d ranks x micro-batch %d x %d "
@@ -374,7 +243,7 @@ def log_start(
     plan = describe(cfg, world_size, device_type, device_memory_of(device_type))
     logger.info("%s", plan)
     if logger.enabled:
-        rows = environment(world_size, hosts, logger.earlier_starts)
+        rows = environment(world_size, place.hosts, launcher, logger.earlier_starts)
         if init_from is not None:
             rows["init from"] = f"{init_from['kind']} {init_from['path']} (sha256 {init_from['sha256']})"
         logger.start(

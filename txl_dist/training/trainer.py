@@ -33,10 +33,7 @@ import torch.distributed as dist
 
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.snapshots import Snapshots
-from txl_dist.checkpoints.universal import ResumePlan
-from txl_dist.config import BatchSplit, RunConfig
-from txl_dist.data import EvalStreams, TrainStreams
-from txl_dist.data.format import Manifest
+from txl_dist.data import EvalStreams
 from txl_dist.evaluation import EvalResult, evaluate, to_device
 from txl_dist.model import TransformerXLLM
 from txl_dist.model.recurrence import SegmentSettings
@@ -44,92 +41,71 @@ from txl_dist.rendezvous.ranks import Place
 from txl_dist.supervision.guard import RunGuard
 from txl_dist.tokenizer import CHARACTER_KINDS
 from txl_dist.training.cadence import Cadence
-from txl_dist.training.numerics import NumericsRecord, NumericsState, StepHealth
+from txl_dist.training.numerics import StepHealth
 from txl_dist.training.numerics_guard import NumericsGuard, agreed_health, gradient_norm, step_numbers
 from txl_dist.training.profiling import StepProfiler, out_of_memory_snapshot
+from txl_dist.training.resolved import ResolvedRun
 from txl_dist.training.run_dir import RunDirectory
 from txl_dist.training.run_log import RunLogger
 from txl_dist.training.step_log import StepLog, log_best, log_done, log_start, loss_scale
 from txl_dist.training.throughput import FlopsMeter
-from txl_dist.training.train_state import SlotMemories, TrainState
+from txl_dist.training.train_state import TrainState
 
 log = logging.getLogger("txl_dist.training")
 
 
-class Trainer:
-    """The training loop over the parts that `txl_dist.training.startup.start` built, in its order (the ranks,
-    the run directory, the resume plan, the engine, the streams) from the facts it resolved once (the config, the
-    manifest, the tokenizer's fingerprint); loads the resumed state, and `run()` trains and returns a summary."""
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What `txl_dist.training.startup.start` built for the loop, in its order."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        manifest: Manifest,
-        tokenizer_fingerprint: str,
-        batch_split: BatchSplit,
-        *,
-        place: Place,
-        guard: RunGuard,
-        flag_group: Any,
-        run_dir: RunDirectory,
-        checkpoints: CheckpointManager,
-        snapshots: Snapshots | None,
-        resume_plan: ResumePlan | None,
-        engine: Any,
-        num_parameters: int,
-        streams: TrainStreams,
-        numerics_record: NumericsRecord,
-        init_from: dict[str, Any] | None = None,
-    ):
-        self.cfg = cfg
-        self.init_from = init_from
-        """Where the run started from (train.init_from's record), named in every start's logs."""
-        self.manifest = manifest
-        self.fingerprint = tokenizer_fingerprint
-        self.rank, self.world_size, self.device = place.rank, place.world_size, place.device
+    place: Place
+    """This rank, the world, the device, the ranks' host names."""
+    guard: RunGuard
+    flag_group: Any
+    """The group of the end-of-step agreement: a CPU (gloo) one on accelerators, None for the default group."""
+    run_dir: RunDirectory
+    checkpoints: CheckpointManager
+    snapshots: Snapshots | None
+    """The run's memory snapshots, when it takes them (checkpoint.memory_every)."""
+    engine: Any
+    """DeepSpeed's engine around the model."""
+    state: TrainState
+    """The resumable state, loaded from ``resumed_from`` already (or fresh)."""
+    resumed_from: str | None
+    """The checkpoint's tag the state was loaded from; None for a fresh start."""
+    init_from: dict[str, Any] | None = None
+    """Where the run started from (train.init_from's record), named in every start's logs."""
+
+
+class Trainer:
+    """The training loop over the facts resolved once (`ResolvedRun`: the config, the manifest, the tokenizer's
+    fingerprint, the batch split) and the parts `txl_dist.training.startup.start` built (`RunParts`, the state
+    loaded already); `run()` trains and returns a summary."""
+
+    def __init__(self, run: ResolvedRun, parts: RunParts):
+        cfg = self.cfg = run.cfg
+        self.launcher = run.launcher
+        self.init_from = parts.init_from
+        self.manifest = run.manifest
+        self.fingerprint = run.tokenizer_fingerprint
+        self.place = parts.place
+        self.rank, self.world_size, self.device = parts.place.rank, parts.place.world_size, parts.place.device
         self.device_type = self.device.type
-        self.guard = guard
-        self._flag_group = flag_group
-        self.run_dir = run_dir
-        self.checkpoints = checkpoints
-        self.snapshots = snapshots
-        self.engine = engine
-        self.num_parameters = num_parameters
-        self.streams = streams
+        self.guard = parts.guard
+        self._flag_group = parts.flag_group
+        self.run_dir = parts.run_dir
+        self.checkpoints = parts.checkpoints
+        self.snapshots = parts.snapshots
+        self.engine = engine = parts.engine
+        self.num_parameters = run.num_parameters
+        self.state = parts.state
+        self.streams, self.memories = self.state.streams, self.state.memories
         # Byte and character tokenizers: the loss per token in bits is the bits per character, logged as bpc.
-        self.character_level = manifest.tokenizer.kind in CHARACTER_KINDS
-        self.batch_split = batch_split
+        self.character_level = run.manifest.tokenizer.kind in CHARACTER_KINDS
+        self.batch_split = run.batch_split
         self.cadence = Cadence.of(cfg)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.tgt_len
-        self.memories = SlotMemories(self.batch_split.grad_accum, self.device)
-        self.state = TrainState(
-            self.streams,
-            self.memories,
-            seed=cfg.train.seed,
-            rank=self.rank,
-            world_size=self.world_size,
-            run_record={
-                "config": cfg.to_dict(),
-                "architecture": cfg.model.architecture(),
-                "tokenizer": dataclasses.asdict(manifest.tokenizer),
-                "batch_split": self.batch_split._asdict(),
-            },
-            numerics=NumericsState(cfg.numerics),
-            peak_lr=cfg.optim.lr,
-        )
-        self.resumed_from = resume_plan.tag if resume_plan is not None else None
-        if resume_plan is not None:
-            kind = self.state.load(self.checkpoints, self.engine, resume_plan)
-            self.guard.progress(self.state.step)
-            self.guard.checkpointed(self.state.step)
-            if self.rank == 0:
-                log.info(
-                    "resumed from %s at step %d (%s, %d tokens seen)",
-                    self.checkpoints.directory / resume_plan.tag,
-                    self.state.step,
-                    kind.value,
-                    self.state.tokens_seen,
-                )
+        self.resumed_from = parts.resumed_from
         self.logger = RunLogger(
             self.run_dir.path, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, resume_step=self.state.step
         )
@@ -137,11 +113,11 @@ class Trainer:
             cfg,
             state=self.state,
             engine=engine,
-            checkpoints=checkpoints,
-            snapshots=snapshots,
-            record=numerics_record,
+            checkpoints=self.checkpoints,
+            snapshots=self.snapshots,
+            record=run.numerics_record,
             logger=self.logger,
-            guard=guard,
+            guard=self.guard,
             finish_pending=lambda: self._complete_background_save(self.checkpoints.finish_pending()),
         )
         self.numerics.started_from(self.resumed_from)
@@ -310,8 +286,8 @@ class Trainer:
             self.logger,
             self.cfg,
             self.num_parameters,
-            self.world_size,
-            self.device_type,
+            self.place,
+            self.launcher,
             self.state.step,
             self.manifest.tokenizer.kind,
             self.init_from,
