@@ -34,7 +34,9 @@ from pathlib import Path
 import psutil
 import treebank
 
-from data_tools import chunking, corpus_inputs, train_tokenizer
+from data_tools import train_tokenizer
+from data_tools.corpora import chunking
+from data_tools.corpora.inputs import InputFile
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"build_shards: [\d,]+ documents, ([\d,]+) tokens, .* in .*, ([\d.]+) s, [\d.]+ MB/s")
@@ -56,9 +58,7 @@ def _encode_chunk(data: bytes) -> int:
 
 def bare_encoding(text: Path, model: Path, workers: int) -> tuple[float, int]:
     """Seconds and tokens of SentencePiece alone over the text, in ``workers`` processes (spawned as the build's)."""
-    chunks = chunking.read_chunks(
-        [corpus_inputs.InputFile(str(text), text.stat().st_size)], "line", chunking.DEFAULT_CHUNK_BYTES
-    )
+    chunks = chunking.read_chunks([InputFile(str(text), text.stat().st_size)], "line", chunking.DEFAULT_CHUNK_BYTES)
     started = time.perf_counter()
     if workers == 1:
         _start_encoder(str(model))

@@ -5,7 +5,7 @@ memory against a sliding window, and a small character model trained on 2 CPU ra
     python benchmarks/charlm.py eval --preset enwik8_base --tgt-len 128 --mem-len 3800 --repeats 2
     python benchmarks/charlm.py train --steps 300                # 2 CPU ranks through the deepspeed launcher
 
-data: writes a synthetic enwik8 of --bytes (`data_tools.synthetic_charlm`; --input takes a real one), then runs
+data: writes a synthetic enwik8 of --bytes (`benchmarks.corpora.synthetic_charlm`; --input takes a real one), then runs
 each stage as users run it, a new process each: ``train_tokenizer --preset enwik8``, ``build_shards --format
 enwik8`` with 1 and with 2 workers (alternating over --repeats), and the stream reader (rank 0 of 1 reading the
 train split in enwik8_base's micro-batches of 22 x 512, benchmarks/stream_throughput.py --measure). Tokens/s
@@ -94,7 +94,7 @@ def data_figures(args: argparse.Namespace) -> dict:
 
 
 def _synthetic_enwik8(path: Path, size: int) -> Path:
-    from data_tools import synthetic_charlm
+    from benchmarks.corpora import synthetic_charlm
 
     started = time.perf_counter()
     source = synthetic_charlm.write_character_corpus("enwik8", path, size)
@@ -227,7 +227,7 @@ BYTE_EVAL = [
 
 
 def train_figures(args: argparse.Namespace) -> dict:
-    from data_tools import synthetic_charlm
+    from benchmarks.corpora import synthetic_charlm
 
     scratch = Path(tempfile.mkdtemp(prefix="charlm_train.", dir=args.scratch))
     try:

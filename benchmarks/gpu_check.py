@@ -493,7 +493,7 @@ def _synthetic_lm1b_shards(directory: Path, vocab_size: int, tokens: int) -> Pat
     """Shards of Zipf-distributed token ids over lm1b's vocabulary (throughput only; no tokenizer)."""
     import numpy as np
 
-    from data_tools.shard_writer import ShardWriter
+    from data_tools.shards.writer import ShardWriter
     from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, token_dtype, write_manifest
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ Stages, each a new process as users run it (the data tools and the training laun
 this checkout), timed by wall clock, with the peak resident memory summed over the stage's processes (parent and
 workers, sampled every 50 ms):
 
-1. corpus: `data_tools.synthetic_lm1b` writes 99 training and 50 heldout files at ``--scale`` (1.0 = 30.3M
+1. corpus: `benchmarks.corpora.synthetic_lm1b` writes 99 training and 50 heldout files at ``--scale`` (1.0 = 30.3M
    sentences, 0.8B tokens), or ``--corpus`` reuses one;
 2. vocabulary: ``train_tokenizer --preset lm1b --format lm1b`` with ``--tokenizer-workers`` processes;
 3. shards: ``build_shards --format lm1b`` with 1 and with ``--workers`` workers (their shards must be
@@ -139,7 +139,7 @@ def environment(repo: Path) -> dict[str, str]:
 
 
 def corpus_stage(args: argparse.Namespace, work: Path) -> tuple[Path, dict]:
-    from data_tools import synthetic_lm1b
+    from benchmarks.corpora import synthetic_lm1b
 
     if args.corpus is not None:
         root = args.corpus / synthetic_lm1b.ROOT_NAME
@@ -152,7 +152,7 @@ def corpus_stage(args: argparse.Namespace, work: Path) -> tuple[Path, dict]:
         [
             PYTHON,
             "-m",
-            "data_tools.synthetic_lm1b",
+            "benchmarks.corpora.synthetic_lm1b",
             "--output",
             str(work / "corpus"),
             "--scale",

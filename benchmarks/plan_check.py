@@ -124,7 +124,8 @@ def _rss_bytes() -> int:
 
 
 def shards_of(kind: str, work: Path) -> Path:
-    from data_tools import build_shards, synthetic_lm1b, train_tokenizer
+    from benchmarks.corpora import synthetic_lm1b
+    from data_tools import build_shards, train_tokenizer
 
     if kind == "ptb":
         return ptb_word_shards(work / "ptb")[1]

@@ -2,7 +2,7 @@
 
 The corpus is the Penn Treebank training text repeated until it holds at least ``--tokens`` tokens, its words
 mapped to ids with a plain dict (the loader is measured, not a tokenizer), written as shards by
-`data_tools.shard_writer.ShardWriter`. Each measurement runs in a fresh process, one rank (rank 0 of
+`data_tools.shards.writer.ShardWriter`. Each measurement runs in a fresh process, one rank (rank 0 of
 ``--world-size``) iterating its micro-batches of ``--micro-batch`` x ``--tgt-len`` for up to ``--seconds``; tokens
 are counted as micro_batch x tgt_len per micro-batch (the targets a trainer scores). Shards are read through the
 page cache, as they are right after being written; ``pipe_sequential`` reads the same shards through
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.shard_writer import ShardWriter
+from data_tools.shards.writer import ShardWriter
 from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, read_manifest, token_dtype, write_manifest
 
 

@@ -30,10 +30,10 @@ U+FFFD and are counted, or with ``--strict`` stop the build with the file and by
 sends a training document to split NAME when its 64-bit BLAKE2b hash (of its lines joined by ``\n``, in UTF-8,
 read little-endian) is below F * 2**64: the same document always lands in the same split.
 
-How it works. The parent process reads chunks of whole documents (`data_tools.chunking.read_chunks`), ``--workers``
-processes decode and tokenise them, the parent and ``--workers - 1`` spawned ones (the tokenizer is loaded once
-per worker; `data_tools.workers.ordered_map`: results in input order, up to 16 unanswered chunks per spawned
-worker, so that none runs dry while the parent writes; the parent takes a chunk when they are all busy), and
+How it works. The parent process reads chunks of whole documents (`data_tools.corpora.chunking.read_chunks`),
+``--workers`` processes decode and tokenise them, the parent and ``--workers - 1`` spawned ones (the tokenizer is
+loaded once per worker; `data_tools.workers.ordered_map`: results in input order, up to 16 unanswered chunks per
+spawned worker, so that none runs dry while the parent writes; the parent takes a chunk when they are all busy), and
 the parent packs the documents into blocks and blocks into shards. With ``--workers 1`` all of it runs in one
 process, and so does a source of fewer than 32 chunks (32 MB with the default ``--chunk-bytes``). With a word
 tokenizer, plain one-document-per-line text is tokenised with numpy (`txl_dist.word_scan`; the same tokens as the
@@ -42,31 +42,30 @@ that does not fit in what is left of the current block starts the next one, and 
 as many blocks as it needs (the next documents join its last block). The shards are therefore byte-identical for any
 ``--workers``.
 
-Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) nothing is
-replaced or dropped on any path: with one document per line every line of the input is a document, blank ones
-included, and a split's tokens are exactly its bytes (characters), newlines and ``\r`` included, and one newline
-more when the input ends inside a line (the authors' final ``<eos>``); with ``--holdout`` each line goes whole to
-one split or the other; ``--doc-per blank-line`` keeps the blank lines with the paragraph before them and
-``--doc-per file`` keeps the whole file; a ``.jsonl`` record is its text field (see
-`data_tools.character_documents`). A char tokenizer stops at invalid UTF-8 or a character outside its alphabet,
-naming the file, byte offset and line. ``--format enwik8|text8`` cut the one file (or the file inside its zip,
-whose CRC-32 is checked over the whole member first: `data_tools.zip_member`) at the authors' byte offsets
-(`benchmark_corpora.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's parts stripped of their end spaces as
-prep_text8.py does); a zip saved under the raw name, and a folder holding both the file and its zip, are refused,
-and the summary line names the file read. ``--format wikitext`` reads ``wiki.*.tokens`` and keeps every line as
-a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data. A flag that the chosen
-format or tokenizer does not read (``--held-out-bytes`` without enwik8|text8, ``--lm1b-valid`` without lm1b,
+Character data. With a byte or character tokenizer (`txl_dist.tokenizer`: ``byte``, ``char``) nothing is replaced or
+dropped on any path: with one document per line every line of the input is a document, blank ones included, and a
+split's tokens are exactly its bytes (characters), newlines and ``\r`` included, and one newline more when the input
+ends inside a line (the authors' final ``<eos>``); with ``--holdout`` each line goes whole to one split or the
+other; ``--doc-per blank-line`` keeps the blank lines with the paragraph before them and ``--doc-per file`` keeps
+the whole file; a ``.jsonl`` record is its text field (see `data_tools.corpora.character_documents`). A char
+tokenizer stops at invalid UTF-8 or a character outside its alphabet, naming the file, byte offset and line.
+``--format enwik8|text8`` cut the one file (or the file inside its zip, whose CRC-32 is checked over the whole
+member first: `data_tools.corpora.zip_member`) at the authors' byte offsets
+(`data_tools.corpora.published.held_out_tail_ranges`: 90M / 5M / 5M of 100M; text8's parts stripped of their end
+spaces as prep_text8.py does); a zip saved under the raw name, and a folder holding both the file and its zip, are
+refused, and the summary line names the file read. ``--format wikitext`` reads ``wiki.*.tokens`` and keeps every
+line as a document, so each line, blank or not, ends with one ``<eos>``, as in the authors' data. A flag that the
+chosen format or tokenizer does not read (``--held-out-bytes`` without enwik8|text8, ``--lm1b-valid`` without lm1b,
 ``--jsonl-field`` without a .jsonl input, ``--strict`` with a byte tokenizer) is refused.
 
 Resume. After each finished shard the builder journals, in ``OUT/.build_state.json`` (written atomically), the
 shards written so far, where in the input each split continues, and the sha256 of the input bytes the finished
-shards were read from (`data_tools.input_digests`). ``--resume`` refuses an input that changed there (even one
-byte at the same size), checks each journaled shard's sha256, re-reads the input from the earliest place any
+shards were read from (`data_tools.shards.input_digests`). ``--resume`` refuses an input that changed there (even
+one byte at the same size), checks each journaled shard's sha256, re-reads the input from the earliest place any
 split continues from (documents that a split already holds are read again but not tokenised) and writes the
-remaining shards. ``manifest.json`` is written only when
-every split is complete, and not at all when a split has no document (an empty input is an error unless
-``--allow-empty``). A write failure (no space, read-only output) is one line naming the file; the partial shard is
-removed and the finished ones stay for ``--resume``.
+remaining shards. ``manifest.json`` is written only when every split is complete, and not at all when a split has no
+document (an empty input is an error unless ``--allow-empty``). A write failure (no space, read-only output) is one
+line naming the file; the partial shard is removed and the finished ones stay for ``--resume``.
 
 Exit status: 0 done; 2 a refused command line or input (one line naming the flag or file); 1 a failure of the
 machine (no space, a read-only output, a worker that died); 130 interrupted (Ctrl-C).
@@ -79,19 +78,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_tools import benchmark_corpora, chunking, corpus_inputs
-from data_tools.build_journal import STATE_NAME
-from data_tools.build_settings import (
+from data_tools.command_line import FAILURE, INTERRUPTED, USAGE_ERROR, OneLineParser
+from data_tools.corpora import chunking, published
+from data_tools.corpora.inputs import InputFile, input_files
+from data_tools.errors import InputError
+from data_tools.shards.builder import build_shards
+from data_tools.shards.journal import STATE_NAME
+from data_tools.shards.settings import (
     DEFAULT_TOKENS_PER_BLOCK,
     DEFAULT_TOKENS_PER_SHARD,
-    BuildError,
     BuildSettings,
     Holdout,
 )
-from data_tools.command_line import FAILURE, INTERRUPTED, USAGE_ERROR, OneLineParser
-from data_tools.corpus_inputs import InputFile
-from data_tools.input_error import InputError
-from data_tools.shard_builder import build_shards
 from data_tools.workers import WorkerError
 from txl_dist.data.format import ManifestError
 from txl_dist.exit_status import os_error_status, run_command
@@ -141,7 +139,7 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, type=Path, help="directory for the shards and manifest.json")
     parser.add_argument(
         "--format",
-        choices=benchmark_corpora.FORMATS,
+        choices=published.FORMATS,
         default="text",
         help="text: --split NAME=GLOB inputs; lm1b: the One Billion Word r13output directory "
         "(--input); ptb: the Penn Treebank (--input DIR, or the treebank package)",
@@ -164,12 +162,12 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--held-out-bytes",
         type=int,
         help="--format enwik8|text8: bytes of valid and of test at the end of the file (the "
-        f"authors' {benchmark_corpora.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
+        f"authors' {published.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
     )
     parser.add_argument(
         "--lm1b-valid",
         help="--format lm1b: heldout file used as the valid split (never the test file heldout-00000; default "
-        f"{benchmark_corpora.LM1B_DEFAULT_VALID_FILE})",
+        f"{published.LM1B_DEFAULT_VALID_FILE})",
     )
     parser.add_argument(
         "--holdout",
@@ -225,40 +223,38 @@ def _add_build_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> BuildSettings:
     if len(args.holdout) > 1:
         given = ", ".join(f"{h.split}={h.fraction}" for h in args.holdout)
-        raise BuildError(
+        raise InputError(
             f"--holdout is given {len(args.holdout)} times ({given}): a build draws one held-out split; "
             f"give the other splits their own inputs (--split NAME=GLOB)"
         )
     _refuse_flags_of_other_formats(args)
     if args.format == "text":
         if args.input is not None:
-            raise BuildError("--input is for --format lm1b|ptb|wikitext|enwik8|text8; give text inputs with --split")
+            raise InputError("--input is for --format lm1b|ptb|wikitext|enwik8|text8; give text inputs with --split")
         sources: dict[str, list[InputFile]] = {}
         for name, patterns in args.split:
-            sources.setdefault(name, []).extend(corpus_inputs.input_files(patterns))
+            sources.setdefault(name, []).extend(input_files(patterns))
     else:
         if args.split:
-            raise BuildError(f"--split is for --format text; --format {args.format} defines train/valid/test")
+            raise InputError(f"--split is for --format text; --format {args.format} defines train/valid/test")
         if args.doc_per not in (None, "line"):
-            raise BuildError(f"--doc-per {args.doc_per}: --format {args.format} has one sentence per line")
+            raise InputError(f"--doc-per {args.doc_per}: --format {args.format} has one sentence per line")
         if args.format == "lm1b":
             if args.input is None:
-                raise BuildError("--format lm1b needs --input DIR (the r13output directory)")
-            sources = benchmark_corpora.lm1b_splits(
-                args.input, args.lm1b_valid or benchmark_corpora.LM1B_DEFAULT_VALID_FILE
-            )
+                raise InputError("--format lm1b needs --input DIR (the r13output directory)")
+            sources = published.lm1b_splits(args.input, args.lm1b_valid or published.LM1B_DEFAULT_VALID_FILE)
         elif args.format in ("enwik8", "text8", "wikitext"):
-            held_out = benchmark_corpora.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
+            held_out = published.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
             sources = benchmark_sources(args.format, args.input, held_out)
         else:
-            sources = benchmark_corpora.ptb_splits(args.input)
+            sources = published.ptb_splits(args.input)
     files = [f for split_files in sources.values() for f in split_files]
     if args.jsonl_field is not None and not any(f.jsonl for f in files):
-        raise BuildError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
+        raise InputError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
     if args.doc_per is not None and files and all(f.jsonl for f in files):
-        raise BuildError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
+        raise InputError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
     if args.chunk_bytes is not None and args.doc_per == "file":
-        raise BuildError(f"--chunk-bytes {args.chunk_bytes}: with --doc-per file each file is one unit of work")
+        raise InputError(f"--chunk-bytes {args.chunk_bytes}: with --doc-per file each file is one unit of work")
     return BuildSettings(
         tokenizer_directory=tokenizer_dir_of(args.tokenizer).resolve(),
         sources=sources,
@@ -276,26 +272,26 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
 def _refuse_flags_of_other_formats(args: argparse.Namespace) -> None:
     """A flag that the chosen --format does not read is an error, not silently ignored."""
     for flag, value, formats in (
-        ("--held-out-bytes", args.held_out_bytes, benchmark_corpora.CHARACTER_FORMATS),
+        ("--held-out-bytes", args.held_out_bytes, published.CHARACTER_FORMATS),
         ("--lm1b-valid", args.lm1b_valid, ("lm1b",)),
     ):
         if value is not None and args.format not in formats:
             allowed = "|".join(formats)
-            raise BuildError(f"{flag} {value}: applies to --format {allowed} only, not to --format {args.format}")
+            raise InputError(f"{flag} {value}: applies to --format {allowed} only, not to --format {args.format}")
 
 
 def benchmark_sources(input_format: str, path: Path | None, held_out_bytes: int) -> dict[str, list[InputFile]]:
-    """The splits of ``--format enwik8|text8|wikitext`` (see `data_tools.benchmark_corpora`)."""
+    """The splits of ``--format enwik8|text8|wikitext`` (see `data_tools.corpora.published`)."""
     if path is None:
         what = (
             "the folder of wiki.*.tokens"
             if input_format == "wikitext"
             else f"{input_format}, {input_format}.zip or their folder"
         )
-        raise BuildError(f"--format {input_format} needs --input ({what})")
+        raise InputError(f"--format {input_format} needs --input ({what})")
     if input_format == "wikitext":
-        return benchmark_corpora.wikitext_splits(path)
-    splits = benchmark_corpora.enwik8_splits if input_format == "enwik8" else benchmark_corpora.text8_splits
+        return published.wikitext_splits(path)
+    splits = published.enwik8_splits if input_format == "enwik8" else published.text8_splits
     return splits(path, held_out_bytes)
 
 
@@ -326,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=args.progress,
             allow_empty=args.allow_empty,
         )
-    except (BuildError, InputError, TokenizerError, ManifestError) as error:
+    except (InputError, TokenizerError, ManifestError) as error:
         print(f"build_shards: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     except WorkerError as error:

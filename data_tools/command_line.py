@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from txl_dist.exit_status import FAILURE, INTERRUPTED, USAGE_ERROR, error_line
 
 if TYPE_CHECKING:
-    from data_tools.corpus_inputs import InputFile
+    from data_tools.corpora.inputs import InputFile
 
 __all__ = ["FAILURE", "INTERRUPTED", "USAGE_ERROR", "OneLineParser", "describe_inputs", "flag_name", "given_flags"]
 # The statuses are those of every command (txl_dist.exit_status), named here too for the data tools.

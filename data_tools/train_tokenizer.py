@@ -27,16 +27,16 @@ is complete, so that an error or Ctrl-C leaves --output as it was (a tokenizer t
 and removes a folder this run created. A flag that the chosen kind or format does not read (``--vocab-size``
 without sentencepiece, ``--min-count`` without word, ``--alphabet`` without char, ``--held-out-bytes`` without
 enwik8|text8, ``--doc-per`` or ``--strict`` for a byte tokenizer, ...) is refused, as is a damaged zip member
-(its CRC-32 is checked over the whole member, see `data_tools.zip_member`). Byte and char tokenizers read every
+(its CRC-32 is checked over the whole member, see `data_tools.corpora.zip_member`). Byte and char tokenizers read every
 byte (character) of a plain input and the text field of a .jsonl input's records. Exit status: 0 done; 2 a
 refused command line or input (one line naming the flag or file); 1 a failure of the machine (no space, a
 read-only output); 130 interrupted.
 
 Words are counted by ``--workers`` processes, each over the chunks it is given (with numpy for plain
-one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary
-does not depend on their number. SentencePiece skips every training sentence longer than its
-``max_sentence_length`` (4,192 bytes) without a word; here a longer line is first cut into pieces that fit (at
-sentence ends, else at whitespace: `training_pieces`), so that documents of one long line count too.
+one-document-per-line text, see `txl_dist.word_scan`), handing its totals over once at the end; the vocabulary does
+not depend on their number. SentencePiece skips every training sentence longer than its ``max_sentence_length``
+(4,192 bytes) without a word; here a longer line is first cut into pieces that fit (at sentence ends, else at
+whitespace: `data_tools.vocabularies.sentencepiece.training_pieces`), so that documents of one long line count too.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from data_tools import benchmark_corpora, chunking, corpus_inputs
 from data_tools.command_line import (
     INTERRUPTED,
     OneLineParser,
@@ -59,16 +58,12 @@ from data_tools.command_line import (
     flag_name,
     given_flags,
 )
-from data_tools.corpus_inputs import InputFile
-from data_tools.input_error import InputError
-from data_tools.sentencepiece_training import (
-    DEFAULT_MAX_SENTENCE_LENGTH,
-    sample_lines,
-    train_sentencepiece,
-    training_pieces,
-)
-from data_tools.training_input import Reading, TrainError
-from data_tools.vocabulary_training import train_byte, train_char, train_word
+from data_tools.corpora import chunking, published
+from data_tools.corpora.inputs import TREEBANK_PREFIX, InputFile, input_files
+from data_tools.errors import InputError
+from data_tools.vocabularies.lists import train_byte, train_char, train_word
+from data_tools.vocabularies.reading import Reading
+from data_tools.vocabularies.sentencepiece import DEFAULT_MAX_SENTENCE_LENGTH, train_sentencepiece
 from txl_dist.exit_status import exit_status, run_command
 from txl_dist.fileio import describe_os_error
 from txl_dist.output_folders import OutputPathError, refuse_output_over_inputs
@@ -82,20 +77,6 @@ from txl_dist.tokenizer import (
     Tokenizer,
     TokenizerError,
 )
-
-# The trainers, importable from the command's module as before they moved to modules of their own.
-__all__ = [
-    "PRESETS",
-    "TrainError",
-    "main",
-    "parse_args",
-    "sample_lines",
-    "train_byte",
-    "train_char",
-    "train_sentencepiece",
-    "train_word",
-    "training_pieces",
-]
 
 TEXT8_ALPHABET = " abcdefghijklmnopqrstuvwxyz"
 PRESETS: dict[str, dict[str, Any]] = {
@@ -116,40 +97,40 @@ STAGING_PREFIX = ".train_tokenizer.partial-"
 def _training_files(args: argparse.Namespace) -> list[InputFile]:
     if args.format == "text":
         if not args.input:
-            raise TrainError("--input: give the training files (paths or glob patterns)")
-        return corpus_inputs.input_files([str(p) for p in args.input])
+            raise InputError("--input: give the training files (paths or glob patterns)")
+        return input_files([str(p) for p in args.input])
     if args.doc_per not in (None, "line"):
-        raise TrainError(f"--doc-per {args.doc_per}: --format {args.format} has one sentence per line")
+        raise InputError(f"--doc-per {args.doc_per}: --format {args.format} has one sentence per line")
     if len(args.input or []) > 1:
-        raise TrainError(f"--format {args.format} takes one --input directory")
+        raise InputError(f"--format {args.format} takes one --input directory")
     directory = args.input[0] if args.input else None
     if args.format == "lm1b":
         if directory is None:
-            raise TrainError("--format lm1b needs --input DIR (the r13output directory)")
-        return benchmark_corpora.lm1b_splits(directory)["train"]
+            raise InputError("--format lm1b needs --input DIR (the r13output directory)")
+        return published.lm1b_splits(directory)["train"]
     if args.format in ("enwik8", "text8", "wikitext"):
         if directory is None:
-            raise TrainError(f"--format {args.format} needs --input (the file as downloaded, or its folder)")
+            raise InputError(f"--format {args.format} needs --input (the file as downloaded, or its folder)")
         if args.format == "wikitext":
-            return benchmark_corpora.wikitext_splits(directory)["train"]
-        splits = benchmark_corpora.enwik8_splits if args.format == "enwik8" else benchmark_corpora.text8_splits
-        held_out = benchmark_corpora.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
+            return published.wikitext_splits(directory)["train"]
+        splits = published.enwik8_splits if args.format == "enwik8" else published.text8_splits
+        held_out = published.HELD_OUT_BYTES if args.held_out_bytes is None else args.held_out_bytes
         return splits(directory, held_out)["train"]
-    return benchmark_corpora.ptb_splits(directory)["train"]
+    return published.ptb_splits(directory)["train"]
 
 
 def _prepare_output(output: Path, overwrite: bool) -> Path:
     """Check the output folder (creating it) and make the staging folder inside it where the tokenizer is written.
     Nothing of a tokenizer already in the folder is touched before the new one is complete (`_install`)."""
     if output.exists() and not output.is_dir():
-        raise TrainError(f"{output}: exists and is not a directory")
+        raise InputError(f"{output}: exists and is not a directory")
     output.mkdir(parents=True, exist_ok=True)
     for path in output.iterdir():  # left by a run that was killed (a Ctrl-C removes its own)
         if _stale_staging(path.name):
             shutil.rmtree(path)
     entries = sorted(p.name for p in output.iterdir())
     if entries and not overwrite:
-        raise TrainError(f"{output}: not empty ({', '.join(entries[:3])}); pass --overwrite to replace the tokenizer")
+        raise InputError(f"{output}: not empty ({', '.join(entries[:3])}); pass --overwrite to replace the tokenizer")
     staging = output / f"{STAGING_PREFIX}{os.getpid()}"
     staging.mkdir()
     return staging
@@ -218,27 +199,27 @@ KIND_FLAGS = {
 def _refuse_flags_that_do_not_apply(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set) -> None:
     """A flag given on the command line that the chosen kind and format do not read is an error."""
     if args.kind == "sentencepiece" and "workers" in given:
-        raise TrainError(
+        raise InputError(
             f"--workers {args.workers}: only --kind word counts in processes; sentencepiece trains with --threads"
         )
     for kind, flags in KIND_FLAGS.items():
         for dest in sorted(given & set(flags)):
             if args.kind != kind:
-                raise TrainError(f"{flag_name(parser, dest)}: applies to --kind {kind} only, not to --kind {args.kind}")
-    if "held_out_bytes" in given and args.format not in benchmark_corpora.CHARACTER_FORMATS:
-        raise TrainError(
+                raise InputError(f"{flag_name(parser, dest)}: applies to --kind {kind} only, not to --kind {args.kind}")
+    if "held_out_bytes" in given and args.format not in published.CHARACTER_FORMATS:
+        raise InputError(
             f"--held-out-bytes {args.held_out_bytes}: applies to --format enwik8|text8 only, not to --format "
             f"{args.format}"
         )
     if args.kind in ("byte", "char") and "doc_per" in given:
-        raise TrainError(
+        raise InputError(
             f"--doc-per {args.doc_per}: a {args.kind} tokenizer's vocabulary does not depend on what a document "
             f"is; give --doc-per to build_shards"
         )
     if args.kind == "sentencepiece" and args.allow_empty:
-        raise TrainError("--allow-empty: a sentencepiece model cannot be trained on an empty input")
+        raise InputError("--allow-empty: a sentencepiece model cannot be trained on an empty input")
     if args.kind == "byte" and args.strict:
-        raise TrainError("--strict: a byte tokenizer keeps every byte, those that are not UTF-8 too; drop --strict")
+        raise InputError("--strict: a byte tokenizer keeps every byte, those that are not UTF-8 too; drop --strict")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -261,7 +242,7 @@ def _parser(argv: Sequence[str] | None) -> argparse.ArgumentParser:
         help="text/.gz/.jsonl files or glob patterns; for --format "
         "lm1b|ptb the corpus directory (ptb: optional, default the treebank package)",
     )
-    parser.add_argument("--format", choices=benchmark_corpora.FORMATS, default="text")
+    parser.add_argument("--format", choices=published.FORMATS, default="text")
     parser.add_argument(
         "--doc-per", choices=chunking.DOC_UNITS, help="what a document is in text inputs (default: line)"
     )
@@ -323,7 +304,7 @@ def _add_kind_arguments(parser: argparse.ArgumentParser) -> None:
         "--held-out-bytes",
         type=int,
         help="--format enwik8|text8: bytes of valid and of test at the end of the file, left out "
-        f"of training (the authors' {benchmark_corpora.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
+        f"of training (the authors' {published.HELD_OUT_BYTES:,}; smaller for a scaled-down copy)",
     )
     char = parser.add_argument_group("char")
     char.add_argument(
@@ -346,26 +327,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     created, staging, installed = False, None, False
     try:
         if args.kind is None:
-            raise TrainError("--kind: choose sentencepiece, word, byte or char (or a --preset)")
+            raise InputError("--kind: choose sentencepiece, word, byte or char (or a --preset)")
         _refuse_flags_that_do_not_apply(parser, args, given_flags(parser, argv))
         files = _training_files(args)
         if args.jsonl_field != "text" and not any(f.jsonl for f in files):
-            raise TrainError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
+            raise InputError(f"--jsonl-field {args.jsonl_field}: no input is a .jsonl file (nothing reads a field)")
         if args.doc_per is not None and files and all(f.jsonl for f in files):
-            raise TrainError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
+            raise InputError(f"--doc-per {args.doc_per}: every input is .jsonl, whose records are the documents")
         try:  # before anything in the output is deleted
-            refuse_output_over_inputs(
-                args.output, [f.name for f in files if not f.name.startswith(corpus_inputs.TREEBANK_PREFIX)]
-            )
+            refuse_output_over_inputs(args.output, [f.name for f in files if not f.name.startswith(TREEBANK_PREFIX)])
         except OutputPathError as error:
-            raise TrainError(str(error)) from None
+            raise InputError(str(error)) from None
         created = not args.output.exists()
         staging = _prepare_output(args.output, args.overwrite)
         reading = Reading(files, args.doc_per or "line", args.jsonl_field, args.strict, args.progress, args.allow_empty)
         tokenizer = _train(args, reading, staging)
         _install(staging, args.output)
         installed = True
-    except (TrainError, InputError, TokenizerError, OSError) as error:
+    except (InputError, TokenizerError, OSError) as error:
         # A refused input leaves no trace: the folder this run created goes again while nothing is in it.
         _clean_up(args.output, staging, created)
         # OSError: a read-only or full output, a file where the folder should be; named by the output's path, as

@@ -138,7 +138,7 @@ def _score_text(args: argparse.Namespace, evaluate_and_write, model_tokenizer) -
             builder.build_shards(settings, shards, workers=1, resume=False, overwrite=False, progress=False)
             args.shards, args.split = str(shards), "text"
             return evaluate_and_write(args)
-    except (ValueError, builder.BuildError, builder.InputError, builder.ManifestError) as error:
+    except (ValueError, builder.InputError, builder.ManifestError) as error:
         print_error("evaluate.py", describe_error(error))
         return USAGE_ERROR
 

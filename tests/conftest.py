@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import treebank
 
-from data_tools import benchmark_corpora, build_shards, train_tokenizer
+from data_tools import build_shards, train_tokenizer
+from data_tools.corpora import published
 
 TIER_MARKERS = ("launcher", "cluster", "hf")
 """The markers that keep a test out of the quick tier: it starts a launcher (deepspeed, torchrun, mpirun, srun),
@@ -115,7 +116,7 @@ def reference(ptb_word_shards, tmp_path_factory) -> Path:
 def ptb_text_dir(tmp_path_factory) -> Path:
     """``ptb.{train,valid,test}.txt`` written from the treebank package."""
     directory = tmp_path_factory.mktemp("ptb_text")
-    for split, name in benchmark_corpora.PTB_FILES.items():
+    for split, name in published.PTB_FILES.items():
         (directory / name).write_text(treebank.penn[split], encoding="utf-8")
     return directory
 
@@ -212,20 +213,18 @@ def fabricated_lm1b_dir(tmp_path_factory) -> Path:
     """The One Billion Word r13output layout filled with PTB sentences: the 99 training files hold PTB train
     in order, heldout-00000 (test) holds PTB test and heldout-00001 (valid) holds PTB valid."""
     root = tmp_path_factory.mktemp("lm1b") / "1-billion-word-language-modeling-benchmark-r13output"
-    (root / benchmark_corpora.LM1B_TRAIN_DIR).mkdir(parents=True)
-    (root / benchmark_corpora.LM1B_HELDOUT_DIR).mkdir()
+    (root / published.LM1B_TRAIN_DIR).mkdir(parents=True)
+    (root / published.LM1B_HELDOUT_DIR).mkdir()
     train = ptb_sentences("train")
-    per_file = -(-len(train) // len(benchmark_corpora.LM1B_TRAIN_FILES))
-    for i, name in enumerate(benchmark_corpora.LM1B_TRAIN_FILES):
+    per_file = -(-len(train) // len(published.LM1B_TRAIN_FILES))
+    for i, name in enumerate(published.LM1B_TRAIN_FILES):
         lines = train[i * per_file : (i + 1) * per_file]
-        (root / benchmark_corpora.LM1B_TRAIN_DIR / name).write_text(
-            "".join(line + "\n" for line in lines), encoding="utf-8"
-        )
+        (root / published.LM1B_TRAIN_DIR / name).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     for split, name in (
-        ("test", benchmark_corpora.LM1B_TEST_FILE),
-        ("valid", benchmark_corpora.LM1B_DEFAULT_VALID_FILE),
+        ("test", published.LM1B_TEST_FILE),
+        ("valid", published.LM1B_DEFAULT_VALID_FILE),
     ):
-        (root / benchmark_corpora.LM1B_HELDOUT_DIR / name).write_text(
+        (root / published.LM1B_HELDOUT_DIR / name).write_text(
             "".join(line + "\n" for line in ptb_sentences(split)), encoding="utf-8"
         )
     return root

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.shard_writer import ShardWriter
+from data_tools.shards.writer import ShardWriter
 from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, token_dtype, write_manifest
 
 VOCAB_SIZE = 10**7

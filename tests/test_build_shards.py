@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from data_tools import benchmark_corpora, build_shards, chunking, corpus_inputs, inspect_shards, text_decoding
-from data_tools.input_error import InputError
+from data_tools import build_shards, inspect_shards
+from data_tools.corpora import chunking, published, text_decoding
+from data_tools.corpora.inputs import input_files
+from data_tools.errors import InputError
 from data_tools.workers import WorkerError, ordered_map
 from tests.conftest import PTB_TOKENS_PER_BLOCK, PTB_TOKENS_PER_SHARD, ptb_sentences
 from txl_dist.data.format import MANIFEST_NAME, read_manifest
@@ -375,7 +377,7 @@ def test_lm1b_layout_builds_train_valid_and_test(fabricated_lm1b_dir, ptb_word_t
     manifest = read_manifest(output)
     assert sorted(manifest.splits) == ["test", "train", "valid"]
     inputs = manifest.build["inputs"]
-    assert [Path(f["name"]).name for f in inputs["train"]] == list(benchmark_corpora.LM1B_TRAIN_FILES)
+    assert [Path(f["name"]).name for f in inputs["train"]] == list(published.LM1B_TRAIN_FILES)
     assert Path(inputs["valid"][0]["name"]).name == "news.en.heldout-00001-of-00050"
     assert Path(inputs["test"][0]["name"]).name == "news.en.heldout-00000-of-00050"
     for split in ("train", "valid", "test"):  # the fixture put PTB's split of the same name in each place
@@ -398,12 +400,12 @@ def test_lm1b_layout_builds_train_valid_and_test(fabricated_lm1b_dir, ptb_word_t
     )
     assert "that is the test file; validating on it selects models on the test set" in capsys.readouterr().err
     empty = tmp_path / "empty_layout"
-    (empty / benchmark_corpora.LM1B_TRAIN_DIR).mkdir(parents=True)
+    (empty / published.LM1B_TRAIN_DIR).mkdir(parents=True)
     assert (
         run_build("--tokenizer", ptb_word_tokenizer, "--output", tmp_path / "bad", "--format", "lm1b", "--input", empty)
         == 2
     )
-    assert f"{empty / benchmark_corpora.LM1B_TRAIN_DIR / 'news.en-00001-of-00100'}: missing" in capsys.readouterr().err
+    assert f"{empty / published.LM1B_TRAIN_DIR / 'news.en-00001-of-00100'}: missing" in capsys.readouterr().err
 
 
 def test_holdout_is_a_deterministic_hash_partition_of_train(ptb_word_tokenizer, ptb_text_dir, tmp_path, capsys):
@@ -755,9 +757,9 @@ def test_flag_combinations_that_cannot_build_are_refused(
 
 def test_an_interrupt_while_a_shard_is_being_opened_leaves_no_partial_file(tmp_path, monkeypatch):
     # Ctrl-C can land between the creation of a shard's partial file and the writer's note of it.
-    from data_tools import shard_writer
+    from data_tools.shards import writer
 
-    real_tar_writer, opened = shard_writer.wds.TarWriter, []
+    real_tar_writer, opened = writer.wds.TarWriter, []
 
     def tar_writer_interrupted_on_the_second_shard(*args, **kwargs):
         opened.append(args)
@@ -765,11 +767,11 @@ def test_an_interrupt_while_a_shard_is_being_opened_leaves_no_partial_file(tmp_p
             raise KeyboardInterrupt
         return real_tar_writer(*args, **kwargs)
 
-    monkeypatch.setattr(shard_writer.wds, "TarWriter", tar_writer_interrupted_on_the_second_shard)
+    monkeypatch.setattr(writer.wds, "TarWriter", tar_writer_interrupted_on_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
-        with shard_writer.ShardWriter(tmp_path, "train", vocab_size=10, dtype=np.uint16, tokens_per_shard=4) as writer:
+        with writer.ShardWriter(tmp_path, "train", vocab_size=10, dtype=np.uint16, tokens_per_shard=4) as shards:
             for _ in range(3):
-                writer.add_block(np.array([3, 4, 5, 0]), np.array([0]))
+                shards.add_block(np.array([3, 4, 5, 0]), np.array([0]))
     assert len(opened) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train-000000.tar"]
 
@@ -832,12 +834,12 @@ def test_ctrl_c_says_what_the_build_left_and_resume_finishes_it(
 ):
     """Ctrl-C (KeyboardInterrupt, raised where it can land) before the output exists, before the first shard is
     finished, after one: the line says what is true of the output folder, and the advice it gives works."""
-    from data_tools import shard_builder, shard_writer
+    from data_tools.shards import builder, writer
 
     output = tmp_path / "shards"
     args = ["--tokenizer", ptb_word_tokenizer, "--split", f"train={ptb_text_dir / 'ptb.valid.txt'}", "--output", output]
     args += ["--tokens-per-block", "4096", "--tokens-per-shard", "20000"]
-    real_tar_writer, opened = shard_writer.wds.TarWriter, []
+    real_tar_writer, opened = writer.wds.TarWriter, []
 
     def interrupted_at_the_shard(*writer_args, **kwargs):
         opened.append(writer_args)
@@ -849,9 +851,9 @@ def test_ctrl_c_says_what_the_build_left_and_resume_finishes_it(
         raise KeyboardInterrupt
 
     if interrupted_at == "the output's check":
-        monkeypatch.setattr(shard_builder, "refuse_output_over_inputs", interrupted_at_the_check)
+        monkeypatch.setattr(builder, "refuse_output_over_inputs", interrupted_at_the_check)
     else:
-        monkeypatch.setattr(shard_writer.wds, "TarWriter", interrupted_at_the_shard)
+        monkeypatch.setattr(writer.wds, "TarWriter", interrupted_at_the_shard)
     assert run_build(*args) == 130
     line = said.format(output=output, journal=output / build_shards.STATE_NAME)
     err = capsys.readouterr().err
@@ -912,11 +914,11 @@ def test_chunks_travel_to_workers_without_their_bytes_and_are_checked_when_read_
     text = write_lines(tmp_path / "a.txt", [f"line {i} of the text" for i in range(2000)])
     packed = tmp_path / "b.txt.gz"
     packed.write_bytes(gzip.compress(text.read_bytes()))
-    plain_chunks = list(chunking.read_chunks(corpus_inputs.input_files([str(text)]), "line", 4096))
+    plain_chunks = list(chunking.read_chunks(input_files([str(text)]), "line", 4096))
     travelling = [chunking.portable(chunk) for chunk in plain_chunks]
     assert all(chunk.data is None for chunk in travelling) and len(plain_chunks) > 5
     assert [chunking.resolve(chunk).data for chunk in travelling] == [chunk.data for chunk in plain_chunks]
-    gz_chunk = next(chunking.read_chunks(corpus_inputs.input_files([str(packed)]), "line", 4096))
+    gz_chunk = next(chunking.read_chunks(input_files([str(packed)]), "line", 4096))
     assert chunking.portable(gz_chunk) is gz_chunk  # offsets of decompressed bytes: it travels with its bytes
     data = bytearray(text.read_bytes())
     data[travelling[2].start.offset + 3] ^= 1  # one bit flipped, same size

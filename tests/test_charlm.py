@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from data_tools import benchmark_corpora, build_shards, synthetic_charlm, train_tokenizer
-from data_tools.input_error import InputError
+from benchmarks.corpora import synthetic_charlm
+from data_tools import build_shards, train_tokenizer
+from data_tools.corpora import published
+from data_tools.errors import InputError
 from tests.launcher import in_process, records, run, torchrun_command
 from tests.test_build_shards import read_split
 from txl_dist.config import load_config
@@ -125,15 +127,15 @@ def test_char_tokenizer_round_trips_text_with_every_utf8_length(tmp_path):
 
 def test_split_offsets_are_the_authors_for_the_full_100m_bytes():
     # prep_enwik8.py / prep_text8.py: data[:-2n], data[-2n:-n], data[-n:] with n = 5,000,000.
-    assert benchmark_corpora.held_out_tail_ranges(100_000_000) == {
+    assert published.held_out_tail_ranges(100_000_000) == {
         "train": (0, 90_000_000),
         "valid": (90_000_000, 95_000_000),
         "test": (95_000_000, 100_000_000),
     }
-    ranges = benchmark_corpora.held_out_tail_ranges(123_456, 1_000)
+    ranges = published.held_out_tail_ranges(123_456, 1_000)
     assert ranges == {"train": (0, 121_456), "valid": (121_456, 122_456), "test": (122_456, 123_456)}
     with pytest.raises(InputError, match="nothing left for train"):
-        benchmark_corpora.held_out_tail_ranges(10_000_000)
+        published.held_out_tail_ranges(10_000_000)
 
 
 def test_enwik8_shards_are_the_files_bytes_in_order_at_the_authors_offsets(enwik8, tmp_path):

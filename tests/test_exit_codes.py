@@ -81,8 +81,12 @@ def test_every_command_refuses_a_bad_input_with_one_line_and_status_2(
             missing,
         ),
         ("data_tools.inspect_shards", [str(corrupt_shards)], manifest),
-        ("data_tools.synthetic_lm1b", ["--output", str(tmp_path / "l"), "--scale", "-1"], "scale -1"),
-        ("data_tools.synthetic_charlm", ["text8", "--output", str(tmp_path / "c"), "--bytes", "0"], "--bytes 0"),
+        ("benchmarks.corpora.synthetic_lm1b", ["--output", str(tmp_path / "l"), "--scale", "-1"], "scale -1"),
+        (
+            "benchmarks.corpora.synthetic_charlm",
+            ["text8", "--output", str(tmp_path / "c"), "--bytes", "0"],
+            "--bytes 0",
+        ),
         ("txl_dist.plan", ["--config", "configs/tiny_cpu.yaml", "--world-size", "0"], "--world-size 0"),
         (
             "txl_dist.plan",
@@ -107,8 +111,8 @@ def test_every_command_refuses_a_bad_input_with_one_line_and_status_2(
         "data_tools.build_shards",
         "data_tools.train_tokenizer",
         "data_tools.inspect_shards",
-        "data_tools.synthetic_lm1b",
-        "data_tools.synthetic_charlm",
+        "benchmarks.corpora.synthetic_lm1b",
+        "benchmarks.corpora.synthetic_charlm",
         "txl_dist.plan",
         "txl_dist.plot",
         "txl_dist.rendezvous.launch_env",
@@ -177,7 +181,7 @@ def test_a_write_the_surroundings_refuse_is_a_runtime_failure_with_one_line(caps
     if not _refuses_writes(Path("/sys")):
         pytest.skip("/sys accepts new files here, or refuses them for another reason")
     status, lines = run_main(
-        "data_tools.synthetic_charlm", "text8", "--output", "/sys/text8", "--bytes", "100", capsys=capsys
+        "benchmarks.corpora.synthetic_charlm", "text8", "--output", "/sys/text8", "--bytes", "100", capsys=capsys
     )
     assert status == exit_status.FAILURE and lines == ["synthetic_charlm: error: /sys/text8: permission denied"]
 
@@ -241,7 +245,7 @@ READER_LEAVES = {
     ],
     "synthetic_charlm": lambda shards, export, tmp: [
         "-m",
-        "data_tools.synthetic_charlm",
+        "benchmarks.corpora.synthetic_charlm",
         "text8",
         "--output",
         str(tmp / "text8"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_tools import inspect_shards
-from data_tools.shard_writer import ShardWriter
+from data_tools.shards.writer import ShardWriter
 from tests.conftest import ptb_sentences
 from txl_dist.data.format import Manifest, SplitEntry, TokenizerIdentity, read_manifest, write_manifest
 

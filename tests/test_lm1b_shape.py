@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_tools import build_shards, synthetic_lm1b, train_tokenizer
+from benchmarks.corpora import synthetic_lm1b
+from data_tools import build_shards, train_tokenizer
 from tests.launcher import copy_at_step, in_process, records, run, torchrun_command
 
 pytestmark = pytest.mark.launcher

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import treebank
 
-from data_tools import benchmark_corpora, train_tokenizer
+from data_tools import train_tokenizer
+from data_tools.corpora import published
+from data_tools.vocabularies.sentencepiece import sample_lines, training_pieces
 from tests.conftest import ptb_sentences
 from txl_dist.data.format import TokenizerIdentity
 from txl_dist.tokenizer import TokenizerError, find_tokenizer_dir, load_tokenizer, verified_fingerprint
@@ -117,8 +119,8 @@ def test_lm1b_preset_counts_training_words_seen_three_times(fabricated_lm1b_dir,
         == 0
     )
     counts = collections.Counter()
-    for name in benchmark_corpora.LM1B_TRAIN_FILES:  # the training files only, never the heldout ones
-        counts.update((fabricated_lm1b_dir / benchmark_corpora.LM1B_TRAIN_DIR / name).read_text().split())
+    for name in published.LM1B_TRAIN_FILES:  # the training files only, never the heldout ones
+        counts.update((fabricated_lm1b_dir / published.LM1B_TRAIN_DIR / name).read_text().split())
     words = sorted((w for w, c in counts.items() if c >= 3), key=lambda w: (-counts[w], w))
     tokenizer = load_tokenizer(output)
     assert [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)] == ["<S>", "</S>", "<UNK>"] + words
@@ -148,14 +150,14 @@ def test_sentencepiece_round_trip_and_end_of_document(ptb_sentencepiece_tokenize
 
 def test_sentence_sample_is_uniform_bounded_and_seeded():
     batches = [[f"line {i}" for i in range(start, start + 100)] for start in range(0, 1000, 100)]
-    sample = train_tokenizer.sample_lines(batches, 50, seed=3)
+    sample = sample_lines(batches, 50, seed=3)
     assert len(sample) == len(set(sample)) == 50 and set(sample) <= {f"line {i}" for i in range(1000)}
-    assert sample == train_tokenizer.sample_lines(batches, 50, seed=3)
-    assert sample != train_tokenizer.sample_lines(batches, 50, seed=4)
-    assert train_tokenizer.sample_lines(batches[:1], 500, seed=3) == batches[0]
+    assert sample == sample_lines(batches, 50, seed=3)
+    assert sample != sample_lines(batches, 50, seed=4)
+    assert sample_lines(batches[:1], 500, seed=3) == batches[0]
     # Uniform: over many seeds, lines of the first and of the last batch are drawn about equally often.
     draws = collections.Counter(
-        int(line.split()[1]) // 500 for seed in range(200) for line in train_tokenizer.sample_lines(batches, 50, seed)
+        int(line.split()[1]) // 500 for seed in range(200) for line in sample_lines(batches, 50, seed)
     )
     assert abs(draws[0] - draws[1]) < 0.1 * (draws[0] + draws[1])
 
@@ -313,10 +315,10 @@ def _expected_vocabulary(paths: list[Path], min_count: int, specials: list[str])
 
 
 def test_word_vocabulary_is_the_same_for_any_worker_count(tmp_path):
-    from data_tools import synthetic_lm1b
+    from benchmarks.corpora import synthetic_lm1b
 
     synthetic_lm1b.write_corpus(tmp_path / "corpus", synthetic_lm1b.CorpusShape(scale=0.0003, seed=1), progress=False)
-    root = tmp_path / "corpus" / synthetic_lm1b.ROOT_NAME / benchmark_corpora.LM1B_TRAIN_DIR
+    root = tmp_path / "corpus" / synthetic_lm1b.ROOT_NAME / published.LM1B_TRAIN_DIR
     inputs = sorted(root.iterdir())[:20]
     # Text the numpy path leaves to str.split(): no-break spaces, U+3000, CRLF, a NUL, bytes that are not UTF-8,
     # and a line of nothing but whitespace; and words longer than 8 bytes.
@@ -430,14 +432,14 @@ def test_sentencepiece_trains_on_documents_longer_than_its_sentence_limit(doc_pe
 def test_training_pieces_cut_long_lines_at_sentence_ends_then_whitespace():
     sentences = ["First one here.", "A “quoted” end.”", "Why?", "Short!"]
     line = " ".join(sentences * 200)
-    pieces = train_tokenizer.training_pieces(line, 120)
+    pieces = training_pieces(line, 120)
     assert pieces == sentences * 200
     no_ends = " ".join(["wordy"] * 100)
-    pieces = train_tokenizer.training_pieces(no_ends, 40)
+    pieces = training_pieces(no_ends, 40)
     assert all(len(p) <= 40 for p in pieces) and " ".join(pieces) == no_ends and len(pieces[0]) > 30
-    assert train_tokenizer.training_pieces("é" * 30 + " x", 16) == ["é" * 8, "é" * 8, "é" * 8, "é" * 6, "x"]
+    assert training_pieces("é" * 30 + " x", 16) == ["é" * 8, "é" * 8, "é" * 8, "é" * 6, "x"]
     short = "short line. stays whole."
-    assert train_tokenizer.training_pieces(short, 4192)[0] is short
+    assert training_pieces(short, 4192)[0] is short
 
 
 def test_sentencepiece_sample_stays_bounded_and_empty_input_is_one_error(tmp_path, capsys):

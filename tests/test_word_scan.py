@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools import benchmark_corpora, synthetic_lm1b
+from benchmarks.corpora import synthetic_lm1b
+from data_tools.corpora import published
 from tests.conftest import ptb_sentences
 from txl_dist.tokenizer import load_tokenizer
 from txl_dist.word_scan import PackedVocabulary, merge_counts, scan_lines, unpack_keys
@@ -138,7 +139,7 @@ def test_synthetic_corpus_is_deterministic_and_has_the_lm1b_layout(tmp_path):
         [
             sys.executable,
             "-m",
-            "data_tools.synthetic_lm1b",
+            "benchmarks.corpora.synthetic_lm1b",
             "--output",
             str(tmp_path / "two"),
             "--scale",
@@ -157,7 +158,7 @@ def test_synthetic_corpus_is_deterministic_and_has_the_lm1b_layout(tmp_path):
     assert completed.returncode == 0, completed.stderr
     root_one = tmp_path / "one" / synthetic_lm1b.ROOT_NAME
     root_two = tmp_path / "two" / synthetic_lm1b.ROOT_NAME
-    splits = benchmark_corpora.lm1b_splits(root_one)
+    splits = published.lm1b_splits(root_one)
     assert [len(splits[s]) for s in ("train", "valid", "test")] == [99, 1, 1]
     for relative, _ in shape.files():
         assert (root_one / relative).read_bytes() == (root_two / relative).read_bytes(), relative

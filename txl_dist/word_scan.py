@@ -9,7 +9,7 @@ then work on arrays of keys (`count_keys`, `PackedVocabulary`); the few longer w
 
 The result equals ``str.split()`` on the decoded text only for text that `scan_lines` accepts: valid UTF-8
 without NUL bytes, carriage returns or non-ASCII whitespace (U+00A0, U+2028, ...). For anything else it returns
-None and callers take the ``str`` path. Documents are lines (``\\n`` only, as in `data_tools.text_decoding`).
+None and callers take the ``str`` path. Documents are lines (``\\n`` only, as in `data_tools.corpora.text_decoding`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@
 - test_convert.py: launchers/convert.py (txl_dist.convert);
 - test_hub_tokenizers.py: the tokenizers of export-to-hub's folders in current transformers (the hf tier);
 - test_plan.py: python -m txl_dist.plan;
-- test_data_tools.py: data_tools (build_shards, train_tokenizer, synthetic_charlm, synthetic_lm1b).
+- test_data_tools.py: data_tools (build_shards, train_tokenizer) and benchmarks.corpora (synthetic_charlm,
+  synthetic_lm1b).
 
 Shared fixtures are in conftest.py, shared helpers in helpers.py.
 """

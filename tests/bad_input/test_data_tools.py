@@ -1,7 +1,8 @@
-"""Bad input to the data tools (data_tools.build_shards, train_tokenizer, synthetic_charlm, synthetic_lm1b): inputs
-inside the output, flags that do not apply or are given twice, damaged and misnamed character corpora, byte and char
-tokenizers on every input path, the synthetic corpora's outputs and numbers, Ctrl-C and a killed run's staging
-folder, and a resumed build whose input changed at the same size.
+"""Bad input to the data tools (data_tools.build_shards, train_tokenizer) and to the corpus generators of the tests
+(benchmarks.corpora.synthetic_charlm, synthetic_lm1b): inputs inside the output, flags that do not apply or are
+given twice, damaged and misnamed character corpora, byte and char tokenizers on every input path, the synthetic
+corpora's outputs and numbers, Ctrl-C and a killed run's staging folder, and a resumed build whose input changed at
+the same size.
 
 Every refusal is one line naming the file or flag, exit status 2, with nothing left that a later step trusts."""
 
@@ -19,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools import build_shards, synthetic_charlm, train_tokenizer
+from benchmarks.corpora import synthetic_charlm
+from data_tools import build_shards, train_tokenizer
 from tests.conftest import ptb_sentences
 from tests.launcher import REPO
 from tests.test_build_shards import files_of, read_split
@@ -440,7 +442,7 @@ def test_synthetic_charlm_refuses_existing_outputs_and_bad_numbers(tmp_path, cap
 
 @pytest.mark.parametrize("kind", ["dangling link", "file"])
 def test_synthetic_lm1b_into_a_dangling_link_or_a_file_is_one_line(tmp_path, capsys, kind):
-    from data_tools import synthetic_lm1b
+    from benchmarks.corpora import synthetic_lm1b
 
     output = tmp_path / "out"
     if kind == "file":
@@ -537,7 +539,7 @@ def test_ctrl_c_during_sentencepiece_training_keeps_the_tokenizer_it_would_overw
 
 def test_ctrl_c_during_synthetic_charlm_leaves_no_partial_file(tmp_path):
     output = tmp_path / "corpus" / "enwik8"
-    argv = ["data_tools.synthetic_charlm", "enwik8", "--output", str(output), "--bytes", "40000000", "--zip"]
+    argv = ["benchmarks.corpora.synthetic_charlm", "enwik8", "--output", str(output), "--bytes", "40000000", "--zip"]
     # Started: past its imports (32 MB resident), its memory grows with the corpus it builds.
     status, stderr = _interrupt(argv, output, started=lambda pid: _resident_mb(pid) > 60)
     assert status == 130 and stderr.strip().splitlines() == [

@@ -90,7 +90,7 @@ def layer_activation_bytes(model: ModelConfig, micro_batch: int, compute_bytes: 
 
 
 # The word law behind `tail_rows`: P(rank >= r) proportional to (r + 8)^(-0.47), the law that gives a synthetic
-# corpus One Billion Word's vocabulary statistics (`data_tools.synthetic_lm1b`), and a margin of 4 on each tail
+# corpus One Billion Word's vocabulary statistics (`benchmarks.corpora.synthetic_lm1b`), and a margin of 4 on each tail
 # cluster's share: real text has heavier tails than the law (1BW's out-of-vocabulary rate is about 0.3% where
 # the law gives 0.17%) and a batch can be richer in rare words than the average.
 WORD_LAW_EXPONENT, WORD_LAW_OFFSET, TAIL_MARGIN = 1.47, 8.0, 4.0

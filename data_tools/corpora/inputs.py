@@ -1,6 +1,6 @@
 """The inputs a command reads, each an `InputFile`: a plain text file, a gzip-compressed one (``.gz``), JSON Lines
 (``.jsonl``, ``.jsonl.gz``: one JSON object per line, the document's text in one of its fields), a byte range of a
-file or of the file inside a ``.zip`` (the character benchmarks of `data_tools.benchmark_corpora`), or the Penn
+file or of the file inside a ``.zip`` (the character benchmarks of `data_tools.corpora.published`), or the Penn
 Treebank of the ``treebank`` package (``treebank:penn/{split}``). `input_files` turns paths and glob patterns into
 inputs, refusing what cannot be read as text; `InputFile.open` gives the bytes of any input, a byte range in the
 offsets of its whole file (`_ByteRange`)."""
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from data_tools import zip_member
-from data_tools.input_error import InputError
+from data_tools.corpora import zip_member
+from data_tools.errors import InputError
 
 TREEBANK_PREFIX = "treebank:penn/"
 
@@ -61,7 +61,7 @@ class InputFile:
 
     def describe(self) -> dict[str, object]:
         """What identifies this input in a build record (``--resume`` checks it, and the sha256 of the bytes read:
-        `data_tools.input_digests`)."""
+        `data_tools.shards.input_digests`)."""
         described: dict[str, object] = {"name": self.name, "size": self.size}
         if self.start or self.stop is not None:
             described.update(start=self.start, stop=self.stop)

@@ -1,11 +1,12 @@
 """Write synthetic corpora with the layouts and the statistics of enwik8, text8 and WikiText-103.
 
+    # from the repository root (benchmarks/ is not part of the installed package)
     # enwik8's shape: 100,000,000 bytes of XML-like Wikipedia markup, a line every ~90 bytes (and its zip)
-    python -m data_tools.synthetic_charlm enwik8 --output /tmp/charlm/enwik8 --bytes 100000000 --zip
+    python -m benchmarks.corpora.synthetic_charlm enwik8 --output /tmp/charlm/enwik8 --bytes 100000000 --zip
     # text8's: 100,000,000 characters of lower-case words and single spaces on one line, starting with a space
-    python -m data_tools.synthetic_charlm text8 --output /tmp/charlm/text8 --bytes 100000000
+    python -m benchmarks.corpora.synthetic_charlm text8 --output /tmp/charlm/text8 --bytes 100000000
     # WikiText-103's folder: wiki.{train,valid,test}.tokens, " = Title = " headings, blank lines, <unk>, @-@
-    python -m data_tools.synthetic_charlm wikitext --output /tmp/charlm/wikitext-103 --train-words 2000000
+    python -m benchmarks.corpora.synthetic_charlm wikitext --output /tmp/charlm/wikitext-103 --train-words 2000000
 
 None of the real files can be downloaded here; these have what the importers depend on, so that
 ``--format enwik8|text8|wikitext`` of `data_tools.train_tokenizer` and `data_tools.build_shards` read them as
@@ -233,7 +234,7 @@ MAX_TRAIN_WORDS = 200_000_000
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = OneLineParser(
         name="synthetic_charlm",
-        prog="python -m data_tools.synthetic_charlm",
+        prog="python -m benchmarks.corpora.synthetic_charlm",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

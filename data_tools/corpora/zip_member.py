@@ -18,7 +18,7 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
-from data_tools.input_error import InputError
+from data_tools.errors import InputError
 
 ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08")  # a local file header; an empty archive; a spanned one
 GZIP_MAGIC = b"\x1f\x8b"

@@ -1,5 +1,6 @@
-"""A tokenizer's training input: its documents line by line or chunk by chunk, with a progress bar, the counts
-for the record, and the one error class of training."""
+"""The input a tokenizer's vocabulary is built from: its documents line by line or chunk by chunk (their words
+counted by worker processes, `data_tools.vocabularies.word_counts`), with a progress bar and the counts for the
+record."""
 
 from __future__ import annotations
 
@@ -10,14 +11,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from data_tools import character_documents, chunking, text_decoding
-from data_tools.corpus_inputs import InputFile
-from data_tools.word_counting import CountSettings, WordCounts, count_chunk, counted, start_counting
+from data_tools.corpora import character_documents, chunking, text_decoding
+from data_tools.corpora.inputs import InputFile
+from data_tools.errors import InputError
+from data_tools.vocabularies.word_counts import CountSettings, WordCounts, count_chunk, counted, start_counting
 from data_tools.workers import WorkerError, ordered_map
-
-
-class TrainError(ValueError):
-    """Settings that cannot train a tokenizer; the message names the flag."""
 
 
 class Reading:
@@ -68,7 +66,7 @@ class Reading:
         """How often each whitespace-separated word occurs in the non-empty documents, counted by ``workers``
         processes (each counts the chunks it is given and hands over its totals once, at the end)."""
         if workers < 1:
-            raise TrainError(f"--workers {workers}: must be at least 1")
+            raise InputError(f"--workers {workers}: must be at least 1")
         plain = all(not f.name.endswith(".gz") for f in self.files)
         settings = CountSettings(self.doc_unit, self.jsonl_field, self.strict)
         chunks = chunking.read_chunks(self.files, self.doc_unit, chunking.DEFAULT_CHUNK_BYTES)
@@ -94,7 +92,7 @@ class Reading:
                         self.statistics[key] += value
                     bar.update(result["bytes"])
         except WorkerError as error:
-            raise TrainError(f"counting stopped: {error}") from error
+            raise InputError(f"counting stopped: {error}") from error
         finally:
             results.close()
         self._check_not_empty()
@@ -104,7 +102,7 @@ class Reading:
         if self.statistics["documents"] == 0 and not self.allow_empty:
             # Raised from the end of the reading, before the tokenizer's files are written.
             names = ", ".join(str(f.name) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
-            raise TrainError(
+            raise InputError(
                 f"no document in the input {names} ({len(self.files)} files, "
                 f"{self.statistics['bytes']:,} bytes, {self.statistics['empty_documents']:,} blank "
                 f"documents): check --input, or pass --allow-empty for a tokenizer of the special "
@@ -113,9 +111,9 @@ class Reading:
 
     def character_texts(self, what: str, kind: str) -> Iterator[tuple[chunking.Chunk, bytes | str]]:
         """Each chunk of the input and what a tokenizer of ``kind`` (byte, char) reads of it, every byte kept
-        (`character_documents`): a plain input's bytes (byte) or its UTF-8 text (char), each line a document; the
-        text fields of a .jsonl input's records (as UTF-8 for byte), each ending with a newline. Counted in
-        ``self.statistics``."""
+        (`data_tools.corpora.character_documents`): a plain input's bytes (byte) or its UTF-8 text (char), each
+        line a document; the text fields of a .jsonl input's records (as UTF-8 for byte), each ending with a
+        newline. Counted in ``self.statistics``."""
         plain = all(not f.compressed for f in self.files)
         with tqdm(
             total=sum(f.size for f in self.files) if plain else None,

@@ -8,17 +8,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from data_tools import chunking
-from data_tools.corpus_inputs import InputFile
+from data_tools.corpora import chunking
+from data_tools.corpora.inputs import InputFile
+from data_tools.errors import InputError
 from txl_dist.tokenizer import Tokenizer
 
 DEFAULT_TOKENS_PER_BLOCK = 1 << 16
 DEFAULT_TOKENS_PER_SHARD = 1 << 24
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
-
-
-class BuildError(ValueError):
-    """A build that cannot go on as asked; the message says what to do."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,31 +54,31 @@ class BuildSettings:
     def __post_init__(self) -> None:
         for name in self.splits():
             if not SPLIT_NAME.match(name):
-                raise BuildError(f"split name {name!r}: use letters, digits and '_' only")
+                raise InputError(f"split name {name!r}: use letters, digits and '_' only")
         if not self.sources:
-            raise BuildError("no split to build: give --split NAME=GLOB (or --format lm1b|ptb)")
+            raise InputError("no split to build: give --split NAME=GLOB (or --format lm1b|ptb)")
         if self.doc_unit not in chunking.DOC_UNITS:
-            raise BuildError(f"--doc-per {self.doc_unit!r}: expected one of {list(chunking.DOC_UNITS)}")
+            raise InputError(f"--doc-per {self.doc_unit!r}: expected one of {list(chunking.DOC_UNITS)}")
         for flag, value in (
             ("--tokens-per-block", self.tokens_per_block),
             ("--chunk-bytes", self.chunk_bytes),
             ("--tokens-per-shard", self.tokens_per_shard),
         ):
             if value <= 0:
-                raise BuildError(f"{flag} {value}: must be positive")
+                raise InputError(f"{flag} {value}: must be positive")
         if self.tokens_per_shard < self.tokens_per_block:
-            raise BuildError(
+            raise InputError(
                 f"--tokens-per-shard {self.tokens_per_shard} is smaller than --tokens-per-block {self.tokens_per_block}"
             )
         if self.holdout is not None:
             if not 0.0 < self.holdout.fraction < 1.0:
-                raise BuildError(
+                raise InputError(
                     f"--holdout {self.holdout.split}={self.holdout.fraction}: the fraction must lie in (0, 1)"
                 )
             if self.holdout.source not in self.sources:
-                raise BuildError(f"--holdout takes documents from split '{self.holdout.source}', which is not built")
+                raise InputError(f"--holdout takes documents from split '{self.holdout.source}', which is not built")
             if self.holdout.split in self.sources:
-                raise BuildError(
+                raise InputError(
                     f"--holdout {self.holdout.split}=...: split '{self.holdout.split}' also has inputs; "
                     f"drop one of the two"
                 )

@@ -9,7 +9,7 @@ The file is JSON, rewritten atomically after each finished shard::
      "streams": {SPLIT: {"position": {StreamPosition} or null, "shards": [{ShardEntry}, ...]}}}
 
 A stream's ``position`` is where the split continues in its source, null once its last shard is written. A
-source's ``inputs`` are the sha256 of the bytes read so far of each of its files (`data_tools.input_digests`),
+source's ``inputs`` are the sha256 of the bytes read so far of each of its files (`data_tools.shards.input_digests`),
 which ``--resume`` checks against the files as they are.
 """
 
@@ -20,9 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from data_tools.block_packer import StreamPosition
-from data_tools.build_settings import BuildError
-from data_tools.chunking import ReadPosition
+from data_tools.corpora.chunking import ReadPosition
+from data_tools.errors import InputError
+from data_tools.shards.block_packer import StreamPosition
 from txl_dist.data.format import ShardEntry
 from txl_dist.fileio import atomic_write_text, read_json
 
@@ -54,7 +54,7 @@ class SourceState:
     """The first chunk whose counts are not yet in ``statistics`` (a resume reads some chunks again)."""
     statistics: SourceStatistics = dataclasses.field(default_factory=SourceStatistics)
     inputs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """The digests of the bytes read so far (`data_tools.input_digests.InputDigests.record`)."""
+    """The digests of the bytes read so far (`data_tools.shards.input_digests.InputDigests.record`)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SourceState:
@@ -126,9 +126,9 @@ class BuildJournal:
 
     @classmethod
     def load(cls, path: Path, record: dict[str, Any]) -> BuildJournal:
-        """The journal of an interrupted build; BuildError when it is unreadable or its settings differ."""
+        """The journal of an interrupted build; InputError when it is unreadable or its settings differ."""
         advice = "; start again with --overwrite"
-        state = read_json(path, BuildError, "unreadable resume state", advice)
+        state = read_json(path, InputError, "unreadable resume state", advice)
         try:
             journaled = state["settings"]
             if not isinstance(journaled, dict):
@@ -136,7 +136,7 @@ class BuildJournal:
             sources = {name: SourceState.from_json(data) for name, data in state["sources"].items()}
             streams = {name: StreamState.from_json(data) for name, data in state["streams"].items()}
         except (KeyError, TypeError, AttributeError, ValueError) as error:
-            raise BuildError(f"{path}: unreadable resume state ({error}){advice}") from error
+            raise InputError(f"{path}: unreadable resume state ({error}){advice}") from error
         _refuse_other_settings(path, journaled, record)
         return cls(path, journaled, sources, streams)
 
@@ -164,7 +164,7 @@ def _refuse_other_settings(path: Path, journaled: dict[str, Any], record: dict[s
         f"now {_shorten(_differences_first(record.get(key), journaled.get(key)))}"
         for key in differing
     )
-    raise BuildError(
+    raise InputError(
         f"{path}: the interrupted build used other settings ({', '.join(differing)} differ: {details}); "
         f"resume with the same settings and inputs, or start again with --overwrite"
     )

@@ -9,8 +9,8 @@ import dataclasses
 
 import numpy as np
 
-from data_tools import character_documents, chunking, text_decoding
-from data_tools.build_settings import Holdout
+from data_tools.corpora import character_documents, chunking, text_decoding
+from data_tools.shards.settings import Holdout
 from txl_dist.data.format import token_dtype
 from txl_dist.tokenizer import CharTokenizer, Tokenizer, WordTokenizer, load_tokenizer
 from txl_dist.tokenizer.characters import UnknownCharacterError

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from data_tools import text_decoding
-from data_tools.chunking import Chunk
-from data_tools.input_error import InputError
-from data_tools.text_decoding import ChunkText
+from data_tools.corpora import text_decoding
+from data_tools.corpora.chunking import Chunk
+from data_tools.corpora.text_decoding import ChunkText
+from data_tools.errors import InputError
 from txl_dist.tokenizer import CharTokenizer
 from txl_dist.tokenizer.characters import UnknownCharacterError
 

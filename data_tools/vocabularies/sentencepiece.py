@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece
 
-from data_tools.training_input import Reading, TrainError
+from data_tools.errors import InputError
+from data_tools.vocabularies.reading import Reading
 from txl_dist.fileio import atomic_write
 from txl_dist.tokenizer import SENTENCEPIECE_MODEL, Tokenizer, write_tokenizer_json
 
@@ -107,9 +108,9 @@ def train_sentencepiece(
     longer than ``max_sentence_length`` bytes is first cut into pieces that are not (`training_pieces`), so
     that documents of one long line (a speech, an article) are trained on instead of being dropped."""
     if input_sentence_size < 1:
-        raise TrainError(f"--input-sentence-size {input_sentence_size}: must be positive")
+        raise InputError(f"--input-sentence-size {input_sentence_size}: must be positive")
     if max_sentence_length < 16:
-        raise TrainError(f"--max-sentence-length {max_sentence_length}: must be at least 16 bytes")
+        raise InputError(f"--max-sentence-length {max_sentence_length}: must be at least 16 bytes")
     if eod_symbol is not None and eod_symbol not in user_symbols:
         user_symbols = user_symbols + [eod_symbol]
     sample, cut_lines = _training_sample(reading, max_sentence_length, input_sentence_size, seed)
@@ -167,7 +168,7 @@ def _training_sample(reading: Reading, max_sentence_length: int, size: int, seed
     sample = sample_lines(piece_batches(), size, seed)
     if not sample:
         files = ", ".join(f.name for f in reading.files[:3]) + (", ..." if len(reading.files) > 3 else "")
-        raise TrainError(
+        raise InputError(
             f"the input holds no text to train on ({reading.statistics['documents']:,} documents, "
             f"{reading.statistics['empty_documents']:,} of them blank, in {files})"
         )
@@ -218,6 +219,6 @@ def _train_model(
         trainer.join(0.05)
     if failure:
         if isinstance(failure[0], RuntimeError):
-            raise TrainError(f"sentencepiece could not train ({failure[0]})") from failure[0]
+            raise InputError(f"sentencepiece could not train ({failure[0]})") from failure[0]
         raise failure[0]
     return model.getvalue()

@@ -1,17 +1,18 @@
 """The importers of the benchmarks the authors report on (``--format``: ``FORMATS``): each ``*_splits`` function
 gives the train/valid/test inputs of a benchmark as downloaded. `lm1b_splits`, `ptb_splits` and `wikitext_splits`
 find the files of their usual layouts (PTB also from the ``treebank`` package); `enwik8_splits` and `text8_splits`
-give byte ranges of the one file, or of the file inside its zip (found and CRC-checked by `data_tools.zip_member`),
-at the authors' offsets (`held_out_tail_ranges`), which the character tokenizers read byte for byte."""
+give byte ranges of the one file, or of the file inside its zip (found and CRC-checked by
+`data_tools.corpora.zip_member`), at the authors' offsets (`held_out_tail_ranges`), which the character tokenizers
+read byte for byte."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from data_tools import zip_member
-from data_tools.corpus_inputs import TREEBANK_PREFIX, InputFile, input_files, treebank_text
-from data_tools.input_error import InputError
+from data_tools.corpora import zip_member
+from data_tools.corpora.inputs import TREEBANK_PREFIX, InputFile, input_files, treebank_text
+from data_tools.errors import InputError
 
 FORMATS = ("text", "lm1b", "ptb", "enwik8", "text8", "wikitext")
 CHARACTER_FORMATS = ("enwik8", "text8")

@@ -14,14 +14,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_tools import chunking, corpus_inputs
-from data_tools.block_packer import BlockPacker, StreamPosition
-from data_tools.build_journal import STATE_NAME, BuildJournal
-from data_tools.build_settings import BuildError, BuildSettings
-from data_tools.chunking import ReadPosition
 from data_tools.command_line import describe_inputs
-from data_tools.input_digests import InputDigests, Mark
-from data_tools.tokenize_chunks import ChunkResult, Task, WorkerSettings, start_worker, tokenize_chunk
+from data_tools.corpora import chunking
+from data_tools.corpora.chunking import ReadPosition
+from data_tools.corpora.inputs import TREEBANK_PREFIX
+from data_tools.errors import InputError
+from data_tools.shards.block_packer import BlockPacker, StreamPosition
+from data_tools.shards.input_digests import InputDigests, Mark
+from data_tools.shards.journal import STATE_NAME, BuildJournal
+from data_tools.shards.settings import BuildSettings
+from data_tools.shards.tokenize_chunks import ChunkResult, Task, WorkerSettings, start_worker, tokenize_chunk
 from data_tools.workers import ordered_map
 from txl_dist.data.format import (
     MANIFEST_NAME,
@@ -83,7 +85,7 @@ def build_shards(
 class _Builder:
     def __init__(self, settings: BuildSettings, output: Path, workers: int, progress: bool):
         if workers < 1:
-            raise BuildError(f"--workers {workers}: must be at least 1")
+            raise InputError(f"--workers {workers}: must be at least 1")
         self.settings = settings
         self.output = output
         self.workers = workers
@@ -95,7 +97,7 @@ class _Builder:
         self.digests = {source: InputDigests(files) for source, files in settings.sources.items()}
         """Per source, the sha256 of what has been read of its inputs (carried over from the journal on a resume)."""
         if settings.strict and self.tokenizer.kind == "byte":
-            raise BuildError(
+            raise InputError(
                 f"--strict: {settings.tokenizer_directory} is a byte tokenizer, which keeps every byte (those that "
                 f"are not UTF-8 too): nothing is replaced for --strict to refuse; drop --strict"
             )
@@ -103,20 +105,17 @@ class _Builder:
     def run(self, resume: bool, overwrite: bool, allow_empty: bool = False) -> BuildSummary:
         # lazy: webdataset imports torch (0.85 s), which neither build_shards --help (0.17 s) nor the spawned
         # tokenising workers, which import this module, need
-        from data_tools.shard_writer import ShardWriter
+        from data_tools.shards.writer import ShardWriter
 
         started = time.perf_counter()
         # Before anything in the output is deleted: a shard of the previous build given as an input would be gone.
         inputs = [
-            f.name
-            for files in self.settings.sources.values()
-            for f in files
-            if not f.name.startswith(corpus_inputs.TREEBANK_PREFIX)
+            f.name for files in self.settings.sources.values() for f in files if not f.name.startswith(TREEBANK_PREFIX)
         ]
         try:
             refuse_output_over_inputs(self.output, inputs)
         except OutputPathError as error:
-            raise BuildError(str(error)) from None
+            raise InputError(str(error)) from None
         journal = self._prepare_output(resume, overwrite)
         # The heap of the imports (torch's, through webdataset) never becomes garbage; leaving it out of the
         # collector's passes makes the single-process build faster.
@@ -130,7 +129,7 @@ class _Builder:
         manifest = self._manifest(journal)
         empty = [name for name, split in manifest.splits.items() if split.documents == 0]
         if empty and not allow_empty:
-            raise BuildError(
+            raise InputError(
                 f"split {empty[0]!r} has no documents (its inputs are empty or blank): no manifest "
                 f"written; check the inputs, or pass --allow-empty to write empty splits"
             )
@@ -151,10 +150,10 @@ class _Builder:
 
     def _prepare_output(self, resume: bool, overwrite: bool) -> BuildJournal:
         if resume and overwrite:
-            raise BuildError("--resume and --overwrite exclude each other")
+            raise InputError("--resume and --overwrite exclude each other")
         output = self.output
         if output.exists() and not output.is_dir():
-            raise BuildError(f"{output}: exists and is not a directory")
+            raise InputError(f"{output}: exists and is not a directory")
         output.mkdir(parents=True, exist_ok=True)
         state_path = output / STATE_NAME
         if resume and state_path.exists():
@@ -174,10 +173,10 @@ class _Builder:
         entries = sorted(p.name for p in output.iterdir())
         if entries and resume:
             if (output / MANIFEST_NAME).exists():
-                raise BuildError(f"{output}: the build is complete ({MANIFEST_NAME} exists), nothing to resume")
-            raise BuildError(f"{output}: no {STATE_NAME} to resume from; start again with --overwrite")
+                raise InputError(f"{output}: the build is complete ({MANIFEST_NAME} exists), nothing to resume")
+            raise InputError(f"{output}: no {STATE_NAME} to resume from; start again with --overwrite")
         if entries and not overwrite:
-            raise BuildError(
+            raise InputError(
                 f"{output}: not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
                 f"pass --overwrite to replace its shards, or --resume to continue an interrupted build"
             )
@@ -193,12 +192,12 @@ class _Builder:
                 path = self.output / entry.path
                 journaled.add(entry.path)
                 if not path.is_file():
-                    raise BuildError(
+                    raise InputError(
                         f"{path}: missing, but {journal.path} lists it as written; start again with --overwrite"
                     )
                 actual = sha256_file(path)
                 if actual != entry.sha256:
-                    raise BuildError(
+                    raise InputError(
                         f"{path}: sha256 {actual} differs from {entry.sha256} in {journal.path}; the shard "
                         f"changed after it was written: start again with --overwrite"
                     )

@@ -1,9 +1,9 @@
 """The parent's half of reading the inputs: `read_chunks` cuts their bytes into `Chunk`s of whole documents (a
-document is a whole file, a line or a paragraph: ``DOC_UNITS``, ``--doc-per``), looking only for line ends and
-blank lines, so that the parent process stays light while workers decode the chunks (`data_tools.text_decoding`).
+document is a whole file, a line or a paragraph: ``DOC_UNITS``, ``--doc-per``), looking only for line ends and blank
+lines, so that the parent process stays light while workers decode the chunks (`data_tools.corpora.text_decoding`).
 Chunks depend on the input and ``chunk_bytes`` alone, and each records where it starts (`ReadPosition`), so that a
-build can restart at any chunk; `portable` and `resolve` send a chunk of a plain file to a worker as where its
-bytes lie, and read them again there."""
+build can restart at any chunk; `portable` and `resolve` send a chunk of a plain file to a worker as where its bytes
+lie, and read them again there."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
-from data_tools.corpus_inputs import TREEBANK_PREFIX, InputFile
-from data_tools.input_error import InputError
+from data_tools.corpora.inputs import TREEBANK_PREFIX, InputFile
+from data_tools.errors import InputError
 
 DOC_UNITS = ("line", "blank-line", "file")
 DEFAULT_CHUNK_BYTES = 1 << 20

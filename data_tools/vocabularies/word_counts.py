@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from data_tools import chunking, text_decoding
+from data_tools.corpora import chunking, text_decoding
 from txl_dist import word_scan
 
 

@@ -1,4 +1,4 @@
-"""Training the vocabularies that need no model: words by count, every byte value, the characters of the text."""
+"""Building the vocabularies that need no model: words by count, every byte value, the characters of the text."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools import character_documents, chunking, text_decoding
-from data_tools.training_input import Reading, TrainError
+from data_tools.corpora import character_documents, chunking, text_decoding
+from data_tools.errors import InputError
+from data_tools.vocabularies.reading import Reading
 from txl_dist.tokenizer import (
     BYTE_VOCAB,
     CHAR_VOCAB,
@@ -37,10 +38,10 @@ def train_word(
     least ``min_count`` times by descending count (ties in code point order), at most ``max_size`` entries in
     all. The words are counted by ``workers`` processes; the vocabulary is the same for any number."""
     if min_count < 1:
-        raise TrainError(f"--min-count {min_count}: must be at least 1")
+        raise InputError(f"--min-count {min_count}: must be at least 1")
     specials, eos = _word_specials(specials, eos, eod, unk)
     if max_size is not None and max_size <= len(specials) + 1:
-        raise TrainError(f"--max-size {max_size}: leaves no room for words besides the specials {specials}")
+        raise InputError(f"--max-size {max_size}: leaves no room for words besides the specials {specials}")
     counts = reading.count_words(workers)
     words = sorted(
         (word for word, count in counts.items() if count >= min_count and word not in specials),
@@ -82,13 +83,13 @@ def _word_specials(specials: list[str], eos: str | None, eod: str | None, unk: s
     """The special tokens of a word vocabulary, ``eod`` appended when it is not one, and the separator."""
     specials = list(dict.fromkeys(specials))
     if not specials:
-        raise TrainError("--specials: give at least the end-of-sentence token, e.g. --specials '<eos>'")
+        raise InputError("--specials: give at least the end-of-sentence token, e.g. --specials '<eos>'")
     eos = eos or specials[0]
     for flag, token in (("--eos", eos), ("--eod", eod), ("--unk", unk)):
         if token is not None and (not token or any(c.isspace() for c in token)):
-            raise TrainError(f"{flag} {token!r}: a token cannot be empty or contain whitespace")
+            raise InputError(f"{flag} {token!r}: a token cannot be empty or contain whitespace")
     if eos not in specials:
-        raise TrainError(f"--eos {eos!r} is not one of --specials {specials}")
+        raise InputError(f"--eos {eos!r} is not one of --specials {specials}")
     if eod is not None and eod not in specials:
         specials.append(eod)
     return specials, eos
@@ -114,7 +115,7 @@ def train_char(reading: Reading, output: Path, alphabet: str | None) -> Tokenize
     order."""
     counts: collections.Counter = collections.Counter()
     if alphabet is not None and len(set(alphabet)) != len(alphabet):
-        raise TrainError(f"--alphabet {alphabet!r}: a character appears twice")
+        raise InputError(f"--alphabet {alphabet!r}: a character appears twice")
     for chunk, text in reading.character_texts("counting characters", "char"):
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         values, value_counts = np.unique(codes, return_counts=True)
@@ -135,7 +136,7 @@ def train_char(reading: Reading, output: Path, alphabet: str | None) -> Tokenize
     )
 
 
-def _outside_the_alphabet(chunk: chunking.Chunk, text: str, outside: set[str], alphabet: str, field: str) -> TrainError:
+def _outside_the_alphabet(chunk: chunking.Chunk, text: str, outside: set[str], alphabet: str, field: str) -> InputError:
     """The error for the first character of ``text`` (what the chunk holds for a char tokenizer) that is not in
     ``alphabet``, naming where it is: the byte offset and line, or the line of the .jsonl record."""
     advice = "add it to --alphabet, or leave --alphabet out to learn the text's characters"
@@ -144,14 +145,14 @@ def _outside_the_alphabet(chunk: chunking.Chunk, text: str, outside: set[str], a
         for number, value in text_decoding.jsonl_records(raw, chunk, field):
             found = [c for c in value if c in outside]
             if found:
-                return TrainError(
+                return InputError(
                     f"{chunk.path}, line {number}: character {found[0]!r} (U+{ord(found[0]):04X}) of the record's "
                     f"text is not in --alphabet {alphabet!r}; {advice}"
                 )
     index = min(text.find(character) for character in outside if character in text)
     offset = chunk.start.offset + len(text[:index].encode("utf-8", "surrogatepass"))
     line = chunk.start.line + text.count("\n", 0, index)
-    return TrainError(
+    return InputError(
         f"{chunk.path}: character {text[index]!r} (U+{ord(text[index]):04X}) at byte offset {offset} (line {line}) "
         f"is not in --alphabet {alphabet!r}; {advice}"
     )

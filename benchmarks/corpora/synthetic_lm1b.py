@@ -1,9 +1,10 @@
 """Write a synthetic corpus with the layout and the statistics of One Billion Word (Chelba et al., 2013).
 
+    # from the repository root (benchmarks/ is not part of the installed package)
     # the full shape: 99 training files and 50 heldout files, 30.3M sentences, 0.8B tokens, ~3.1 GB
-    python -m data_tools.synthetic_lm1b --output /tmp/lm1b_synthetic --scale 1.0 --workers 2
+    python -m benchmarks.corpora.synthetic_lm1b --output /tmp/lm1b_synthetic --scale 1.0 --workers 2
     # a hundredth of it, for a rehearsal of the whole pipeline in a minute
-    python -m data_tools.synthetic_lm1b --output /tmp/lm1b_small --scale 0.01
+    python -m benchmarks.corpora.synthetic_lm1b --output /tmp/lm1b_small --scale 0.01
 
 The directory is ``1-billion-word-language-modeling-benchmark-r13output/`` with
 ``training-monolingual.tokenized.shuffled/news.en-000{01..99}-of-00100`` and
@@ -43,8 +44,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_tools import benchmark_corpora
 from data_tools.command_line import OneLineParser
+from data_tools.corpora import published
 from txl_dist.exit_status import os_error_status, print_error, run_command
 from txl_dist.fileio import describe_os_error, ensure_directory
 
@@ -82,9 +83,9 @@ class CorpusShape:
         """(path relative to the root, sentences) of every file, training files first."""
         train = max(1, round(TRAIN_SENTENCES_PER_FILE * self.scale))
         heldout = max(1, round(HELDOUT_SENTENCES_PER_FILE * self.scale))
-        return [
-            (f"{benchmark_corpora.LM1B_TRAIN_DIR}/{name}", train) for name in benchmark_corpora.LM1B_TRAIN_FILES
-        ] + [(f"{benchmark_corpora.LM1B_HELDOUT_DIR}/{name}", heldout) for name in HELDOUT_FILES]
+        return [(f"{published.LM1B_TRAIN_DIR}/{name}", train) for name in published.LM1B_TRAIN_FILES] + [
+            (f"{published.LM1B_HELDOUT_DIR}/{name}", heldout) for name in HELDOUT_FILES
+        ]
 
 
 def sample_ranks(shape: CorpusShape, size: int, generator: np.random.Generator) -> np.ndarray:
@@ -187,7 +188,7 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
     """Write the corpus under ``output/{ROOT_NAME}``; returns its statistics (also written as
     ``synthetic.json`` beside the two folders)."""
     root = Path(output) / ROOT_NAME
-    for directory in (benchmark_corpora.LM1B_TRAIN_DIR, benchmark_corpora.LM1B_HELDOUT_DIR):
+    for directory in (published.LM1B_TRAIN_DIR, published.LM1B_HELDOUT_DIR):
         (root / directory).mkdir(parents=True, exist_ok=True)
     tasks = [
         (shape, relative, index, sentences, str(root)) for index, (relative, sentences) in enumerate(shape.files())
@@ -209,7 +210,7 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
             disable=not progress,
             dynamic_ncols=True,
         ):
-            part = totals["train" if relative.startswith(benchmark_corpora.LM1B_TRAIN_DIR) else "heldout"]
+            part = totals["train" if relative.startswith(published.LM1B_TRAIN_DIR) else "heldout"]
             part[0] += size
             part[1] += sentences
             part[2] += words
@@ -234,7 +235,7 @@ def write_corpus(output: str | Path, shape: CorpusShape, workers: int = 1, progr
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         name="synthetic_lm1b",
-        prog="python -m data_tools.synthetic_lm1b",
+        prog="python -m benchmarks.corpora.synthetic_lm1b",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """What proves the input of an interrupted shard build: the sha256 of the bytes its finished shards were read from.
 
-The journal (`data_tools.build_journal`) records, with each finished shard, per input file of a source the sha256
+The journal (`data_tools.shards.journal`) records, with each finished shard, per input file of a source the sha256
 of its bytes from its start up to the end of the chunk that the split furthest ahead continues in (decompressed
 bytes for ``.gz`` and zip members, counted from the start of a byte range): every byte whose documents a finished
 shard may hold. The builder reads every byte anyway; hashing them as they pass costs about 0.12 s per 100 MB.
@@ -17,9 +17,9 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from data_tools.build_settings import BuildError
-from data_tools.chunking import Chunk, ReadPosition
-from data_tools.corpus_inputs import InputFile
+from data_tools.corpora.chunking import Chunk, ReadPosition
+from data_tools.corpora.inputs import InputFile
+from data_tools.errors import InputError
 
 _READ_BYTES = 1 << 20
 
@@ -74,21 +74,21 @@ class InputDigests:
         cls, files: list[InputFile], recorded: list[dict[str, Any]], read_from: ReadPosition, journal: Path
     ) -> InputDigests:
         """The digests of a source that continues at ``read_from``, each recorded one checked against the input as
-        it is now (a `BuildError` naming the file when they differ). The file that reading continues in keeps its
+        it is now (an `InputError` naming the file when they differ). The file that reading continues in keeps its
         hash up to ``read_from``; files before it are finished; files after it are read again from their start."""
         digests = cls(files)
         for entry in recorded:
             index, count = int(entry["file"]), int(entry["bytes"])
             if not 0 <= index < len(files) or files[index].name != entry["name"]:
-                raise BuildError(f"{journal}: its input digests do not match the inputs; start again with --overwrite")
+                raise InputError(f"{journal}: its input digests do not match the inputs; start again with --overwrite")
             input_file = files[index]
             resume_at = read_from.offset - input_file.start if index == read_from.file else None
             if resume_at is not None and resume_at > count:
-                raise BuildError(f"{journal}: continues past the input bytes it hashed; start again with --overwrite")
+                raise InputError(f"{journal}: continues past the input bytes it hashed; start again with --overwrite")
             hasher, kept = _hash_prefix(input_file, count, resume_at)
             if hasher.hexdigest() != entry["sha256"]:
                 part = f"its first {count:,} bytes" if input_file.stop is None else f"{count:,} bytes of its range"
-                raise BuildError(
+                raise InputError(
                     f"{input_file.name}: changed since the interrupted build (the sha256 of {part} differs from "
                     f"the one in {journal}); resume with the inputs as they were, or start again with --overwrite"
                 )
@@ -98,7 +98,7 @@ class InputDigests:
                 digests._file, digests._hasher, digests._hashed = index, kept, resume_at
         at = read_from.file
         if at < len(files) and digests._file is None and read_from.offset > files[at].start:
-            raise BuildError(f"{journal}: records no digest of {files[at].name}; start again with --overwrite")
+            raise InputError(f"{journal}: records no digest of {files[at].name}; start again with --overwrite")
         return digests
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from data_tools.build_settings import BuildError
-from data_tools.tokenize_chunks import StreamPiece
+from data_tools.errors import InputError
+from data_tools.shards.tokenize_chunks import StreamPiece
 from txl_dist.data.format import ShardEntry
 
 
@@ -55,7 +55,7 @@ class BlockPacker:
         if self._resume_inside is not None:
             resume, self._resume_inside = self._resume_inside, None
             if (chunk, int(indices[0])) != (resume.chunk, resume.document):
-                raise BuildError(
+                raise InputError(
                     f"the input no longer matches the journal: the split should continue inside "
                     f"document {resume.document} of chunk {resume.chunk}"
                 )

@@ -1,10 +1,10 @@
-"""The workers' half of reading the inputs: `chunk_documents` decodes a `Chunk` of `data_tools.chunking` as UTF-8
-(a byte that is not is refused, `invalid_utf8`, or replaced) and cuts it into documents, each a list of lines: a
-whole file, a line (PTB, One Billion Word sentences) or a paragraph, the lines between blank lines (``--doc-per
+"""The workers' half of reading the inputs: `chunk_documents` decodes a `Chunk` of `data_tools.corpora.chunking` as
+UTF-8 (a byte that is not is refused, `invalid_utf8`, or replaced) and cuts it into documents, each a list of lines:
+a whole file, a line (PTB, One Billion Word sentences) or a paragraph, the lines between blank lines (``--doc-per
 file|line|blank-line``); a JSON record (`jsonl_records`) is always one document. Lines end at ``\\n`` only
 (``\\r\\n`` is read as ``\\n``): Python's ``str.splitlines`` would also break at U+2028, U+0085 and the like, which
-occur inside One Billion Word sentences. Byte and char tokenizers cut chunks with `data_tools.character_documents`
-instead, which keeps every byte."""
+occur inside One Billion Word sentences. Byte and char tokenizers cut chunks with
+`data_tools.corpora.character_documents` instead, which keeps every byte."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from data_tools.chunking import Chunk
-from data_tools.input_error import InputError
+from data_tools.corpora.chunking import Chunk
+from data_tools.errors import InputError
 
 
 @dataclasses.dataclass
