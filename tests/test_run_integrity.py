@@ -161,7 +161,7 @@ def test_the_start_removes_what_a_stopped_run_left_unfinished_and_names_the_rest
     (tmp_path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
     (tmp_path / "notes.txt").write_text("the user's\n")
     with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
-        CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=1).remove_incomplete()
+        CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=1).remove_unfinished()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "notes.txt", tag_dir.name, "zero_to_fp32.py"]
     removed = [record.getMessage() for record in caplog.records if record.getMessage().startswith("removing")]
     assert len(removed) == 5 and any(f"removing {universal}: a universal conversion" in line for line in removed)

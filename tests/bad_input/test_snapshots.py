@@ -1,7 +1,7 @@
 """Memory snapshots whose own description cannot be trusted (issue 48's campaign, "snap_*", "runid_*", "md_*"): a
 snapshot is a recovery path, so a damaged, foreign, misnamed or unwritable one costs only its own protection,
 never the run and never another run. A world of one rank (gloo) in this process; the restore writes into a real
-checkpoints folder through `CheckpointManager.mark_restored`."""
+checkpoints folder through `CheckpointManager.mark_complete`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tests.test_snapshots import manifest_of
 from txl_dist.checkpoint_paths import COMPLETE
 from txl_dist.checkpoints.manager import CheckpointManager
+from txl_dist.checkpoints.record import CheckpointRecord
 from txl_dist.checkpoints.snapshot_files import (
     RUN_ID,
     SNAPSHOT,
@@ -81,7 +82,7 @@ def snapshots(run, taking: bool = True) -> Snapshots:
 
 def restore(run, newer_than: int = -1) -> int | None:
     manager = CheckpointManager(run.checkpoints, rank=0, world_size=1, keep_last=2)
-    return snapshots(run).restore(run.checkpoints, manager.mark_restored, newer_than)
+    return snapshots(run).restore(run.checkpoints, manager.mark_complete, newer_than)
 
 
 def without(key):
@@ -197,7 +198,7 @@ def test_a_copied_run_folder_is_a_run_of_its_own(world, run, tmp_path, caplog):
     assert read_run_id(copy / RUN_ID, str(copy.resolve())) == (identity, "")
     branch = Snapshots(run.memory, RUN, copy, 0, 1, ["node1"])  # even with the original's id, its folder differs
     manager = CheckpointManager(copy / "checkpoints", rank=0, world_size=1, keep_last=2)
-    assert branch.restore(copy / "checkpoints", manager.mark_restored, -1) is None
+    assert branch.restore(copy / "checkpoints", manager.mark_complete, -1) is None
     assert "it belongs to the run folder" in caplog.text
     assert (run.root / "rank00000" / "step00000014" / SNAPSHOT).is_file()
 
@@ -236,12 +237,12 @@ def test_a_full_memory_folder_costs_only_the_snapshots_protection(world, run, tm
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip() or 'not root'})")
     try:
         taker = Snapshots(mount, RUN, run.path, 0, 1, ["node1"])
-        meta = {"streams_per_rank": 8, "architecture": {}, "zero_stage": 2, "health": None}
+        facts = {"world_size": 1, "streams_per_rank": 8, "architecture": {}, "zero_stage": 2}
 
         def snapshot(step: int, size: int) -> float | None:
             tag_dir = Path(f"/t/step{step:08d}")
             job = SimpleNamespace(path=tag_dir / "state.pt", write=lambda handle: handle.write(b"x" * size))
-            return taker.take([job], tag_dir, {**meta, "step": step})
+            return taker.take([job], tag_dir, CheckpointRecord(step=step, **facts))
 
         with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
             assert snapshot(2, 2**20) is None

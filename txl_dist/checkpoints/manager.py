@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,13 @@ from txl_dist.checkpoint_paths import (
     RANK_STATES,
     complete_tags,
     files_on_disk,
-    is_complete,
     tag_for_step,
     universal_tag,
 )
 from txl_dist.checkpoints import rotation, weights_only
 from txl_dist.checkpoints.background import BackgroundWrite, FileJob, host_copy
 from txl_dist.checkpoints.rank_state import RankState, rank_state_job, read_rank_states, write_rank_state
+from txl_dist.checkpoints.record import CheckpointRecord
 from txl_dist.checkpoints.recording import RecordingCheckpointEngine
 from txl_dist.checkpoints.resume_choice import ResumeChoice
 from txl_dist.checkpoints.universal import LoadKind, ResumePlan, load_into_stage0, write_universal
@@ -61,28 +62,46 @@ log = logging.getLogger("txl_dist.training")
 
 
 @dataclass
-class PendingSave:
-    """A checkpoint whose files a thread is writing (checkpoint.background): what its COMPLETE.json will say."""
+class Save:
+    """One checkpoint being saved, until it is complete: the facts its COMPLETE.json will record, and the figures
+    of the save that the trainer's log line gives."""
 
     tag: str
-    step: int
-    streams_per_rank: int
-    architecture: dict[str, Any]
-    zero_stage: int
+    record: CheckpointRecord
     best_tag: str | None
-    health: dict[str, Any] | None
-    write: BackgroundWrite
-    stall: float
-    """Seconds training waited for this save: the host copy of every file."""
+    """The best checkpoint by validation loss, which rotation keeps beside it."""
+    write: BackgroundWrite | None = None
+    """The thread writing its files (checkpoint.background); None for a save written before training goes on."""
+    stall: float = 0.0
+    """Seconds training waited for it: the whole save, or a background save's host copy of every file."""
+    seconds: float = 0.0
+    """Once complete: seconds its files took to write (a background save's, in its thread)."""
+    bytes: int = 0
+    """Once complete, on rank 0: its files' bytes, every rank's together."""
+    waited: bool = False
+    """A background save that the next save came to wait for."""
+
+    @property
+    def background(self) -> bool:
+        return self.write is not None
 
 
 class CheckpointManager(ResumeChoice):
     """The checkpoints of one run's ``directory``, as rank ``rank`` of ``world_size`` takes part in them (which one
     a start or a rollback takes: `ResumeChoice`)."""
 
-    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, keep_last: int):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        on_complete: Callable[[Save], None] | None = None,
+    ):
         self.directory = Path(directory)
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
+        self.on_complete = on_complete
+        """Called on every rank with each save once it is complete (the trainer's log line)."""
         self.damaged: set[str] = set()
         """Checkpoints this run found damaged: never resumed, not counted by `keep_last`, never removed."""
         self.sick: set[str] = set()
@@ -92,10 +111,7 @@ class CheckpointManager(ResumeChoice):
         """Checkpoints rotation never removes: the healthy state a numerical fault rolled back to."""
         self.newest_verified: str | None = None
         """The newest checkpoint known good (verified at resume, or written by this run): never rotated away."""
-        self._saving: str | None = None
-        self.last_save_bytes = 0
-        """Rank 0: the bytes of the last checkpoint this run wrote, every rank's files together."""
-        self.pending: PendingSave | None = None
+        self.pending: Save | None = None
         """The save whose files are being written in the background, until it is complete."""
         self._complete_count = 0
         """The complete checkpoints the last `newest_good_tag` found, good or not."""
@@ -106,12 +122,13 @@ class CheckpointManager(ResumeChoice):
         """Complete checkpoints, oldest first."""
         return complete_tags(self.directory)
 
-    def remove_incomplete(self) -> None:
-        """Rank 0, before training (the run lock held): `rotation.remove_unfinished`."""
+    def remove_unfinished(self) -> None:
+        """Rank 0, with the run lock held: what no complete checkpoint owns goes (`rotation.remove_unfinished`):
+        before training, what a stopped run left; when this run fails, its own save in flight."""
         if self.rank == 0:
             rotation.remove_unfinished(self.directory)
 
-    # ---- saving ------------------------------------------------------------------------------------------------
+    # ---- the save lifecycle: save, then poll at each step's agreement or finish ----------------------------------
 
     def install(self, engine) -> RecordingCheckpointEngine:
         """Route DeepSpeed's checkpoint files through `RecordingCheckpointEngine` (after initialize; once is
@@ -121,24 +138,22 @@ class CheckpointManager(ResumeChoice):
     def save(
         self,
         engine,
-        step: int,
+        record: CheckpointRecord,
         client_state: dict[str, Any],
         rank_state: RankState,
-        architecture: dict[str, Any],
+        *,
         best_tag: str | None = None,
         background: bool = False,
-        health: dict[str, Any] | None = None,
-    ) -> str:
-        """Collective: every rank calls it at the same step. ``architecture`` goes into COMPLETE.json, where a
-        resuming run checks it before building anything, and ``health`` (the step's loss and gradient norm), which
-        resume and rotation read. With ``background``, the files are copied into host
-        memory and written by a thread (`txl_dist.checkpoints.background`): the checkpoint is `pending` until
-        `complete_pending`; a save in flight is finished first (at most one)."""
-        self.finish_pending()
+    ) -> Save:
+        """Collective: every rank calls it at the same step. ``record`` goes into COMPLETE.json, where a resuming
+        run reads it before building anything. Written now, the save is complete when this returns; with
+        ``background``, the files are copied into host memory and written by a thread
+        (`txl_dist.checkpoints.background`), and the save stays `pending` until `poll` or `finish` completes it.
+        A save in flight is finished first (at most one)."""
+        self.finish(waited=True)
         recorder = self.install(engine)
-        tag = tag_for_step(step)
-        tag_dir = self.directory / tag
-        self._saving = tag
+        save = Save(tag_for_step(record.step), record, best_tag)
+        tag_dir = self.directory / save.tag
         if self.rank == 0 and tag_dir.exists():
             # A folder of this name from an earlier attempt (an interrupted save, or a run that did not resume):
             # its files must not mix with this save's, nor can it stay marked complete meanwhile.
@@ -149,35 +164,92 @@ class CheckpointManager(ResumeChoice):
         if background:
             recorder.deferred = []
             try:
-                engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
+                engine.save_checkpoint(str(self.directory), tag=save.tag, client_state=client_state, save_latest=False)
             finally:
                 jobs, recorder.deferred = recorder.deferred, None
             jobs.append(rank_state_job(tag_dir, host_copy(rank_state, recorder.buffers, ("rank_state",))))
-            self.pending = PendingSave(
-                tag,
-                step,
-                len(rank_state.stream_ids),
-                architecture,
-                engine.zero_optimization_stage(),
-                best_tag,
-                health,
-                BackgroundWrite(jobs).start(),
-                stall=time.perf_counter() - began,
+            save.write = BackgroundWrite(jobs).start()
+            save.stall = time.perf_counter() - began
+            self.pending = save
+            return save
+        engine.save_checkpoint(str(self.directory), tag=save.tag, client_state=client_state, save_latest=False)
+        self._complete(save, {**recorder.written, **write_rank_state(tag_dir, rank_state)})
+        save.stall = save.seconds = time.perf_counter() - began
+        self._completed(save)
+        return save
+
+    def writing(self) -> bool:
+        """Whether this rank's thread still writes the pending save: what each rank brings to the agreement that
+        ends a step (`poll`)."""
+        return self.pending is not None and self.pending.write.running
+
+    def poll(self, writing_anywhere: bool) -> Save | None:
+        """Collective, once the ranks agreed whether any rank's thread still writes the pending save (`writing`):
+        when none does, the save completed, at the same step on every rank, and returned; else None."""
+        if self.pending is None or writing_anywhere:
+            return None
+        return self._complete_pending(waited=False)
+
+    def finish(self, waited: bool = False) -> Save | None:
+        """Collective: wait for this rank's thread and complete the pending save (None when there was none):
+        before another save (``waited``), a rollback, and the end of the run."""
+        if self.pending is None:
+            return None
+        return self._complete_pending(waited)
+
+    def _complete_pending(self, waited: bool) -> Save:
+        """The pending save marked COMPLETE once every rank's write has ended, or, when a rank's write failed,
+        that rank's error (the others raise a one-line error that points at it)."""
+        save, self.pending = self.pending, None
+        save.write.wait()
+        failures: list[str | None] = [None] * self.world_size
+        mine = None if save.write.error is None else f"{type(save.write.error).__name__}"
+        dist.all_gather_object(failures, mine)
+        if save.write.error is not None:
+            raise save.write.error
+        failed = [rank for rank, failure in enumerate(failures) if failure is not None]
+        if failed:
+            raise CommandFailure(
+                f"the background write of checkpoint {self.directory / save.tag} failed on rank {failed[0]}"
             )
-            return tag
-        engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state, save_latest=False)
-        written = {**recorder.written, **write_rank_state(tag_dir, rank_state)}
-        self._complete(
-            tag,
-            written,
-            step=step,
-            streams_per_rank=len(rank_state.stream_ids),
-            architecture=architecture,
-            zero_stage=engine.zero_optimization_stage(),
-            best_tag=best_tag,
-            health=health,
+        self._complete(save, save.write.written)
+        save.seconds, save.waited = save.write.seconds, waited
+        self._completed(save)
+        return save
+
+    def _completed(self, save: Save) -> None:
+        if self.on_complete is not None:
+            self.on_complete(save)
+
+    def _complete(self, save: Save, written: dict[str, FileChecksum]) -> None:
+        """Collective, once this rank's files are written (WRITTEN: their checksums by absolute path): rank 0
+        marks the checkpoint complete when every rank's are, then rotates."""
+        tag_dir = self.directory / save.tag
+        mine = {
+            Path(path).relative_to(tag_dir.absolute()).as_posix(): checksum
+            for path, checksum in written.items()
+            if Path(path).is_relative_to(tag_dir.absolute())
+        }
+        # Gathering the checksums is also the barrier: every rank has written before the checkpoint is complete.
+        gathered: list[dict[str, FileChecksum]] | None = (
+            [{} for _ in range(self.world_size)] if self.rank == 0 else None
         )
-        return tag
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank == 0:
+            files: dict[str, FileChecksum] = {}
+            for rank_files in gathered:
+                files.update(rank_files)
+            save.bytes = sum(checksum.bytes for checksum in files.values())
+            self.mark_complete(tag_dir, files, save.record)
+        self.damaged.discard(save.tag)
+        self.sick.discard(save.tag)  # a folder of this name from before (removed when this save began) is gone
+        if health_problem(save.record.fields()) is not None:  # numerics.check=false: never resumed, never counted
+            self.sick.add(save.tag)
+        else:
+            self.newest_verified = save.tag  # its checksums are those of the bytes written, and the files are synced
+        if self.rank == 0:
+            self._prune(keep={save.tag, save.best_tag} - {None})
+        dist.barrier()
 
     def snapshot_jobs(
         self, engine, step: int, client_state: dict[str, Any], rank_state: RankState, scratch: Path
@@ -197,141 +269,19 @@ class CheckpointManager(ResumeChoice):
         shutil.rmtree(tag_dir, ignore_errors=True)
         return [*jobs, rank_state_job(tag_dir, rank_state)], tag_dir
 
-    def mark_restored(self, tag_dir: Path, files: dict[str, FileChecksum], manifest: dict[str, Any]) -> None:
-        """Rank 0: a checkpoint written back from memory snapshots (`txl_dist.checkpoints.snapshots.Snapshots.restore`),
-        complete with the checksums of the bytes written and the facts of the snapshot's manifest."""
-        self._mark_complete(
-            tag_dir,
-            files,
-            step=manifest["step"],
-            streams_per_rank=manifest["streams_per_rank"],
-            architecture=manifest["architecture"],
-            zero_stage=manifest["zero_stage"],
-            world_size=manifest["world_size"],
-            health=manifest.get("health"),
-        )
-
-    def writing(self) -> tuple[bool, bool]:
-        """This rank's part of a background save: (its thread still writes, its thread failed)."""
-        if self.pending is None:
-            return False, False
-        write = self.pending.write
-        return write.running, not write.running and write.error is not None
-
-    def complete_pending(self) -> PendingSave:
-        """Collective, once every rank's write has ended (`writing` is False everywhere, as the ranks agreed):
-        the pending checkpoint marked COMPLETE, or, when a rank's write failed, that rank's error (the others
-        raise a one-line error that points at it)."""
-        pending = self.pending
-        assert pending is not None
-        pending.write.wait()
-        failures: list[str | None] = [None] * self.world_size
-        mine = None if pending.write.error is None else f"{type(pending.write.error).__name__}"
-        dist.all_gather_object(failures, mine)
-        self.pending = None
-        if pending.write.error is not None:
-            raise pending.write.error
-        failed = [rank for rank, failure in enumerate(failures) if failure is not None]
-        if failed:
-            raise CommandFailure(
-                f"the background write of checkpoint {self.directory / pending.tag} failed on rank {failed[0]}"
-            )
-        self._complete(
-            pending.tag,
-            pending.write.written,
-            step=pending.step,
-            streams_per_rank=pending.streams_per_rank,
-            architecture=pending.architecture,
-            zero_stage=pending.zero_stage,
-            best_tag=pending.best_tag,
-            health=pending.health,
-        )
-        return pending
-
-    def finish_pending(self) -> PendingSave | None:
-        """Collective: wait for this rank's background write and complete the pending checkpoint (None when there
-        was none): before another save, and at the end of the run."""
-        if self.pending is None:
-            return None
-        return self.complete_pending()
-
-    def _complete(
-        self,
-        tag: str,
-        written: dict[str, FileChecksum],
-        *,
-        step: int,
-        streams_per_rank: int,
-        architecture: dict[str, Any],
-        zero_stage: int,
-        best_tag: str | None,
-        health: dict[str, Any] | None,
-    ) -> None:
-        """Collective, once this rank's files are written (WRITTEN: their checksums by absolute path): rank 0
-        marks the checkpoint complete when every rank's are, then rotates."""
-        tag_dir = self.directory / tag
-        mine = {
-            Path(path).relative_to(tag_dir.absolute()).as_posix(): checksum
-            for path, checksum in written.items()
-            if Path(path).is_relative_to(tag_dir.absolute())
-        }
-        # Gathering the checksums is also the barrier: every rank has written before the checkpoint is complete.
-        gathered: list[dict[str, FileChecksum]] | None = (
-            [{} for _ in range(self.world_size)] if self.rank == 0 else None
-        )
-        dist.gather_object(mine, gathered, dst=0)
-        if self.rank == 0:
-            files: dict[str, FileChecksum] = {}
-            for rank_files in gathered:
-                files.update(rank_files)
-            self.last_save_bytes = sum(checksum.bytes for checksum in files.values())
-            self._mark_complete(
-                tag_dir,
-                files,
-                step=step,
-                streams_per_rank=streams_per_rank,
-                architecture=architecture,
-                zero_stage=zero_stage,
-                health=health,
-            )
-        self._saving = None
-        self.damaged.discard(tag)
-        self.sick.discard(tag)  # a folder of this name from before (removed when this save began) is gone
-        if health_problem({"health": health}) is not None:  # numerics.check=false: never resumed, never counted
-            self.sick.add(tag)
-        else:
-            self.newest_verified = tag  # its checksums are those of the bytes written, and the files are synced
-        if self.rank == 0:
-            self._prune(keep={tag, best_tag} - {None})
-        dist.barrier()
-
-    def _mark_complete(
-        self,
-        tag_dir: Path,
-        files: dict[str, FileChecksum],
-        *,
-        step: int,
-        streams_per_rank: int,
-        architecture: dict[str, Any],
-        zero_stage: int,
-        world_size: int | None = None,
-        health: dict[str, Any] | None = None,
-    ) -> None:
-        """Rank 0, once every rank has written: COMPLETE.json listing ``files`` (and any file on disk written
-        around the checkpoint engine), then ``latest``. WORLD_SIZE: the ranks that saved it (this run's)."""
+    def mark_complete(self, tag_dir: Path, files: dict[str, FileChecksum], record: CheckpointRecord) -> None:
+        """Rank 0, once every rank has written (a save of this run, or a checkpoint written back from memory
+        snapshots: `txl_dist.checkpoints.snapshots.Snapshots.restore`): COMPLETE.json with ``record`` and
+        ``files`` (and any file on disk written around the checkpoint engine), then ``latest``."""
         for name in sorted(files_on_disk(tag_dir) - set(files)):
             # Not written through the checkpoint engine (none today): read back to be listed all the same.
             log.info("checksumming %s, written outside DeepSpeed's checkpoint engine", tag_dir / name)
             files[name] = file_checksum(tag_dir / name)
-        # Rank r owns streams [r * n, (r + 1) * n): a resuming rank opens only the files of its streams.
+        fields = record.fields()
         marker = {
-            "step": step,
-            "world_size": self.world_size if world_size is None else world_size,
-            "streams_per_rank": streams_per_rank,
+            **{key: fields[key] for key in ("step", "world_size", "streams_per_rank")},
             "rank_states": sorted(p.name for p in (tag_dir / RANK_STATES).glob("rank*.pt")),
-            "architecture": architecture,
-            "zero_stage": zero_stage,
-            **({"health": health} if health is not None else {}),
+            **{key: value for key, value in fields.items() if key not in ("step", "world_size", "streams_per_rank")},
             "checksum": CHECKSUM_NAME,
             FILES_KEY: {name: files[name].to_json() for name in sorted(files)},
         }
@@ -339,12 +289,6 @@ class CheckpointManager(ResumeChoice):
         atomic_write_text(self.directory / LATEST, tag_dir.name + "\n")
         # DeepSpeed writes this pointer when the run resumed through a universal checkpoint; ours is `latest`.
         (self.directory / LATEST_UNIVERSAL).unlink(missing_ok=True)
-
-    def remove_unfinished_save(self) -> None:
-        """Rank 0, when the run fails: remove the folder of a save that did not complete (nothing partial stays)."""
-        tag = self._saving
-        if self.rank == 0 and tag is not None and not is_complete(self.directory / tag):
-            shutil.rmtree(self.directory / tag, ignore_errors=True)
 
     def _prune(self, keep: set[str]) -> None:
         rotation.prune(

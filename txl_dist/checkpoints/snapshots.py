@@ -32,7 +32,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ import torch.distributed as dist
 from txl_dist.checkpoint_paths import step_of_tag, tag_for_step
 from txl_dist.checkpoints.background import FileJob
 from txl_dist.checkpoints.manager import CheckpointManager
+from txl_dist.checkpoints.record import CheckpointRecord
 from txl_dist.checkpoints.snapshot_files import (
     MEMORY_FILESYSTEMS,
     ROOT_PREFIX,
@@ -175,11 +175,11 @@ class Snapshots:
         recovery script): not in the memory folder, so that a full one fails only the snapshot's own write."""
         return Path(tempfile.gettempdir()) / f"txl_dist-{self.identity}-rank{self.rank:05d}"
 
-    def take(self, jobs: list[FileJob], tag_dir: Path, meta: dict[str, Any]) -> float | None:
-        """This rank's snapshot of step ``meta["step"]``: JOBS (the files a checkpoint in TAG_DIR would hold for
-        it) into memory and the node's memory folder; the copy to the next node goes on in a thread. Returns the
-        seconds training waited, or None when the snapshot could not be written (said once, with the folder and
-        the cause: training goes on, the checkpoints as they were)."""
+    def take(self, jobs: list[FileJob], tag_dir: Path, record: CheckpointRecord) -> float | None:
+        """This rank's snapshot of the state ``record`` describes: JOBS (the files a checkpoint in TAG_DIR would
+        hold for it) into memory and the node's memory folder; the copy to the next node goes on in a thread.
+        Returns the seconds training waited, or None when the snapshot could not be written (said once, with the
+        folder and the cause: training goes on, the checkpoints as they were)."""
         began = time.perf_counter()
         self.wait_for_copy()
         files: dict[str, bytes] = {}
@@ -188,7 +188,7 @@ class Snapshots:
             files[name] = serialise(job)
         shutil.rmtree(self.scratch(), ignore_errors=True)
         manifest = {
-            **meta,
+            **record.fields(),
             "run_id": self.identity,
             "output_dir": self.output_dir,
             "rank": self.rank,
@@ -196,7 +196,7 @@ class Snapshots:
             "host": self.hosts[self.rank],
             "files": {name: {"bytes": len(data), "crc32": crc32(data)} for name, data in files.items()},
         }
-        folder = self.rank_dir / tag_for_step(meta["step"])
+        folder = self.rank_dir / tag_for_step(record.step)
         written = True
         try:
             write_snapshot(folder, manifest, files)
@@ -209,12 +209,12 @@ class Snapshots:
                     "goes on without it, and until one is taken again a fault goes back to the newest checkpoint "
                     "or the copy on the next node",
                     self.rank,
-                    meta["step"],
+                    record.step,
                     describe_os_error(error, folder),
                 )
             self._failing = True
         if written and self._failing:
-            log.warning("rank %d: memory snapshots are taken again (step %d)", self.rank, meta["step"])
+            log.warning("rank %d: memory snapshots are taken again (step %d)", self.rank, record.step)
             self._failing = False
         if self.ring.partner is not None:  # the exchange is the ring's, every rank's alike: it happens either way
             payload = pack(manifest, files)
@@ -303,7 +303,7 @@ class Snapshots:
         checksums of its bytes); its step, or None."""
         newest = checkpoints.newest_good_tag(verify)
         newer_than = -1 if newest is None else step_of_tag(newest)
-        restored = self.restore(checkpoints.directory, checkpoints.mark_restored, newer_than)
+        restored = self.restore(checkpoints.directory, checkpoints.mark_complete, newer_than)
         if restored is not None:
             checkpoints.newest_verified = tag_for_step(restored)
         return restored
@@ -311,8 +311,8 @@ class Snapshots:
     def restore(self, checkpoints_dir: Path, mark_complete, newer_than: int) -> int | None:
         """Collective: the newest snapshot of this run that every rank of its world left somewhere in the nodes'
         memory, newer than step ``newer_than`` (the newest checkpoint that verifies; -1 for none), written into
-        CHECKPOINTS_DIR as a checkpoint and marked complete (MARK_COMPLETE(tag_dir, files, manifest): rank 0); its
-        step, or None."""
+        CHECKPOINTS_DIR as a checkpoint and marked complete (rank 0: MARK_COMPLETE(tag_dir, files, record), the
+        snapshot's `CheckpointRecord`); its step, or None."""
         offers = verified_snapshots(self.root, self.identity, self.output_dir) if self.lister else {}
         gathered: list[dict] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(gathered, offers)
@@ -408,7 +408,7 @@ class Snapshots:
             else:
                 try:
                     os.replace(staging, tag_dir)
-                    mark(tag_dir, files, manifests[(0, step)])
+                    mark(tag_dir, files, CheckpointRecord.of(manifests[(0, step)]))
                     done = True
                 except OSError as error:
                     log.warning("the memory snapshot of step %d is not restored: %s", step, describe_os_error(error))

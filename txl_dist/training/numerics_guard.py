@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,8 +78,8 @@ def agreed_health(
 
 
 class NumericsGuard:
-    """One rank's numerics guard over the parts the trainer built. ``finish_pending``: completes (and logs) a
-    background save still being written, before a rollback chooses the newest healthy state."""
+    """One rank's numerics guard over the parts the trainer built. A rollback first completes a background save
+    still being written (`CheckpointManager.finish`), then chooses the newest healthy state."""
 
     def __init__(
         self,
@@ -93,11 +92,10 @@ class NumericsGuard:
         record: NumericsRecord,
         logger: RunLogger,
         guard: RunGuard,
-        finish_pending: Callable[[], None],
     ):
         self.cfg, self.state, self.engine = cfg, state, engine
         self.checkpoints, self.snapshots, self.record = checkpoints, snapshots, record
-        self.logger, self.guard, self.finish_pending = logger, guard, finish_pending
+        self.logger, self.guard = logger, guard
         self.rank = state.rank
         self.watch = Watch(cfg.numerics, state.numerics, fp16=cfg.precision.dtype == "fp16", n_token=cfg.model.n_token)
         self.resumed: tuple[str, int] | None = None
@@ -217,7 +215,7 @@ class NumericsGuard:
 
     def _restore(self, fault: Fault) -> tuple[int, str]:
         """Collective: the newest healthy state loaded; its step and where it came from."""
-        self.finish_pending()
+        self.checkpoints.finish()
         from_memory = None
         if self.snapshots is not None:
             self.snapshots.wait_for_copy()

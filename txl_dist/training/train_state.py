@@ -1,6 +1,7 @@
 """What a run carries from one step to the next besides DeepSpeed's engine, saved as one and restored as one:
 the step, the tokens seen, the best validation result, the data position, the memory of every stream and the
-random-number generators (`TrainState.save`, `TrainState.load`).
+random-number generators: what a save writes (`client_state`, `rank_state`, and the `record` its COMPLETE.json
+holds; `CheckpointManager.save`) and what `TrainState.load` restores.
 
 A checkpoint holds it in two parts (`txl_dist.checkpoint_paths`): the client state under `CLIENT_KEY`, the
 same on every rank, beside the run's record that export and convert read back (the resolved config, the
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from txl_dist.checkpoint_paths import CLIENT_KEY, tag_for_step
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import RankState, dropout_seed, rng_state, set_rng_state
+from txl_dist.checkpoints.record import CheckpointRecord
 from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.data import ResumeKind, TrainStreams
 from txl_dist.training.numerics import NumericsState
@@ -137,19 +139,21 @@ class TrainState:
             rank=self.rank,
         )
 
-    def save(self, checkpoints: CheckpointManager, engine, background: bool = False, health: dict | None = None) -> str:
-        """Collective: a checkpoint of ``engine`` and this state at the current step, whose step had ``health``
-        (its loss and gradient norm; written in the background: `CheckpointManager.save`); returns its tag."""
-        return checkpoints.save(
-            engine,
-            self.step,
-            self.client_state(),
-            self.rank_state(),
+    def record(self, zero_stage: int, health: dict[str, Any] | None) -> CheckpointRecord:
+        """What a checkpoint or snapshot of the current step records of it (`CheckpointRecord`), for ``health``:
+        the step's loss and gradient norm as the ranks agreed on them."""
+        return CheckpointRecord(
+            step=self.step,
+            world_size=self.world_size,
+            streams_per_rank=len(self.streams.rank_stream_ids()),
             architecture=self.run_record["architecture"],
-            best_tag=tag_for_step(self.best["step"]) if self.best else None,
-            background=background,
+            zero_stage=zero_stage,
             health=health,
         )
+
+    def best_tag(self) -> str | None:
+        """The checkpoint of the best validation pass so far, which rotation keeps."""
+        return tag_for_step(self.best["step"]) if self.best else None
 
     def follow_schedule(self, engine, when: str) -> None:
         """The learning-rate curve of this run's optim.lr, times the factor its skipped windows left (a loaded

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from txl_dist.checkpoints.manager import CheckpointManager
+from txl_dist.checkpoints.manager import CheckpointManager, Save
+from txl_dist.checkpoints.record import CheckpointRecord
 from txl_dist.checkpoints.snapshots import Snapshots
 from txl_dist.data import EvalStreams
 from txl_dist.evaluation import EvalResult, evaluate, to_device
@@ -109,6 +110,7 @@ class Trainer:
         self.logger = RunLogger(
             self.run_dir.path, enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, resume_step=self.state.step
         )
+        self.checkpoints.on_complete = self._saved  # the manager owns the saves' lifecycle; the trainer, their lines
         self.numerics = NumericsGuard(
             cfg,
             state=self.state,
@@ -118,7 +120,6 @@ class Trainer:
             record=run.numerics_record,
             logger=self.logger,
             guard=self.guard,
-            finish_pending=lambda: self._complete_background_save(self.checkpoints.finish_pending()),
         )
         self.numerics.started_from(self.resumed_from)
         self.health: StepHealth | None = None
@@ -132,34 +133,55 @@ class Trainer:
     # ---- checkpoint --------------------------------------------------------------------------------------------
 
     def save(self) -> str:
-        """Collective: a checkpoint of this step, written now, or with checkpoint.background copied now and
-        written while training goes on (complete a step or more later: `_agree`); the log gives the seconds
-        training waited for it (the stall) and the seconds of the write."""
-        background = self.cfg.checkpoint.background
-        started = time.perf_counter()
-        if background and self.checkpoints.pending is not None:  # at most one write in flight: wait for it
-            self._complete_background_save(self.checkpoints.finish_pending(), waited=True)
-        health = self.health.record() if self.health is not None else None
-        tag = self.state.save(self.checkpoints, self.engine, background=background, health=health)
-        seconds = time.perf_counter() - started
+        """Collective: a checkpoint of this step (`CheckpointManager.save`): written now, or with
+        checkpoint.background copied now and written while training goes on, complete a step or more later, at the
+        ranks' agreement (`_agree`); returns its tag."""
+        save = self.checkpoints.save(
+            self.engine,
+            self._record(),
+            self.state.client_state(),
+            self.state.rank_state(),
+            best_tag=self.state.best_tag(),
+            background=self.cfg.checkpoint.background,
+        )
         self._last_save_clock = time.monotonic()
-        if background:
+        if save.background:
             self.logger.info(
                 "checkpoint %s: training waited %.2f s (the state copied to host memory); writing it in the background",
-                self.checkpoints.directory / tag,
-                seconds,
+                self.checkpoints.directory / save.tag,
+                save.stall,
             )
-            return tag
-        megabytes = self.checkpoints.last_save_bytes / 1e6
-        self.logger.info(
-            "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s), training waiting for all of it",
-            self.checkpoints.directory / tag,
-            seconds,
-            megabytes,
-            megabytes / max(seconds, 1e-9),
-        )
-        self.guard.checkpointed(self.state.step)
-        return tag
+        return save.tag
+
+    def _record(self) -> CheckpointRecord:
+        """What a checkpoint or snapshot of this step records (`CheckpointRecord`), with the step's health."""
+        health = self.health.record() if self.health is not None else None
+        return self.state.record(self.engine.zero_optimization_stage(), health)
+
+    def _saved(self, save: Save) -> None:
+        """`CheckpointManager.on_complete`: a checkpoint is complete (every rank's files written): its log line,
+        with the seconds training waited for it (the stall) and the seconds of the write."""
+        megabytes = save.bytes / 1e6
+        if save.background:
+            self.logger.info(
+                "checkpoint %s complete at step %d: written in the background in %.2f s (%.1f MB), training waited "
+                "%.2f s for it%s",
+                self.checkpoints.directory / save.tag,
+                self.state.step,
+                save.seconds,
+                megabytes,
+                save.stall,
+                " (and for the end of this write: the next save had come)" if save.waited else "",
+            )
+        else:
+            self.logger.info(
+                "checkpoint %s written in %.2f s (%.1f MB, %.0f MB/s), training waiting for all of it",
+                self.checkpoints.directory / save.tag,
+                save.seconds,
+                megabytes,
+                megabytes / max(save.seconds, 1e-9),
+            )
+        self.guard.checkpointed(save.record.step)
 
     def _snapshot(self) -> None:
         """Collective: a memory snapshot of this step (`txl_dist.checkpoints.snapshots`)."""
@@ -170,34 +192,10 @@ class Trainer:
             self.state.rank_state(),
             scratch=self.snapshots.scratch(),
         )
-        meta = {
-            "step": self.state.step,
-            "streams_per_rank": len(self.state.streams.rank_stream_ids()),
-            "architecture": self.state.run_record["architecture"],
-            "zero_stage": self.engine.zero_optimization_stage(),
-            "health": self.health.record() if self.health is not None else None,
-        }
-        stall = self.snapshots.take(jobs, tag_dir, meta)
+        stall = self.snapshots.take(jobs, tag_dir, self._record())
         if stall is not None:
             self.guard.snapshotted(self.state.step)
             self.logger.info("memory snapshot of step %d: training waited %.2f s", self.state.step, stall)
-
-    def _complete_background_save(self, pending, waited: bool = False) -> None:
-        """A background save's checkpoint is complete: the log line with its stall and write time."""
-        if pending is None:
-            return
-        megabytes = self.checkpoints.last_save_bytes / 1e6
-        self.logger.info(
-            "checkpoint %s complete at step %d: written in the background in %.2f s (%.1f MB), training waited "
-            "%.2f s for it%s",
-            self.checkpoints.directory / pending.tag,
-            self.state.step,
-            pending.write.seconds,
-            megabytes,
-            pending.stall,
-            " (and for the end of this write: the next save had come)" if waited else "",
-        )
-        self.guard.checkpointed(pending.step)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
 
@@ -262,7 +260,7 @@ class Trainer:
         rank's loss was not finite and which rank it is, and in fp16 whether the scaler skipped the update
         (``overflow``) at its minimum scale; every rank gets the same `StepHealth`."""
         clock_due = self.rank == 0 and self.cadence.clock_save_due(time.monotonic(), self._last_save_clock)
-        writing, _ = self.checkpoints.writing()
+        writing = self.checkpoints.writing()
         norm = self.engine.get_global_grad_norm()
         norm = own_grad_norm if norm is None else norm
         pinned = overflow and (loss_scale(self.engine.optimizer) or 0) <= self.cfg.precision.min_loss_scale
@@ -276,8 +274,7 @@ class Trainer:
         )
         dist.all_reduce(values, group=self._flag_group)
         numbers, (stopping, clock_due, writing, overflow, pinned) = values[:4].tolist(), values[4:].tolist()
-        if self.checkpoints.pending is not None and not writing:
-            self._complete_background_save(self.checkpoints.complete_pending())
+        self.checkpoints.poll(writing_anywhere=writing > 0)
         health = agreed_health(numbers, self.world_size, norm is not None, overflow > 0, pinned > 0)
         return stopping > 0, clock_due > 0, health
 
@@ -298,7 +295,7 @@ class Trainer:
             with out_of_memory_snapshot(self.run_dir.path, self.rank, self.device, lambda: self.state.step):
                 stopped_by, last_eval = self._train()
                 # The last checkpoint is complete before the run reports its end.
-                self._complete_background_save(self.checkpoints.finish_pending())
+                self.checkpoints.finish()
                 if self.snapshots is not None and not self._stopped_sick:  # the last checkpoint is newer
                     self.snapshots.remove()
         finally:
