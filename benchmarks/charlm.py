@@ -42,6 +42,7 @@ from training_runs import last_json_line, train  # benchmarks/training_runs.py, 
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO))  # benchmarks.corpora, run as python benchmarks/charlm.py
 
 
 def _run(command: list[str], **kwargs) -> tuple[float, str]:

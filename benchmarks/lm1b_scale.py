@@ -48,6 +48,7 @@ import psutil
 from training_runs import DEEPSPEED, remove_allreduce_buffers, run_config
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks.corpora, run as python benchmarks/lm1b_scale.py
 PYTHON = sys.executable
 
 

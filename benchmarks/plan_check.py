@@ -21,12 +21,15 @@ import json
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 # benchmarks/training_runs.py, beside this script
 from training_runs import launch, metrics, ptb_word_shards, run_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.corpora, run as python benchmarks/X.py
 
 STEPS = 4
 

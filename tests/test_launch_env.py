@@ -100,7 +100,7 @@ def test_the_run_names_the_program_that_started_it():
     assert resolve({**torch_world, "LOCAL_SIZE": "2", "CROSS_RANK": "0", "LOCAL_RANK": "1"}).name == "deepspeed"
     assert resolve(torch_world).name == "torch's variables (RANK, WORLD_SIZE)"
     assert resolve(SRUN_TASK_1).name == "slurm"
-    assert resolve({}).name == "single process"
+    assert resolve({}).name == "single"
     launched = launch_env.apply({**torch_world, "TORCHELASTIC_RUN_ID": "none"})
     assert launched.name == "torchrun"  # a world of one's free port or not, apply keeps what resolve found
 

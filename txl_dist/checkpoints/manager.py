@@ -40,6 +40,7 @@ from txl_dist.checkpoint_paths import (
     RANK_STATES,
     complete_tags,
     files_on_disk,
+    is_complete,
     tag_for_step,
     universal_tag,
 )
@@ -113,6 +114,8 @@ class CheckpointManager(ResumeChoice):
         """The newest checkpoint known good (verified at resume, or written by this run): never rotated away."""
         self.pending: Save | None = None
         """The save whose files are being written in the background, until it is complete."""
+        self._saving: str | None = None
+        """The tag of this run's save in flight (written now or in the background), until it is complete."""
         self._complete_count = 0
         """The complete checkpoints the last `newest_good_tag` found, good or not."""
 
@@ -123,10 +126,17 @@ class CheckpointManager(ResumeChoice):
         return complete_tags(self.directory)
 
     def remove_unfinished(self) -> None:
-        """Rank 0, with the run lock held: what no complete checkpoint owns goes (`rotation.remove_unfinished`):
-        before training, what a stopped run left; when this run fails, its own save in flight."""
+        """Rank 0, before training (the run lock held): what a stopped run left, which no complete checkpoint
+        owns (`rotation.remove_unfinished`)."""
         if self.rank == 0:
             rotation.remove_unfinished(self.directory)
+
+    def abandon_save(self) -> None:
+        """Rank 0, when this run fails: the folder of its own save in flight, unless it completed, so that nothing
+        partial stays; nothing else in the folder is touched (another run may own it by then)."""
+        tag = self._saving
+        if self.rank == 0 and tag is not None and not is_complete(self.directory / tag):
+            shutil.rmtree(self.directory / tag, ignore_errors=True)
 
     # ---- the save lifecycle: save, then poll at each step's agreement or finish ----------------------------------
 
@@ -144,23 +154,26 @@ class CheckpointManager(ResumeChoice):
         *,
         best_tag: str | None = None,
         background: bool = False,
+        started: float | None = None,
     ) -> Save:
         """Collective: every rank calls it at the same step. ``record`` goes into COMPLETE.json, where a resuming
         run reads it before building anything. Written now, the save is complete when this returns; with
         ``background``, the files are copied into host memory and written by a thread
         (`txl_dist.checkpoints.background`), and the save stays `pending` until `poll` or `finish` completes it.
-        A save in flight is finished first (at most one)."""
+        A save in flight is finished first (at most one). ``started``: when training began to wait for this save
+        (`time.perf_counter`; default now), from which its stall counts."""
+        began = time.perf_counter() if started is None else started
         self.finish(waited=True)
         recorder = self.install(engine)
         save = Save(tag_for_step(record.step), record, best_tag)
         tag_dir = self.directory / save.tag
+        self._saving = save.tag
         if self.rank == 0 and tag_dir.exists():
             # A folder of this name from an earlier attempt (an interrupted save, or a run that did not resume):
             # its files must not mix with this save's, nor can it stay marked complete meanwhile.
             shutil.rmtree(tag_dir)
         dist.barrier()
         recorder.written.clear()
-        began = time.perf_counter()
         if background:
             recorder.deferred = []
             try:
@@ -241,6 +254,7 @@ class CheckpointManager(ResumeChoice):
                 files.update(rank_files)
             save.bytes = sum(checksum.bytes for checksum in files.values())
             self.mark_complete(tag_dir, files, save.record)
+        self._saving = None
         self.damaged.discard(save.tag)
         self.sick.discard(save.tag)  # a folder of this name from before (removed when this save began) is gone
         if health_problem(save.record.fields()) is not None:  # numerics.check=false: never resumed, never counted

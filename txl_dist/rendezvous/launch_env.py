@@ -64,10 +64,11 @@ class LaunchEnvironment:
 
     @property
     def name(self) -> str:
-        """The launcher as a run's reports name it: torchrun, deepspeed, slurm, openmpi, ..., single process."""
+        """The launcher as a run's reports name it: torchrun, deepspeed, slurm, openmpi, ..., single (a process
+        alone)."""
         if self.launcher == "torch":
             return self.started_by or "torch's variables (RANK, WORLD_SIZE)"
-        return "single process" if self.launcher == "single" else self.launcher
+        return self.launcher
 
     def torch_variables(self) -> dict[str, str]:
         return {

@@ -355,7 +355,7 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
 
     run_dir = RunDirectory.take(cfg.train.output_dir, place.rank, place.world_size, guard)  # 4. the run directory
     checkpoints = CheckpointManager(run_dir.checkpoints, place.rank, place.world_size, cfg.checkpoint.keep_last)
-    guard.on_abort(checkpoints.remove_unfinished)  # a failed run leaves no save in flight behind
+    guard.on_abort(checkpoints.abandon_save)  # a failed run leaves no save in flight behind
     checkpoints.remove_unfinished()
     if place.rank == 0:
         run_dir.keep_tokenizer(

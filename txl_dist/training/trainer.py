@@ -135,7 +135,8 @@ class Trainer:
     def save(self) -> str:
         """Collective: a checkpoint of this step (`CheckpointManager.save`): written now, or with
         checkpoint.background copied now and written while training goes on, complete a step or more later, at the
-        ranks' agreement (`_agree`); returns its tag."""
+        ranks' agreement (`_agree`); returns its tag. The stall counts from here, the state's copy included."""
+        started = time.perf_counter()
         save = self.checkpoints.save(
             self.engine,
             self._record(),
@@ -143,6 +144,7 @@ class Trainer:
             self.state.rank_state(),
             best_tag=self.state.best_tag(),
             background=self.cfg.checkpoint.background,
+            started=started,
         )
         self._last_save_clock = time.monotonic()
         if save.background:
