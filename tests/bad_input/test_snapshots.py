@@ -310,7 +310,11 @@ def test_a_memory_folder_on_a_disk_is_said_once(world, run, caplog):
     assert "is on a" in caplog.text and "file system, not in memory" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="txl_dist.training"):
-        Snapshots("/dev/shm", RUN, run.path, 0, 1, ["node1"]).free("test")
+        in_memory = Snapshots("/dev/shm", RUN, run.path, 0, 1, ["node1"])
+    try:
+        in_memory.free("test")
+    finally:
+        shutil.rmtree(in_memory.root, ignore_errors=True)  # the machine's own /dev/shm: nothing left behind
     assert "not in memory" not in caplog.text
 
 
