@@ -64,34 +64,19 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The full suite: the quick tier on every core (pytest-xdist), then the slow tiers in two streams side by side, each
-# one test at a time: the cluster tier (tests/cluster/: the one test cluster, whose tests mostly wait on Slurm) and
-# the launcher and hf tiers (ports on loopback, two ranks a run). They share nothing but the CPUs; the cluster
-# stream's report follows the other's, each with its slowest tests. Fails when any part fails. SLOW_STREAMS=1 runs
-# the slow tiers as one stream. cluster-packages: the Debian packages of the real two-node Slurm cluster that
-# tests/cluster/ builds (root only).
+# The full suite: the quick tier on every core (pytest-xdist), then the tiers that start launchers, the cluster
+# and .venv-hf, one test at a time (they hold ports, the one test cluster and the CPU's two cores themselves), with
+# the slowest tests of each at the end; fails when either part fails. cluster-packages: the Debian packages of the
+# real two-node Slurm cluster that tests/cluster/ builds (root only).
 QUICK := not launcher and not cluster and not hf
 SLOW := launcher or cluster or hf
 # Workers for the quick tier: one per core by default; TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= auto
-SLOW_STREAMS ?= 2
-HF_ENV = TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python
 test: cluster-packages warm hf-venv tf-extra
 	status=0; \
 	$(CPU_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "$(QUICK)" tests || status=$$?; \
-	if [ "$(SLOW_STREAMS)" = 1 ]; then \
-		$(CPU_ENV) $(HF_ENV) $(BIN)/python -m pytest -q --durations=20 -m "$(SLOW)" tests || status=$$?; \
-	else \
-		cluster_log=$$(mktemp); \
-		$(CPU_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -m cluster tests \
-			> "$$cluster_log" 2>&1 & cluster=$$!; \
-		trap 'kill $$cluster 2> /dev/null; rm -f "$$cluster_log"; exit 130' INT TERM; \
-		$(CPU_ENV) $(HF_ENV) $(BIN)/python -m pytest -q --durations=20 -m "(launcher or hf) and not cluster" tests \
-			|| status=$$?; \
-		wait $$cluster || status=$$?; \
-		echo "---- the cluster tier (run beside the launcher and hf tiers) ----"; \
-		cat "$$cluster_log"; rm -f "$$cluster_log"; \
-	fi; \
+	$(CPU_ENV) TXL_HF_PYTHON=$(abspath $(HF_VENV))/bin/python $(BIN)/python -m pytest -q --durations=20 \
+		-m "$(SLOW)" tests || status=$$?; \
 	exit $$status
 
 # The quick tier: every test that starts no launcher, no cluster and no .venv-hf (markers in each slow file or test;
