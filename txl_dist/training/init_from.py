@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.config import RunConfig
 from txl_dist.config.model import MODEL_FIELD_ROLES, PRESETS, ModelConfig
 from txl_dist.data.format import Manifest
@@ -241,3 +243,33 @@ def load_source_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tens
     _, aliases = tensor_shapes(model.config)
     with torch.no_grad():
         model.load_state_dict({**unique, **{alias: unique[name] for alias, name in aliases.items()}}, strict=True)
+
+
+def start_from(
+    source: InitSource | None,
+    open_source: OpenSource | None,
+    warning: str | None,
+    output_dir: str,
+    place: ranks.Place,
+    resume_plan: ResumePlan | None,
+) -> tuple[InitRecord | None, dict[str, torch.Tensor] | None]:
+    """Collective, for train.init_from (`txl_dist.training.startup`'s step 5, second half): a fresh start takes
+    the model's weights (read by rank 0 through ``open_source``, broadcast) and records where they came from in
+    ``output_dir``; a resume takes none (its checkpoint has the run's own) and names the record. ``warning``: what
+    could not be checked of the source, said once."""
+    if source is None:
+        return None, None
+    log = logging.getLogger("txl_dist.training")
+    if warning is not None and place.rank == 0:
+        log.warning("%s", warning)
+    if resume_plan is not None:
+        record = InitRecord.read(output_dir)
+        if place.rank == 0:
+            log.info("train.init_from=%s: not read, the run resumes from its own %s", source.path, resume_plan.tag)
+        return record, None
+    weights = broadcast_source_weights(source, open_source, place)
+    record = InitRecord.of(source)
+    if place.rank == 0:
+        record.write(output_dir)
+        log.info("starting from %s %s (sha256 %s)", source.kind, source.path, source.sha256)
+    return record, weights

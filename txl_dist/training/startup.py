@@ -18,8 +18,8 @@
    (`txl_dist.checkpoints.snapshots`), then `CheckpointManager.plan_resume` chooses the checkpoint and how it loads.
 6. The engine (`build_engine`): the model and DeepSpeed's engine.
 7. The streams (`TrainStreams`), on the manifest of step 1.
-8. The state (`resumed_state`): the `TrainState` over those streams, loaded with the engine from the resume plan's
-   checkpoint.
+8. The state (`txl_dist.training.train_state.resumed_state`): the `TrainState` over those streams, loaded with the
+   engine from the resume plan's checkpoint.
 
 The `Trainer` is built from the facts of step 1 and those parts (`RunParts`), trains, and the ranks leave the
 process group.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import logging
 import os
 import sys
@@ -44,7 +43,6 @@ from deepspeed.accelerator import get_accelerator
 
 from txl_dist.checkpoints.manager import CheckpointManager
 from txl_dist.checkpoints.rank_state import dropout_seed
-from txl_dist.checkpoints.resume_choice import ResumePlan
 from txl_dist.checkpoints.snapshot_files import RUN_ID
 from txl_dist.checkpoints.snapshots import Snapshots, run_id
 from txl_dist.checkpoints.verify import preflight
@@ -64,18 +62,17 @@ from txl_dist.tokenizer import load_tokenizer
 from txl_dist.training.arguments import build_arg_parser
 from txl_dist.training.deepspeed_config import build_deepspeed_config, build_torch_optimizer
 from txl_dist.training.init_from import (
-    InitRecord,
     OpenSource,
-    broadcast_source_weights,
     load_source_weights,
     resolve_init_from,
+    start_from,
 )
-from txl_dist.training.numerics import NumericsRecord, NumericsState
+from txl_dist.training.numerics import NumericsRecord
 from txl_dist.training.profiling import start_memory_history
 from txl_dist.training.resolved import ResolvedRun
 from txl_dist.training.run_dir import RunDirectory, require_writable
 from txl_dist.training.schedule import build_lr_scheduler
-from txl_dist.training.train_state import SlotMemories, TrainState
+from txl_dist.training.train_state import resumed_state
 from txl_dist.training.trainer import RunParts, Trainer
 
 PROG = "train.py"
@@ -372,7 +369,9 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         zero_stage=cfg.zero.stage,
     )
 
-    init_record, initial_weights = start_from(run, place, resume_plan)
+    init_record, initial_weights = start_from(
+        run.init_source, run.open_source, run.init_warning, cfg.train.output_dir, place, resume_plan
+    )
     engine = build_engine(run, place, checkpoints, initial_weights)  # 6. the engine
 
     streams = TrainStreams(  # 7. the streams
@@ -403,74 +402,6 @@ def start(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironmen
         init_from=init_record.summary() if init_record is not None else None,
     )
     return Trainer(run, parts)
-
-
-def resumed_state(
-    run: ResolvedRun,
-    place: ranks.Place,
-    guard: RunGuard,
-    checkpoints: CheckpointManager,
-    engine: Any,
-    streams: TrainStreams,
-    resume_plan: ResumePlan | None,
-) -> TrainState:
-    """Step 8, collective: the run's `TrainState` over ``streams``, loaded into it and ``engine`` from the
-    checkpoint ``resume_plan`` chose (fresh without one)."""
-    cfg = run.cfg
-    state = TrainState(
-        streams,
-        SlotMemories(run.batch_split.grad_accum, place.device),
-        seed=cfg.train.seed,
-        rank=place.rank,
-        world_size=place.world_size,
-        run_record={
-            "config": cfg.to_dict(),
-            "architecture": cfg.model.architecture(),
-            "tokenizer": dataclasses.asdict(run.manifest.tokenizer),
-            "batch_split": run.batch_split._asdict(),
-        },
-        numerics=NumericsState(cfg.numerics),
-        peak_lr=cfg.optim.lr,
-    )
-    if resume_plan is None:
-        return state
-    kind = state.load(checkpoints, engine, resume_plan)
-    guard.progress(state.step)
-    guard.checkpointed(state.step)
-    if place.rank == 0:
-        logging.getLogger("txl_dist.training").info(
-            "resumed from %s at step %d (%s, %d tokens seen)",
-            checkpoints.directory / resume_plan.tag,
-            state.step,
-            kind.value,
-            state.tokens_seen,
-        )
-    return state
-
-
-def start_from(
-    run: ResolvedRun, place: ranks.Place, resume_plan: ResumePlan | None
-) -> tuple[InitRecord | None, dict[str, torch.Tensor] | None]:
-    """Step 5's second half, collective, for train.init_from: a fresh start takes the model's weights (read by
-    rank 0, broadcast) and records where they came from; a resume takes none (its checkpoint has the run's own)
-    and names the record."""
-    source, output_dir = run.init_source, run.cfg.train.output_dir
-    if source is None:
-        return None, None
-    log = logging.getLogger("txl_dist.training")
-    if run.init_warning is not None and place.rank == 0:
-        log.warning("%s", run.init_warning)
-    if resume_plan is not None:
-        record = InitRecord.read(output_dir)
-        if place.rank == 0:
-            log.info("train.init_from=%s: not read, the run resumes from its own %s", source.path, resume_plan.tag)
-        return record, None
-    weights = broadcast_source_weights(source, run.open_source, place)
-    record = InitRecord.of(source)
-    if place.rank == 0:
-        record.write(output_dir)
-        log.info("starting from %s %s (sha256 %s)", source.kind, source.path, source.sha256)
-    return record, weights
 
 
 def train(run: ResolvedRun, guard: RunGuard, launch: launch_env.LaunchEnvironment | None = None) -> dict[str, Any]:

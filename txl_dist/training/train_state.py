@@ -20,6 +20,7 @@ stores it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -34,7 +35,10 @@ from txl_dist.checkpoints.rank_state import RankState, dropout_seed, rng_state, 
 from txl_dist.checkpoints.record import CheckpointRecord
 from txl_dist.checkpoints.universal import ResumePlan
 from txl_dist.data import ResumeKind, TrainStreams
+from txl_dist.rendezvous.ranks import Place
+from txl_dist.supervision.guard import RunGuard
 from txl_dist.training.numerics import NumericsState
+from txl_dist.training.resolved import ResolvedRun
 from txl_dist.training.schedule import set_peak
 
 
@@ -195,3 +199,46 @@ class TrainState:
                     self.world_size,
                 )
         return kind
+
+
+def resumed_state(
+    run: ResolvedRun,
+    place: Place,
+    guard: RunGuard,
+    checkpoints: CheckpointManager,
+    engine: Any,
+    streams: TrainStreams,
+    resume_plan: ResumePlan | None,
+) -> TrainState:
+    """Collective (`txl_dist.training.startup`'s step 8): the run's `TrainState` over ``streams``, loaded into it
+    and ``engine`` from the checkpoint ``resume_plan`` chose (fresh without one)."""
+    cfg = run.cfg
+    state = TrainState(
+        streams,
+        SlotMemories(run.batch_split.grad_accum, place.device),
+        seed=cfg.train.seed,
+        rank=place.rank,
+        world_size=place.world_size,
+        run_record={
+            "config": cfg.to_dict(),
+            "architecture": cfg.model.architecture(),
+            "tokenizer": dataclasses.asdict(run.manifest.tokenizer),
+            "batch_split": run.batch_split._asdict(),
+        },
+        numerics=NumericsState(cfg.numerics),
+        peak_lr=cfg.optim.lr,
+    )
+    if resume_plan is None:
+        return state
+    kind = state.load(checkpoints, engine, resume_plan)
+    guard.progress(state.step)
+    guard.checkpointed(state.step)
+    if place.rank == 0:
+        log.info(
+            "resumed from %s at step %d (%s, %d tokens seen)",
+            checkpoints.directory / resume_plan.tag,
+            state.step,
+            kind.value,
+            state.tokens_seen,
+        )
+    return state
