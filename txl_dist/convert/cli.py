@@ -14,7 +14,8 @@ from pathlib import Path
 from txl_dist.convert.hf import read_hf_folder, write_hf_folder
 from txl_dist.convert.hub import write_hub_folder
 from txl_dist.convert.original import from_original_state_dict, load_original, save_original, to_original_state_dict
-from txl_dist.convert.tf_release import SETTING_NAMES, write_release_export
+from txl_dist.convert.tf_release import write_release_export
+from txl_dist.convert.tf_release_folder import SETTING_NAMES
 from txl_dist.convert.zero import consolidate_weights, find_tokenizer, read_training_checkpoint
 from txl_dist.export import load_model, read_config_file, write_export
 
