@@ -63,6 +63,16 @@ from txl_dist.convert.sentencepiece_model import (
     USER_DEFINED,
     read_sentencepiece_model,
 )
+from txl_dist.convert.tokenizer_json import (
+    STRIP_LEADING_SPACE,
+    STRIP_OUTER_SEPARATORS,
+    added_token,
+    document_config,
+    document_template,
+    python_whitespace_class,
+    regex_escape,
+    replace_step,
+)
 from txl_dist.tokenizer import ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer, WordTokenizer
 
 
@@ -70,100 +80,24 @@ class FastTokenizerError(ValueError):
     """A tokenizer that the fast-tokenizer format cannot reproduce; the message names the file and the setting."""
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# JSON pieces of tokenizer.json
-
-_REGEX_SPECIALS = set("\\^$.|?*+()[]{}")
-
-
-def _regex_escape(text: str) -> str:
-    """Escape for the Oniguruma regular expressions of `tokenizers` (only the metacharacters)."""
-    return "".join("\\" + c if c in _REGEX_SPECIALS else c for c in text)
-
-
-def _python_whitespace_class() -> str:
-    """An Oniguruma character class of exactly the characters Python's ``str.split()`` splits on (it differs from
-    Unicode's White_Space: e.g. U+001C..U+001F are whitespace to Python)."""
-    chars = [chr(c) for c in range(0x110000) if chr(c).isspace()]
-    return "[" + "".join("\\" + c if c in "\\]^-[" else c for c in chars) + "]"
-
-
-def _replace(pattern: str, content: str, regex: bool = False) -> dict[str, Any]:
-    return {"type": "Replace", "pattern": {"Regex" if regex else "String": pattern}, "content": content}
-
-
-# A separator before the first line (the document start) or after the last is not a line break of the text
-# (txl_dist's decode_document). Not a Strip decoder: tokenizers' Strip panics on a text shorter than what it
-# strips ("\n" alone, or nothing), which is what a lone separator or an empty sequence decodes to. \A and \z, not
-# ^ and $, which Oniguruma reads as the start and end of any line.
-_STRIP_OUTER_SEPARATORS = _replace("\\A\n|\n\\z", "", regex=True)
-# Where line breaks are dropped, the separator is a space: the one the document starts with is not the text's.
-_STRIP_LEADING_SPACE = _replace("\\A ", "", regex=True)
-
-
-def _added(token_id: int, content: str, special: bool) -> dict[str, Any]:
-    return {
-        "id": token_id,
-        "content": content,
-        "single_word": False,
-        "lstrip": False,
-        "rstrip": False,
-        "normalized": False,
-        "special": special,
-    }
-
-
-def _template(bos: str, bos_id: int, start: str | None = None, start_id: int | None = None) -> dict[str, Any]:
-    """The post-processor that puts the document separator before a text (and before each text of a pair), and
-    ``start`` after it where every line begins with a token (a word tokenizer's line_start rule)."""
-    first = [{"SpecialToken": {"id": bos, "type_id": 0}}]
-    second = [{"SpecialToken": {"id": bos, "type_id": 1}}]
-    tokens = {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}
-    if start is not None:
-        first.append({"SpecialToken": {"id": start, "type_id": 0}})
-        second.append({"SpecialToken": {"id": start, "type_id": 1}})
-        tokens[start] = {"id": start, "ids": [start_id], "tokens": [start]}
-    return {
-        "type": "TemplateProcessing",
-        "single": [*first, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [*first, {"Sequence": {"id": "A", "type_id": 0}}, *second, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": tokens,
-    }
-
-
-def _document(eod: str) -> dict[str, Any]:
-    """tokenizer_config.json: the eod token as bos, eos and pad (a document's start and end, and the padding of
-    left-padded batches)."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": eod,
-        "eos_token": eod,
-        "pad_token": eod,
-        "padding_side": "left",
-        # Decoding must give back the words as they are (no "said ." -> "said." rewriting).
-        "clean_up_tokenization_spaces": False,
-        "model_input_names": ["input_ids", "attention_mask"],
-    }
-
-
 def _word_tokenizer(tokenizer: WordTokenizer) -> tuple[dict[str, Any], str]:
     words = tokenizer.words
     eos, eod = words[tokenizer.eos_id], words[tokenizer.eod_id]
     # Without an unk id an unknown word must be an error, as in txl_dist: name an unk token that cannot be a word.
     unk = words[tokenizer.unk_id] if tokenizer.unk_id is not None else "\n"
-    separators = [_replace(f"^{_regex_escape(piece)}$", "\n", regex=True) for piece in dict.fromkeys([eos, eod])]
+    separators = [replace_step(f"^{regex_escape(piece)}$", "\n", regex=True) for piece in dict.fromkeys([eos, eod])]
     # Its rules (the authors' vocabularies): lower-casing first; a line_start word after every line break, and
     # after the document separator (the template's second token).
     line_start = tokenizer.rules.line_start
     normalizers = [{"type": "Lowercase"}] if tokenizer.rules.lower_case else []
-    normalizers.append(_replace("\n", f" {eos} {line_start} " if line_start else f" {eos} "))
-    template = _template(eod, tokenizer.eod_id, line_start, tokenizer.line_prefix()[0] if line_start else None)
+    normalizers.append(replace_step("\n", f" {eos} {line_start} " if line_start else f" {eos} "))
+    template = document_template(eod, tokenizer.eod_id, line_start, tokenizer.line_prefix()[0] if line_start else None)
     data = _tokenizer_json(
-        [_added(tokenizer.eod_id, eod, special=True)],
+        [added_token(tokenizer.eod_id, eod, special=True)],
         normalizers[0] if len(normalizers) == 1 else {"type": "Sequence", "normalizers": normalizers},
         {
             "type": "Split",
-            "pattern": {"Regex": _python_whitespace_class() + "+"},
+            "pattern": {"Regex": python_whitespace_class() + "+"},
             "behavior": "Removed",
             "invert": False,
         },
@@ -173,8 +107,8 @@ def _word_tokenizer(tokenizer: WordTokenizer) -> tuple[dict[str, Any], str]:
         + [
             {"type": "WordPiece", "prefix": " ", "cleanup": False},
             {"type": "Fuse"},
-            _replace(" ?\n ?", "\n", regex=True),
-            _STRIP_OUTER_SEPARATORS,
+            replace_step(" ?\n ?", "\n", regex=True),
+            STRIP_OUTER_SEPARATORS,
         ],
         {"type": "WordLevel", "vocab": {word: i for i, word in enumerate(words)}, "unk_token": unk},
     )
@@ -221,10 +155,10 @@ def _sentencepiece_normalizer(model: dict[str, Any]) -> dict[str, Any]:
             {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(model["charsmap"]).decode("ascii")}
         )
     if model["remove_extra_whitespaces"]:
-        normalizers += [_replace("^ +| +$", "", regex=True), _replace(" {2,}", " ", regex=True)]
+        normalizers += [replace_step("^ +| +$", "", regex=True), replace_step(" {2,}", " ", regex=True)]
     if model["add_dummy_prefix"]:
         normalizers.append({"type": "Prepend", "prepend": " "})
-    normalizers.append(_replace(" ", "\u2581"))
+    normalizers.append(replace_step(" ", "\u2581"))
     return {"type": "Sequence", "normalizers": normalizers}
 
 
@@ -279,16 +213,16 @@ def _sentencepiece_decoders(model: dict[str, Any], names: list[str], tokenizer: 
     decoders = []
     unk_id = next((i for i, p in enumerate(pieces) if p["type"] == UNKNOWN), None)
     if unk_id is not None and names[unk_id] != model["unk_surface"]:
-        decoders.append(_replace(f"\\A{_regex_escape(names[unk_id])}\\z", model["unk_surface"], regex=True))
+        decoders.append(replace_step(f"\\A{regex_escape(names[unk_id])}\\z", model["unk_surface"], regex=True))
     if tokenizer.eod_id != tokenizer.eos_id:
-        decoders.append(_replace(f"\\A{_regex_escape(names[tokenizer.eod_id])}\\z", "\n", regex=True))
+        decoders.append(replace_step(f"\\A{regex_escape(names[tokenizer.eod_id])}\\z", "\n", regex=True))
     for i, p in enumerate(pieces):
         if p["type"] == CONTROL and i not in (tokenizer.eos_id, tokenizer.eod_id):
-            decoders.append(_replace(f"\\A{_regex_escape(names[i])}\\z", control, regex=True))
-    decoders += [{"type": "Fuse"}, _STRIP_OUTER_SEPARATORS, _replace(control, "")]
+            decoders.append(replace_step(f"\\A{regex_escape(names[i])}\\z", control, regex=True))
+    decoders += [{"type": "Fuse"}, STRIP_OUTER_SEPARATORS, replace_step(control, "")]
     if model["add_dummy_prefix"] or model["remove_extra_whitespaces"]:
-        decoders.append(_replace(_line_start_spaces(pieces), "", regex=True))
-    decoders.append(_replace("\u2581", " "))
+        decoders.append(replace_step(_line_start_spaces(pieces), "", regex=True))
+    decoders.append(replace_step("\u2581", " "))
     return decoders
 
 
@@ -327,16 +261,16 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
     names = _piece_names(model, tokenizer.eos_id, path)
     eod = names[tokenizer.eod_id]
     eod_is_eos = tokenizer.eod_id == tokenizer.eos_id
-    added = [_added(tokenizer.eos_id, "\n", special=eod_is_eos)]
+    added = [added_token(tokenizer.eos_id, "\n", special=eod_is_eos)]
     if not eod_is_eos:
-        added.append(_added(tokenizer.eod_id, eod, special=True))
+        added.append(added_token(tokenizer.eod_id, eod, special=True))
     if model["model_type"] == "unigram":
         model_json = _unigram_model(pieces, names)
     else:
         model_json = _bpe_model(pieces, names)
         # BPE cannot hold a user-defined symbol whole: they are cut out of the text first.
         added += [
-            _added(i, names[i], special=False)
+            added_token(i, names[i], special=False)
             for i, p in enumerate(pieces)
             if p["type"] == USER_DEFINED and i not in (tokenizer.eos_id, tokenizer.eod_id)
         ]
@@ -344,7 +278,7 @@ def _sentencepiece_tokenizer(tokenizer: SentencePieceTokenizer) -> tuple[dict[st
         sorted(added, key=lambda token: token["id"]),
         _sentencepiece_normalizer(model),
         None,
-        _template(eod, tokenizer.eod_id),
+        document_template(eod, tokenizer.eod_id),
         _sentencepiece_decoders(model, names, tokenizer),
         model_json,
     )
@@ -360,11 +294,11 @@ def _char_tokenizer(tokenizer: CharTokenizer) -> tuple[dict[str, Any], str]:
     characters = tokenizer.characters
     eod = characters[tokenizer.eod_id]  # the newline, eos = eod (or the space, where line breaks are dropped)
     data = _tokenizer_json(
-        [_added(tokenizer.eod_id, eod, special=True)],
-        _replace("\n", "") if tokenizer.rules.drops_line_breaks else None,
+        [added_token(tokenizer.eod_id, eod, special=True)],
+        replace_step("\n", "") if tokenizer.rules.drops_line_breaks else None,
         {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
-        _template(eod, tokenizer.eod_id),
-        [{"type": "Fuse"}, _STRIP_LEADING_SPACE if tokenizer.rules.drops_line_breaks else _STRIP_OUTER_SEPARATORS],
+        document_template(eod, tokenizer.eod_id),
+        [{"type": "Fuse"}, STRIP_LEADING_SPACE if tokenizer.rules.drops_line_breaks else STRIP_OUTER_SEPARATORS],
         # No unknown character, as in txl_dist: the unk token named is not in the vocabulary, so such text is an
         # error. A BPE model (without merges, so each one-character pre-token is looked up whole) because its error
         # names that token, which says what happened; WordLevel's says "Missing [UNK] token from the vocabulary".
@@ -398,11 +332,11 @@ def _byte_tokenizer(tokenizer: ByteTokenizer) -> tuple[dict[str, Any], str]:
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     every_byte = tokenizer.vocab_size == 256
     data = _tokenizer_json(
-        [_added(tokenizer.eod_id, eod, special=True)],
-        _replace("\n", "") if tokenizer.rules.drops_line_breaks else None,
+        [added_token(tokenizer.eod_id, eod, special=True)],
+        replace_step("\n", "") if tokenizer.rules.drops_line_breaks else None,
         byte_level,
-        _template(eod, tokenizer.eod_id),
-        [byte_level, _STRIP_LEADING_SPACE if tokenizer.rules.drops_line_breaks else _STRIP_OUTER_SEPARATORS],
+        document_template(eod, tokenizer.eod_id),
+        [byte_level, STRIP_LEADING_SPACE if tokenizer.rules.drops_line_breaks else STRIP_OUTER_SEPARATORS],
         _bpe_without_merges(
             {characters[value]: i for i, value in enumerate(values)},
             unk_token=None if every_byte else BYTE_OUTSIDE_VOCABULARY,
@@ -464,4 +398,4 @@ def fast_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
             f"{tokenizer.directory}: tokenizer kind {tokenizer.kind!r} has no fast-tokenizer "
             f"form (supported: word, sentencepiece, char, byte)"
         )
-    return {"tokenizer.json": data, "tokenizer_config.json": _document(eod)}
+    return {"tokenizer.json": data, "tokenizer_config.json": document_config(eod)}
