@@ -15,6 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from txl_dist.config import load_config
+from txl_dist.data import TrainStreams
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -241,3 +244,29 @@ def rank_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
         if rank is not None and "LOCAL_RANK" in process.environ():
             ranks[int(rank)] = process
     return [ranks[rank] for rank in sorted(ranks)]
+
+
+def run_streams(
+    shards: Path,
+    overrides: list[str],
+    *,
+    world_size: int = 1,
+    rank: int = 0,
+    config: str | Path = "configs/tiny_cpu.yaml",
+) -> tuple[TrainStreams, int]:
+    """The training streams rank ``rank`` of a run of ``config`` with ``overrides`` on ``world_size`` ranks reads
+    (open them with ``with``), and the run's micro-batches per step."""
+    cfg = load_config(config, [f"data.shards={shards}", *overrides])
+    split = cfg.train.batch_split(world_size)
+    streams = TrainStreams(
+        shards,
+        cfg.data.train_split,
+        tgt_len=cfg.model.tgt_len,
+        micro_batch=split.micro_batch,
+        grad_accum=split.grad_accum,
+        world_size=world_size,
+        rank=rank,
+        seed=cfg.train.seed,
+        shuffle_blocks=cfg.data.shuffle_blocks,
+    )
+    return streams, split.grad_accum

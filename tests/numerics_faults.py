@@ -8,8 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from txl_dist.config import load_config
-from txl_dist.data import TrainStreams
+from tests.launcher import run_streams
 
 REPO = Path(__file__).resolve().parents[1]
 INJECTOR = REPO / "tests" / "scripts" / "numerics_faults"
@@ -37,19 +36,8 @@ def batch_digest(
     """The sha256 of the input tokens of micro-batch ``slot`` of rank ``rank`` at optimizer step ``step`` (counted
     from 1) of a run of ``config`` with ``overrides`` on ``world_size`` ranks: what the injector keys a poisoned
     batch on."""
-    cfg = load_config(config, [f"data.shards={shards}", *overrides])
-    split = cfg.train.batch_split(world_size)
-    with TrainStreams(
-        shards,
-        cfg.data.train_split,
-        tgt_len=cfg.model.tgt_len,
-        micro_batch=split.micro_batch,
-        grad_accum=split.grad_accum,
-        world_size=world_size,
-        rank=rank,
-        seed=cfg.train.seed,
-        shuffle_blocks=cfg.data.shuffle_blocks,
-    ) as streams:
+    streams, _ = run_streams(shards, overrides, world_size=world_size, rank=rank, config=config)
+    with streams:
         for batch in streams:
             if batch.step + 1 == step and batch.slot == slot:
                 return hashlib.sha256(batch.inputs.contiguous().numpy().tobytes()).hexdigest()

@@ -20,12 +20,11 @@ from tests.launcher import (
     in_process,
     records,
     run,
+    run_streams,
     start,
     tiny_args,
     wait_for_step,
 )
-from txl_dist.config import load_config
-from txl_dist.data import TrainStreams
 from txl_dist.export import load_model
 
 pytestmark = pytest.mark.launcher
@@ -55,25 +54,14 @@ def sources(reference, tmp_path_factory):
 
 def _first_batch_loss(model, shards, overrides: list[str], config: str = "configs/tiny_cpu.yaml") -> float:
     """The mean loss of the source model over the first step's micro-batches of a one-rank run of ``config``."""
-    cfg = load_config(config, [f"data.shards={shards}", *overrides])
-    split = cfg.train.batch_split(1)
+    streams, grad_accum = run_streams(shards, overrides, config=config)
     losses = []
-    with TrainStreams(
-        shards,
-        cfg.data.train_split,
-        tgt_len=cfg.model.tgt_len,
-        micro_batch=split.micro_batch,
-        grad_accum=split.grad_accum,
-        world_size=1,
-        rank=0,
-        seed=cfg.train.seed,
-        shuffle_blocks=cfg.data.shuffle_blocks,
-    ) as streams:
+    with streams:
         for batch in streams:
             with torch.no_grad():
                 loss, _ = model(batch.inputs, batch.targets)
             losses.append(loss.mean().item())
-            if len(losses) == split.grad_accum:
+            if len(losses) == grad_accum:
                 return sum(losses) / len(losses)
     raise AssertionError("unreachable: the streams are endless")
 
