@@ -291,11 +291,9 @@ class CheckpointManager(ResumeChoice):
             # Not written through the checkpoint engine (none today): read back to be listed all the same.
             log.info("checksumming %s, written outside DeepSpeed's checkpoint engine", tag_dir / name)
             files[name] = file_checksum(tag_dir / name)
-        fields = record.fields()
         marker = {
-            **{key: fields[key] for key in ("step", "world_size", "streams_per_rank")},
+            **record.fields(),
             "rank_states": sorted(p.name for p in (tag_dir / RANK_STATES).glob("rank*.pt")),
-            **{key: value for key, value in fields.items() if key not in ("step", "world_size", "streams_per_rank")},
             "checksum": CHECKSUM_NAME,
             FILES_KEY: {name: files[name].to_json() for name in sorted(files)},
         }

@@ -192,7 +192,6 @@ class Snapshots:
             "run_id": self.identity,
             "output_dir": self.output_dir,
             "rank": self.rank,
-            "world_size": self.world_size,
             "host": self.hosts[self.rank],
             "files": {name: {"bytes": len(data), "crc32": crc32(data)} for name, data in files.items()},
         }
